@@ -1,0 +1,46 @@
+# The two commands a newcomer needs:
+#   make run   - install, start the service on the embedded default (tiny model, CPU) and stream a generation
+#   make test  - install, lint, type-check and run the test suite
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install run serve test lint typecheck pytest protos bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# Pinned: takes the CPU build; an unpinned torch would pull a multi-GB CUDA build.
+	$(BIN)/python -m pip install -q "torch==2.13.0"
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: install
+	$(BIN)/cdb demo
+
+serve: install
+	$(BIN)/cdb serve
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: install
+	$(BIN)/mypy
+
+pytest: install
+	$(BIN)/python -m pytest -q
+
+test: lint typecheck pytest
+
+protos: install
+	$(BIN)/python -m cdb_api.build
+
+bench: install
+	$(BIN)/cdb bench offline
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,198 @@
+"""The only contract between the scheduler and the stage executors: data-only stage ops and their results.
+
+The scheduler decides; executors execute. An op names bank rows (slots of the shared hidden-state bank), token
+positions, loop steps and KV block-table deltas; it never carries hidden states. Every stage executes its ops in
+submission order (``seq`` increases by one per op and stage). An op may carry fences: "do not start before op
+``seq`` of stage X has completed". Fences only ever point at ops submitted earlier, so execution cannot deadlock.
+
+Plain Python: no torch, no grpc.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+class Stage(enum.IntEnum):
+    """The three stage kinds. Values index per-stage arrays (fence counters)."""
+
+    PRELUDE = 0  # embedding (+ Huginn prelude blocks and their KV); writes bank rows
+    LOOP = 1  # one application of the shared block per step; loop KV pool; exit signals
+    HEAD = 2  # Huginn coda blocks (+ their KV), final norm, LM head, sampling
+
+
+@dataclass(frozen=True, slots=True)
+class Fence:
+    """Start only after op ``seq`` of ``stage`` has completed (ops of one stage complete in order)."""
+
+    stage: Stage
+    seq: int
+
+
+@dataclass(frozen=True, slots=True)
+class KVUpdate:
+    """Block-table delta of one request for the receiving stage.
+
+    The stage keeps a mirror of each request's block table (same block ids for every stage: each stage owns the
+    pool of its own layers). ``reset`` drops the known table first (after preemption); ``append`` extends it.
+    """
+
+    request_id: int
+    append: tuple[int, ...]
+    reset: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """Per-request sampling settings; validated by the engine before a request is admitted.
+
+    ``temperature == 0`` is greedy. ``top_k == 0`` and ``top_p == 1`` disable those filters. The random stream of
+    a sampled token depends only on ``(seed, token_index)``, never on the batch it runs in.
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    logprobs: int = 0  # number of top alternatives to return (0: only the sampled token's logprob if asked)
+    return_logprob: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class KVCopy:
+    """Copy-on-exit (KV policy ``last_exited``): copy the loop KV of ``position`` from depth slot ``from_slot``
+    into every deeper slot. Executed by the loop stage before the op's compute."""
+
+    request_id: int
+    position: int
+    from_slot: int
+
+
+@dataclass(frozen=True, slots=True)
+class OpBase:
+    seq: int
+    fences: tuple[Fence, ...]
+    kv_updates: tuple[KVUpdate, ...]
+    released: tuple[int, ...]  # request ids whose block tables the stage may forget (before this op's work)
+
+
+@dataclass(frozen=True, slots=True)
+class PreludeOp(OpBase):
+    """Embed tokens (Huginn: scale, prelude blocks writing prelude KV, initial state) into bank rows.
+
+    Per token: request id, token id, position, bank row. ``init_seeds[i] < 0`` means zero initial state (Huginn);
+    otherwise the seeded truncated-normal initial state drawn from that seed. Ouro ignores ``init_seeds``.
+    """
+
+    request_ids: tuple[int, ...]
+    token_ids: tuple[int, ...]
+    positions: tuple[int, ...]
+    rows: tuple[int, ...]
+    init_seeds: tuple[int, ...]
+    stage: Stage = field(default=Stage.PRELUDE, init=False)
+
+
+@dataclass(frozen=True, slots=True)
+class LoopOp(OpBase):
+    """Loop steps over bank rows, in place.
+
+    Decode (``prefill=False``): every token runs exactly ONE step, its own ``steps[i]`` (0-based); tokens belong
+    to distinct requests. Prefill (``prefill=True``): the tokens are prompt chunks (several tokens per request,
+    consecutive positions), and all of them run steps ``0 .. num_steps-1`` in lockstep, writing the KV of every
+    step. ``kv_copies`` are executed first. The result carries one exit signal per token for decode ops.
+    """
+
+    request_ids: tuple[int, ...]
+    positions: tuple[int, ...]
+    rows: tuple[int, ...]
+    steps: tuple[int, ...]
+    prefill: bool = False
+    num_steps: int = 1
+    kv_copies: tuple[KVCopy, ...] = ()
+    stage: Stage = field(default=Stage.LOOP, init=False)
+
+
+@dataclass(frozen=True, slots=True)
+class HeadOp(OpBase):
+    """Coda (Huginn: ln_f, coda blocks writing coda KV, ln_f), LM head and sampling of bank rows.
+
+    Every token runs the coda (its KV is needed by later tokens); only tokens with ``sample[i]`` are projected
+    to logits and sampled, with ``sampling[i]`` and the stream index ``token_index[i]``.
+    """
+
+    request_ids: tuple[int, ...]
+    positions: tuple[int, ...]
+    rows: tuple[int, ...]
+    sample: tuple[bool, ...]
+    sampling: tuple[SamplingParams, ...]
+    token_index: tuple[int, ...]
+    stage: Stage = field(default=Stage.HEAD, init=False)
+
+
+StageOp = PreludeOp | LoopOp | HeadOp
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """Logprob of the sampled token and the top alternatives (ids and logprobs, best first)."""
+
+    logprob: float
+    top_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class StageResult:
+    """Completion of one op. ``compute_s`` is the stage's own compute time for it (wall seconds).
+
+    LOOP decode: ``signals[i]`` is the exit signal of token i after its step (Ouro: gate hazard; Huginn: relative
+    latent difference), ``lookahead[i]`` the Ouro lookahead-gate hazard when the model has that gate.
+    HEAD: ``token_ids`` and ``logprobs`` for the sampled tokens, in op order.
+    ``error`` is set when the stage failed the op; the engine then fails the requests in it.
+    """
+
+    stage: Stage
+    seq: int
+    compute_s: float
+    signals: tuple[float, ...] = ()
+    lookahead: tuple[float, ...] = ()
+    token_ids: tuple[int, ...] = ()
+    logprobs: tuple[TokenLogprobs | None, ...] = ()
+    error: str | None = None
+
+
+class Executor(Protocol):
+    """Executes stage ops. Implementations: in-process worker thread, gRPC stage clients.
+
+    ``submit`` never blocks on compute; ``poll`` returns the next completed op's result (any stage), waiting at
+    most ``timeout`` seconds (None: forever); it returns None on timeout.
+    """
+
+    def submit(self, op: StageOp) -> None: ...
+
+    def poll(self, timeout: float | None) -> StageResult | None: ...
+
+    def wake(self) -> None:
+        """Make a concurrent ``poll`` return None at once (new requests arrived)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def rows_of(ops: Sequence[StageOp]) -> set[int]:
+    """All bank rows touched by ``ops``."""
+    return {r for op in ops for r in op.rows}
+
+
+def derive_seed(base: int, index: int) -> int:
+    """A 63-bit seed for stream ``index`` of ``base`` (a token's sampling draw, a position's initial state).
+
+    Pure integer mixing (splitmix64), so the random stream of a token never depends on what else is batched.
+    """
+    x = (base * 0x9E3779B97F4A7C15 + index * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (x ^ (x >> 31)) & 0x7FFFFFFFFFFFFFFF
