@@ -1,0 +1,262 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class StageRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    STAGE_ROLE_UNSPECIFIED: _ClassVar[StageRole]
+    STAGE_ROLE_PRELUDE: _ClassVar[StageRole]
+    STAGE_ROLE_LOOP: _ClassVar[StageRole]
+    STAGE_ROLE_HEAD: _ClassVar[StageRole]
+
+class BankKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    BANK_KIND_UNSPECIFIED: _ClassVar[BankKind]
+    BANK_KIND_SHM: _ClassVar[BankKind]
+    BANK_KIND_CUDA_IPC: _ClassVar[BankKind]
+STAGE_ROLE_UNSPECIFIED: StageRole
+STAGE_ROLE_PRELUDE: StageRole
+STAGE_ROLE_LOOP: StageRole
+STAGE_ROLE_HEAD: StageRole
+BANK_KIND_UNSPECIFIED: BankKind
+BANK_KIND_SHM: BankKind
+BANK_KIND_CUDA_IPC: BankKind
+
+class CudaIpcHandle(_message.Message):
+    __slots__ = ("device", "handle", "size_bytes", "offset_bytes", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required")
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    EVENT_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    EVENT_SYNC_REQUIRED_FIELD_NUMBER: _ClassVar[int]
+    device: int
+    handle: bytes
+    size_bytes: int
+    offset_bytes: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+    def __init__(self, device: _Optional[int] = ..., handle: _Optional[bytes] = ..., size_bytes: _Optional[int] = ..., offset_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ...) -> None: ...
+
+class BankSpec(_message.Message):
+    __slots__ = ("kind", "name", "rows", "width", "dtype", "cuda")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    CUDA_FIELD_NUMBER: _ClassVar[int]
+    kind: BankKind
+    name: str
+    rows: int
+    width: int
+    dtype: str
+    cuda: CudaIpcHandle
+    def __init__(self, kind: _Optional[_Union[BankKind, str]] = ..., name: _Optional[str] = ..., rows: _Optional[int] = ..., width: _Optional[int] = ..., dtype: _Optional[str] = ..., cuda: _Optional[_Union[CudaIpcHandle, _Mapping]] = ...) -> None: ...
+
+class FenceBoardSpec(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class KVSpec(_message.Message):
+    __slots__ = ("policy", "max_depth", "shared_after", "num_blocks", "block_size")
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    MAX_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    SHARED_AFTER_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    policy: str
+    max_depth: int
+    shared_after: int
+    num_blocks: int
+    block_size: int
+    def __init__(self, policy: _Optional[str] = ..., max_depth: _Optional[int] = ..., shared_after: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...
+
+class ConfigureRequest(_message.Message):
+    __slots__ = ("role", "model", "dtype", "bank", "fences", "kv")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    BANK_FIELD_NUMBER: _ClassVar[int]
+    FENCES_FIELD_NUMBER: _ClassVar[int]
+    KV_FIELD_NUMBER: _ClassVar[int]
+    role: StageRole
+    model: str
+    dtype: str
+    bank: BankSpec
+    fences: FenceBoardSpec
+    kv: KVSpec
+    def __init__(self, role: _Optional[_Union[StageRole, str]] = ..., model: _Optional[str] = ..., dtype: _Optional[str] = ..., bank: _Optional[_Union[BankSpec, _Mapping]] = ..., fences: _Optional[_Union[FenceBoardSpec, _Mapping]] = ..., kv: _Optional[_Union[KVSpec, _Mapping]] = ...) -> None: ...
+
+class ConfigureResponse(_message.Message):
+    __slots__ = ("role", "model", "architecture", "bank_width", "device")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
+    BANK_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    role: StageRole
+    model: str
+    architecture: str
+    bank_width: int
+    device: str
+    def __init__(self, role: _Optional[_Union[StageRole, str]] = ..., model: _Optional[str] = ..., architecture: _Optional[str] = ..., bank_width: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
+
+class Fence(_message.Message):
+    __slots__ = ("stage", "seq")
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    stage: StageRole
+    seq: int
+    def __init__(self, stage: _Optional[_Union[StageRole, str]] = ..., seq: _Optional[int] = ...) -> None: ...
+
+class KVUpdate(_message.Message):
+    __slots__ = ("request_id", "append", "reset")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    APPEND_FIELD_NUMBER: _ClassVar[int]
+    RESET_FIELD_NUMBER: _ClassVar[int]
+    request_id: int
+    append: _containers.RepeatedScalarFieldContainer[int]
+    reset: bool
+    def __init__(self, request_id: _Optional[int] = ..., append: _Optional[_Iterable[int]] = ..., reset: _Optional[bool] = ...) -> None: ...
+
+class KVCopy(_message.Message):
+    __slots__ = ("request_id", "position", "from_slot")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    FROM_SLOT_FIELD_NUMBER: _ClassVar[int]
+    request_id: int
+    position: int
+    from_slot: int
+    def __init__(self, request_id: _Optional[int] = ..., position: _Optional[int] = ..., from_slot: _Optional[int] = ...) -> None: ...
+
+class PreludeBatch(_message.Message):
+    __slots__ = ("request_ids", "token_ids", "positions", "rows", "init_seeds")
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    INIT_SEEDS_FIELD_NUMBER: _ClassVar[int]
+    request_ids: _containers.RepeatedScalarFieldContainer[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    positions: _containers.RepeatedScalarFieldContainer[int]
+    rows: _containers.RepeatedScalarFieldContainer[int]
+    init_seeds: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., positions: _Optional[_Iterable[int]] = ..., rows: _Optional[_Iterable[int]] = ..., init_seeds: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class LoopBatch(_message.Message):
+    __slots__ = ("request_ids", "positions", "rows", "steps", "prefill", "num_steps", "kv_copies")
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_FIELD_NUMBER: _ClassVar[int]
+    NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
+    KV_COPIES_FIELD_NUMBER: _ClassVar[int]
+    request_ids: _containers.RepeatedScalarFieldContainer[int]
+    positions: _containers.RepeatedScalarFieldContainer[int]
+    rows: _containers.RepeatedScalarFieldContainer[int]
+    steps: _containers.RepeatedScalarFieldContainer[int]
+    prefill: bool
+    num_steps: int
+    kv_copies: _containers.RepeatedCompositeFieldContainer[KVCopy]
+    def __init__(self, request_ids: _Optional[_Iterable[int]] = ..., positions: _Optional[_Iterable[int]] = ..., rows: _Optional[_Iterable[int]] = ..., steps: _Optional[_Iterable[int]] = ..., prefill: _Optional[bool] = ..., num_steps: _Optional[int] = ..., kv_copies: _Optional[_Iterable[_Union[KVCopy, _Mapping]]] = ...) -> None: ...
+
+class HeadBatch(_message.Message):
+    __slots__ = ("request_ids", "positions", "rows", "sample", "token_index", "temperature", "top_k", "top_p", "seed", "logprobs", "return_logprob")
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_INDEX_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    RETURN_LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    request_ids: _containers.RepeatedScalarFieldContainer[int]
+    positions: _containers.RepeatedScalarFieldContainer[int]
+    rows: _containers.RepeatedScalarFieldContainer[int]
+    sample: _containers.RepeatedScalarFieldContainer[bool]
+    token_index: _containers.RepeatedScalarFieldContainer[int]
+    temperature: _containers.RepeatedScalarFieldContainer[float]
+    top_k: _containers.RepeatedScalarFieldContainer[int]
+    top_p: _containers.RepeatedScalarFieldContainer[float]
+    seed: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[int]
+    return_logprob: _containers.RepeatedScalarFieldContainer[bool]
+    def __init__(self, request_ids: _Optional[_Iterable[int]] = ..., positions: _Optional[_Iterable[int]] = ..., rows: _Optional[_Iterable[int]] = ..., sample: _Optional[_Iterable[bool]] = ..., token_index: _Optional[_Iterable[int]] = ..., temperature: _Optional[_Iterable[float]] = ..., top_k: _Optional[_Iterable[int]] = ..., top_p: _Optional[_Iterable[float]] = ..., seed: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[int]] = ..., return_logprob: _Optional[_Iterable[bool]] = ...) -> None: ...
+
+class Ping(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StageBatch(_message.Message):
+    __slots__ = ("seq", "fences", "kv_updates", "released", "prelude", "loop", "head", "ping", "traceparent")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    FENCES_FIELD_NUMBER: _ClassVar[int]
+    KV_UPDATES_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    PRELUDE_FIELD_NUMBER: _ClassVar[int]
+    LOOP_FIELD_NUMBER: _ClassVar[int]
+    HEAD_FIELD_NUMBER: _ClassVar[int]
+    PING_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    fences: _containers.RepeatedCompositeFieldContainer[Fence]
+    kv_updates: _containers.RepeatedCompositeFieldContainer[KVUpdate]
+    released: _containers.RepeatedScalarFieldContainer[int]
+    prelude: PreludeBatch
+    loop: LoopBatch
+    head: HeadBatch
+    ping: Ping
+    traceparent: str
+    def __init__(self, seq: _Optional[int] = ..., fences: _Optional[_Iterable[_Union[Fence, _Mapping]]] = ..., kv_updates: _Optional[_Iterable[_Union[KVUpdate, _Mapping]]] = ..., released: _Optional[_Iterable[int]] = ..., prelude: _Optional[_Union[PreludeBatch, _Mapping]] = ..., loop: _Optional[_Union[LoopBatch, _Mapping]] = ..., head: _Optional[_Union[HeadBatch, _Mapping]] = ..., ping: _Optional[_Union[Ping, _Mapping]] = ..., traceparent: _Optional[str] = ...) -> None: ...
+
+class SampledLogprobs(_message.Message):
+    __slots__ = ("present", "logprob", "top_ids", "top_logprobs")
+    PRESENT_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    present: bool
+    logprob: float
+    top_ids: _containers.RepeatedScalarFieldContainer[int]
+    top_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, present: _Optional[bool] = ..., logprob: _Optional[float] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class StageReply(_message.Message):
+    __slots__ = ("seq", "stage", "compute_s", "fence_wait_s", "signals", "lookahead", "token_ids", "logprobs", "error", "pong")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    FENCE_WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    SIGNALS_FIELD_NUMBER: _ClassVar[int]
+    LOOKAHEAD_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    PONG_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    stage: StageRole
+    compute_s: float
+    fence_wait_s: float
+    signals: _containers.RepeatedScalarFieldContainer[float]
+    lookahead: _containers.RepeatedScalarFieldContainer[float]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedCompositeFieldContainer[SampledLogprobs]
+    error: str
+    pong: bool
+    def __init__(self, seq: _Optional[int] = ..., stage: _Optional[_Union[StageRole, str]] = ..., compute_s: _Optional[float] = ..., fence_wait_s: _Optional[float] = ..., signals: _Optional[_Iterable[float]] = ..., lookahead: _Optional[_Iterable[float]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[SampledLogprobs, _Mapping]]] = ..., error: _Optional[str] = ..., pong: _Optional[bool] = ...) -> None: ...

@@ -1,0 +1,139 @@
+"""``StageWorker``: executes the stage ops of one stage against the model, its paged KV pool and the bank.
+
+The worker owns its stage's KV pool (prelude: Huginn prelude blocks, 1 depth slot; loop: the shared block,
+``kv_layout.n_slots`` slots; head: Huginn coda blocks, 1 slot) and a mirror of every request's block table.
+Hidden states travel only through the bank ``[rows, bank_width]``, read and written in place. Exceptions
+propagate: the caller turns them into error results.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from cdb_model.attention import PagedKV
+from cdb_model.base import LoopedLM
+from cdb_model.kv import BlockTables, KVLayout, PagedKVPool
+from cdb_model.sampling import sample
+from cdb_scheduler.plan import HeadOp, LoopOp, PreludeOp, Stage, StageOp, StageResult, TokenLogprobs
+
+
+class StageWorker:
+    """Executes ``PreludeOp`` / ``LoopOp`` / ``HeadOp`` of ``stage`` in the order given."""
+
+    def __init__(
+        self,
+        model: LoopedLM,
+        stage: Stage,
+        bank: Tensor,
+        kv_layout: KVLayout,
+        num_blocks: int,
+        block_size: int,
+    ) -> None:
+        c = model.config
+        if bank.dim() != 2 or bank.shape[1] != c.bank_width:
+            raise ValueError(f"bank must be [rows, {c.bank_width}], got {list(bank.shape)}")
+        if stage is Stage.LOOP and kv_layout.max_depth < 1:
+            raise ValueError("loop stage needs a KV layout with max_depth >= 1")
+        self.model, self.stage, self.bank, self.kv_layout = model, stage, bank, kv_layout
+        self.device = bank.device
+        self.tables = BlockTables()
+        layers, slots = {
+            Stage.PRELUDE: (c.num_prelude_layers, 1),
+            Stage.LOOP: (c.num_loop_layers, kv_layout.n_slots),
+            Stage.HEAD: (c.num_coda_layers, 1),
+        }[stage]
+        self.pool: PagedKVPool | None = None
+        if layers > 0:
+            self.pool = PagedKVPool(layers, slots, num_blocks, block_size, c.num_kv_heads, c.head_dim,
+                                    dtype=model.dtype, device=model.device)  # fmt: skip
+
+    def _long(self, xs: Sequence[int]) -> Tensor:
+        return torch.tensor(list(xs), dtype=torch.long, device=self.device)
+
+    def _kv(self, request_ids: Sequence[int], positions: Sequence[int], slots: Sequence[int]) -> PagedKV | None:
+        if self.pool is None:
+            return None
+        return PagedKV(self.pool, self.tables, request_ids, positions, slots)
+
+    def _loop_kv(self, request_ids: Sequence[int], positions: Sequence[int], slots: Sequence[int]) -> PagedKV:
+        assert self.pool is not None  # the loop stage always has layers
+        return PagedKV(self.pool, self.tables, request_ids, positions, slots)
+
+    def _read(self, rows: Tensor) -> Tensor:
+        return self.bank.index_select(0, rows).to(self.model.dtype)  # [N, W]
+
+    def _write(self, rows: Tensor, values: Tensor) -> None:
+        self.bank.index_copy_(0, rows, values.to(self.bank.dtype))
+
+    def execute(self, op: StageOp) -> StageResult:
+        """Apply the op's table deltas, run it, return its result with ``compute_s`` (device-synchronised)."""
+        if op.stage is not self.stage:
+            raise ValueError(f"{op.stage.name} op sent to the {self.stage.name} worker")
+        t0 = time.perf_counter()
+        signals: tuple[float, ...] = ()
+        lookahead: tuple[float, ...] = ()
+        token_ids: tuple[int, ...] = ()
+        logprobs: tuple[TokenLogprobs | None, ...] = ()
+        with torch.inference_mode():
+            self.tables.release(op.released)
+            self.tables.apply(op.kv_updates)
+            if isinstance(op, PreludeOp):
+                self._prelude(op)
+            elif isinstance(op, LoopOp):
+                signals, lookahead = self._loop(op)
+            else:
+                token_ids, logprobs = self._head(op)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+        return StageResult(
+            stage=self.stage,
+            seq=op.seq,
+            compute_s=time.perf_counter() - t0,
+            signals=signals,
+            lookahead=lookahead,
+            token_ids=token_ids,
+            logprobs=logprobs,
+        )
+
+    def _prelude(self, op: PreludeOp) -> None:
+        if not op.rows:
+            return
+        kv = self._kv(op.request_ids, op.positions, [0] * len(op.rows))
+        out = self.model.prelude(self._long(op.token_ids), self._long(op.positions), kv, op.init_seeds)
+        self._write(self._long(op.rows), out)
+
+    def _loop(self, op: LoopOp) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        assert self.pool is not None
+        for c in op.kv_copies:
+            self.pool.copy_on_exit(self.tables.table(c.request_id), c.position, c.from_slot)
+        if not op.rows:
+            return (), ()
+        rows, positions = self._long(op.rows), self._long(op.positions)
+        x = self._read(rows)  # [N, W]
+        if op.prefill:
+            for s in range(op.num_steps):
+                kv = self._loop_kv(op.request_ids, op.positions, [self.kv_layout.slot(s)] * len(op.rows))
+                x, _, _ = self.model.loop_step(x, positions, torch.full_like(positions, s), kv)
+            self._write(rows, x)
+            return (), ()
+        kv = self._loop_kv(op.request_ids, op.positions, [self.kv_layout.slot(s) for s in op.steps])
+        x, signal, look = self.model.loop_step(x, positions, self._long(op.steps), kv)
+        self._write(rows, x)
+        return tuple(signal.tolist()), tuple(look.tolist()) if look is not None else ()
+
+    def _head(self, op: HeadOp) -> tuple[tuple[int, ...], tuple[TokenLogprobs | None, ...]]:
+        if not op.rows:
+            return (), ()
+        rows = self._long(op.rows)
+        kv = self._kv(op.request_ids, op.positions, [0] * len(op.rows))
+        hidden = self.model.coda(self._read(rows), self._long(op.positions), kv)  # [N, H]
+        picked = [i for i, s in enumerate(op.sample) if s]
+        if not picked:
+            return (), ()
+        logits = self.model.logits(hidden[self._long(picked)])  # [n_sampled, V] float32
+        tokens, lps = sample(logits, [op.sampling[i] for i in picked], [op.token_index[i] for i in picked])
+        return tuple(tokens), tuple(lps)

@@ -1,0 +1,191 @@
+"""Attention through a KV cache: the ``KVAccess`` interface and its two implementations.
+
+One ``KVAccess`` serves one stage call (a set of tokens with positions, each with its depth slot). For every
+layer the model calls ``attend(layer, q, k, v)``: the tokens' K/V are written at their positions into their slot,
+then each token attends causally over positions ``0 .. p`` of its OWN request, read from that slot.
+
+- ``DenseKV`` (reference path): one request, plain growing per-(layer, slot) tensors. Deliberately simple.
+- ``PagedKV`` (engine): many requests over a ``PagedKVPool`` addressed through block tables.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from cdb_model.kv import BlockTables, PagedKVPool
+from cdb_model.layers import compute_dtype
+
+
+class KVAccess(Protocol):
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """Write ``k, v [N, kv_heads, d]`` at the tokens' positions, return ``out [N, heads, d]`` for ``q [N, heads, d]``."""
+        ...
+
+
+class MissingKVError(RuntimeError):
+    """A token would attend over a position whose KV was never written in that depth slot."""
+
+
+class DenseKVCache:
+    """KV of ONE request: per (layer, slot) a growing ``[P, kv_heads, d]`` tensor and a written mask ``[P]``."""
+
+    def __init__(self) -> None:
+        self.k: dict[tuple[int, int], Tensor] = {}
+        self.v: dict[tuple[int, int], Tensor] = {}
+        self.written: dict[tuple[int, int], Tensor] = {}
+
+    def _grow(self, key: tuple[int, int], length: int, like: Tensor) -> None:
+        if key not in self.k:
+            self.k[key] = like.new_zeros((0, *like.shape[1:]))
+            self.v[key] = like.new_zeros((0, *like.shape[1:]))
+            self.written[key] = torch.zeros(0, dtype=torch.bool, device=like.device)
+        extra = length - self.k[key].shape[0]
+        if extra > 0:
+            self.k[key] = torch.cat([self.k[key], like.new_zeros((extra, *like.shape[1:]))])
+            self.v[key] = torch.cat([self.v[key], like.new_zeros((extra, *like.shape[1:]))])
+            self.written[key] = torch.cat([self.written[key], self.written[key].new_zeros(extra)])
+
+    def write(self, layer: int, slot: int, positions: list[int], k: Tensor, v: Tensor) -> None:
+        key = (layer, slot)
+        self._grow(key, max(positions) + 1, k)
+        self.k[key][positions] = k
+        self.v[key][positions] = v
+        self.written[key][positions] = True
+
+    def read(self, layer: int, slot: int, length: int) -> tuple[Tensor, Tensor]:
+        """K, V ``[length, kv_heads, d]`` of positions ``0 .. length-1``; all of them must have been written."""
+        key = (layer, slot)
+        if key not in self.k or self.k[key].shape[0] < length or not bool(self.written[key][:length].all()):
+            raise MissingKVError(
+                f"layer {layer} slot {slot}: KV of a position < {length} was never written "
+                "(an early exit under a KV policy that needs full depth?)"
+            )
+        return self.k[key][:length], self.v[key][:length]
+
+    def copy_position(self, position: int, from_slot: int, to_slots: Sequence[int]) -> None:
+        """Copy-on-exit: the KV of ``position`` in ``from_slot`` into ``to_slots``, every layer."""
+        for layer, slot in [key for key in self.k if key[1] == from_slot]:
+            if not (position < len(self.written[layer, slot]) and bool(self.written[layer, slot][position])):
+                raise MissingKVError(f"layer {layer} slot {slot}: no KV at position {position} to copy")
+            k = self.k[layer, slot][position : position + 1]  # [1, kvh, d]
+            v = self.v[layer, slot][position : position + 1]
+            for to in to_slots:
+                self.write(layer, to, [position], k, v)
+
+    def access(self, positions: Sequence[int], slot: int) -> DenseKV:
+        return DenseKV(self, positions, slot)
+
+
+class DenseKV:
+    """``KVAccess`` for one request's tokens (consecutive or single positions), all in one depth slot."""
+
+    def __init__(self, cache: DenseKVCache, positions: Sequence[int], slot: int) -> None:
+        self.cache, self.positions, self.slot = cache, list(positions), slot
+
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        self.cache.write(layer, self.slot, self.positions, k, v)
+        length = max(self.positions) + 1
+        keys, values = self.cache.read(layer, self.slot, length)  # [L, kvh, d]
+        rep = q.shape[1] // keys.shape[1]
+        ct = compute_dtype(q.dtype)
+        keys = keys.repeat_interleave(rep, dim=1).to(ct)  # [L, h, d]: query head i uses kv head i // rep
+        values = values.repeat_interleave(rep, dim=1).to(ct)  # [L, h, d]
+        scores = torch.einsum("nhd,lhd->hnl", q.to(ct), keys) / math.sqrt(q.shape[-1])  # [h, N, L]
+        pos = torch.tensor(self.positions, device=q.device)
+        visible = torch.arange(length, device=q.device)[None, :] <= pos[:, None]  # [N, L]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        probs = scores.softmax(dim=-1)  # [h, N, L]
+        return torch.einsum("hnl,lhd->nhd", probs, values).to(q.dtype)  # [N, h, d]
+
+
+def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+    """``q [B, h, T, d]``, ``k, v [B, kvh, L, d]``, boolean ``mask [B, 1, T, L]`` (True = visible) -> ``[B, h, T, d]``."""
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1:
+        k = k.repeat_interleave(rep, dim=1)  # [B, h, L, d]
+        v = v.repeat_interleave(rep, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0 / math.sqrt(q.shape[-1]))
+
+
+class PagedKV:
+    """``KVAccess`` over a paged pool for tokens of many requests, each with its own depth slot.
+
+    Tokens alone in their (request, slot) group (decode) are attended as one padded batch with a mask; groups of
+    several tokens (prompt chunks: consecutive positions of one request) are attended group by group. The
+    gather indices are built once per call and reused by every layer.
+    """
+
+    def __init__(
+        self,
+        pool: PagedKVPool,
+        tables: BlockTables,
+        request_ids: Sequence[int],
+        positions: Sequence[int],
+        slots: Sequence[int],
+    ) -> None:
+        self.pool = pool
+        dev = pool.device
+        blocks, offs = [], []
+        groups: dict[tuple[int, int], list[int]] = {}
+        for i, (rid, pos, slot) in enumerate(zip(request_ids, positions, slots, strict=True)):
+            (b,), (o,) = pool.locate(tables.table(rid), [pos])
+            blocks.append(b)
+            offs.append(o)
+            groups.setdefault((rid, slot), []).append(i)
+
+        def lt(xs: Sequence[int]) -> Tensor:
+            return torch.tensor(list(xs), dtype=torch.long, device=dev)
+
+        self._write = (lt(slots), lt(blocks), lt(offs))  # [N] each
+        # Decode-like tokens: one padded batch. Indices [n1, L], mask [n1, 1, 1, L].
+        single = [idx[0] for idx in groups.values() if len(idx) == 1]
+        self._single: tuple[Tensor, Tensor, Tensor, Tensor, Tensor] | None = None
+        if single:
+            length = max(positions[i] for i in single) + 1
+            ctx = [self._context(pool, tables.table(request_ids[i]), positions[i] + 1, length) for i in single]
+            sb = torch.stack([c[0] for c in ctx])  # [n1, L] block ids
+            so = torch.stack([c[1] for c in ctx])  # [n1, L] offsets
+            pos = lt([positions[i] for i in single])
+            mask = (torch.arange(length, device=dev)[None, :] <= pos[:, None])[:, None, None, :]
+            self._single = (lt(single), lt([slots[i] for i in single]), sb, so, mask)
+        # Prompt chunks: per group (token indices [T], slot, blocks [L], offsets [L], mask [1, 1, T, L]).
+        self._multi: list[tuple[Tensor, int, Tensor, Tensor, Tensor]] = []
+        for (rid, slot), idx in groups.items():
+            if len(idx) > 1:
+                length = max(positions[i] for i in idx) + 1
+                gb, go = self._context(pool, tables.table(rid), length, length)
+                pos = lt([positions[i] for i in idx])
+                mask = (torch.arange(length, device=dev)[None, :] <= pos[:, None])[None, None]
+                self._multi.append((lt(idx), slot, gb, go, mask))
+
+    @staticmethod
+    def _context(pool: PagedKVPool, table: Sequence[int], n: int, length: int) -> tuple[Tensor, Tensor]:
+        """(blocks [length], offsets [length]) of positions ``0 .. n-1`` padded with block 0 up to ``length``."""
+        blocks, offs = pool.locate(table, range(n))
+        pad = length - n
+        t = torch.tensor([*blocks, *([table[0]] * pad)], dtype=torch.long, device=pool.device)
+        return t, torch.tensor([*offs, *([0] * pad)], dtype=torch.long, device=pool.device)
+
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        kp, vp = self.pool.k[layer], self.pool.v[layer]  # [slots, blocks, block_size, kvh, d]
+        kp.index_put_(self._write, k)
+        vp.index_put_(self._write, v)
+        out = torch.empty_like(q)  # [N, h, d]
+        if self._single is not None:
+            idx, slot, blocks, offs, mask = self._single
+            kc = kp[slot[:, None], blocks, offs].transpose(1, 2)  # [n1, L, kvh, d] -> [n1, kvh, L, d]
+            vc = vp[slot[:, None], blocks, offs].transpose(1, 2)
+            o = _sdpa(q[idx][:, :, None, :], kc, vc, mask)  # [n1, h, 1, d]
+            out[idx] = o[:, :, 0, :]
+        for idx, s, blocks, offs, mask in self._multi:
+            kc = kp[s, blocks, offs].transpose(0, 1)[None]  # [L, kvh, d] -> [1, kvh, L, d]
+            vc = vp[s, blocks, offs].transpose(0, 1)[None]
+            o = _sdpa(q[idx].transpose(0, 1)[None], kc, vc, mask)  # [1, h, T, d]
+            out[idx] = o[0].transpose(0, 1)
+        return out

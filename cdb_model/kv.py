@@ -1,0 +1,141 @@
+"""Loop-KV depth policies, per-stage block-table mirrors and the paged KV pool.
+
+A position ``p`` of a request lives in block ``table[p // block_size]`` at offset ``p % block_size``; every stage
+uses the same block ids (each stage owns the pool of its own layers). The loop pool has ``n_slots`` depth slots
+per layer, chosen by the KV policy (see docs/design.md).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from cdb_scheduler.plan import KVUpdate
+
+
+class KVPolicy(enum.Enum):
+    """Which loop-KV depth slot a token at step ``s`` writes and reads."""
+
+    DEPTH_INDEXED = "depth_indexed"  # r slots, step s -> slot s (as trained)
+    LAST_EXITED = "last_exited"  # r slots, step s -> slot s, exit slot copied into the deeper slots
+    SINGLE = "single"  # 1 slot, the last written KV
+    FIRST_THEN_SHARED = "first_then_shared"  # k slots, step s -> min(s, k - 1)
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    """Depth-slot mapping of the loop KV for a policy and a maximum depth ``max_depth`` (steps 0-based)."""
+
+    policy: KVPolicy
+    max_depth: int
+    shared_after: int = 2  # k of first_then_shared
+
+    def __post_init__(self) -> None:
+        if self.max_depth < 1:
+            raise ValueError(f"max_depth must be >= 1, got {self.max_depth}")
+        if self.policy is KVPolicy.FIRST_THEN_SHARED and not 1 <= self.shared_after <= self.max_depth:
+            raise ValueError(f"shared_after must be in [1, {self.max_depth}], got {self.shared_after}")
+
+    @property
+    def n_slots(self) -> int:
+        if self.policy is KVPolicy.SINGLE:
+            return 1
+        if self.policy is KVPolicy.FIRST_THEN_SHARED:
+            return self.shared_after
+        return self.max_depth
+
+    @property
+    def copies_on_exit(self) -> bool:
+        """True when an exit after step e must copy slot e into the deeper slots (``last_exited``)."""
+        return self.policy is KVPolicy.LAST_EXITED
+
+    def slot(self, step: int) -> int:
+        """The depth slot written and read by loop step ``step`` (0-based)."""
+        if not 0 <= step < self.max_depth:
+            raise ValueError(f"step {step} outside [0, {self.max_depth})")
+        if self.policy is KVPolicy.SINGLE:
+            return 0
+        if self.policy is KVPolicy.FIRST_THEN_SHARED:
+            return min(step, self.shared_after - 1)
+        return step
+
+
+class BlockTables:
+    """A stage's mirror of every resident request's block table, kept current by ``KVUpdate`` deltas."""
+
+    def __init__(self) -> None:
+        self._tables: dict[int, list[int]] = {}
+
+    def apply(self, updates: Iterable[KVUpdate]) -> None:
+        for u in updates:
+            table = self._tables.setdefault(u.request_id, [])
+            if u.reset:
+                table.clear()
+            table.extend(u.append)
+
+    def release(self, request_ids: Iterable[int]) -> None:
+        for rid in request_ids:
+            self._tables.pop(rid, None)
+
+    def table(self, request_id: int) -> list[int]:
+        try:
+            return self._tables[request_id]
+        except KeyError:
+            raise KeyError(f"no block table for request {request_id}") from None
+
+    def __contains__(self, request_id: int) -> bool:
+        return request_id in self._tables
+
+    def __len__(self) -> int:
+        return len(self._tables)
+
+
+class PagedKVPool:
+    """K and V storage ``[layers, n_slots, num_blocks, block_size, kv_heads, head_dim]`` of one stage."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        n_slots: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        shape = (num_layers, n_slots, num_blocks, block_size, num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.num_layers, self.n_slots = num_layers, n_slots
+        self.num_blocks, self.block_size = num_blocks, block_size
+
+    @property
+    def device(self) -> torch.device:
+        return self.k.device
+
+    def locate(self, table: Sequence[int], positions: Sequence[int]) -> tuple[list[int], list[int]]:
+        """(block ids, offsets) of ``positions`` in a request's block ``table``."""
+        bs = self.block_size
+        try:
+            blocks = [table[p // bs] for p in positions]
+        except IndexError:
+            raise IndexError(
+                f"position {max(positions)} beyond the block table ({len(table)} blocks of {bs})"
+            ) from None
+        return blocks, [p % bs for p in positions]
+
+    def copy_on_exit(self, table: Sequence[int], position: int, from_slot: int) -> None:
+        """Copy the KV of ``position`` in slot ``from_slot`` into slots ``from_slot+1 .. n_slots-1`` (all layers)."""
+        if not 0 <= from_slot < self.n_slots:
+            raise ValueError(f"from_slot {from_slot} outside [0, {self.n_slots})")
+        if from_slot == self.n_slots - 1:
+            return
+        (block,), (off,) = self.locate(table, [position])
+        for t in (self.k, self.v):
+            src = t[:, from_slot : from_slot + 1, block, off]  # [layers, 1, kvh, hd]
+            t[:, from_slot + 1 :, block, off] = src

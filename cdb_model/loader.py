@@ -1,0 +1,191 @@
+"""Load a looped LM from a preset name or a local Hugging Face-style folder (never the network).
+
+A folder holds the released ``config.json`` and either one ``model.safetensors`` or shards listed in
+``model.safetensors.index.json``. Only the weights of the requested stages are read; the checkpoint's key set and
+shapes are nevertheless checked in full (headers only) so a broken checkpoint fails early with a named problem.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from cdb_model.base import LoopedLM
+from cdb_model.config import CheckpointError, ModelConfig, UnknownModelTypeError
+from cdb_model.models import build_model
+from cdb_model.presets import build_preset, preset_config, preset_names
+from cdb_model.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+from cdb_scheduler.plan import Stage
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointNotFoundError",
+    "MissingConfigError",
+    "MissingTensorsError",
+    "MissingWeightsError",
+    "ShapeMismatchError",
+    "UnexpectedTensorsError",
+    "UnknownModelTypeError",
+    "build_model",
+    "load_config",
+    "load_model",
+    "load_tokenizer",
+]
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+class CheckpointNotFoundError(CheckpointError):
+    """The checkpoint folder does not exist (and the source is no preset name)."""
+
+
+class MissingConfigError(CheckpointError):
+    """``config.json`` is absent, unreadable or lacks a required field."""
+
+
+class MissingWeightsError(CheckpointError):
+    """No weights file, or a shard named in the index is absent."""
+
+
+class MissingTensorsError(CheckpointError):
+    """Tensors the model needs are not in the checkpoint."""
+
+
+class UnexpectedTensorsError(CheckpointError):
+    """The checkpoint holds tensors the model does not know."""
+
+
+class ShapeMismatchError(CheckpointError):
+    """A tensor's shape differs from the one the config implies."""
+
+
+def _names(names: Iterable[str], limit: int = 20) -> str:
+    s = sorted(names)
+    more = f" ... and {len(s) - limit} more" if len(s) > limit else ""
+    return ", ".join(s[:limit]) + more
+
+
+def load_config(folder: str | Path) -> ModelConfig:
+    path = Path(folder)
+    if not path.is_dir():
+        raise CheckpointNotFoundError(
+            f"checkpoint folder {str(path)!r} does not exist and is not a preset ({', '.join(preset_names())})"
+        )
+    cfg_path = path / "config.json"
+    if not cfg_path.is_file():
+        raise MissingConfigError(f"missing config.json in checkpoint folder {str(path)!r}")
+    try:
+        d = json.loads(cfg_path.read_text())
+        return ModelConfig.from_hf(d, name=path.name)
+    except json.JSONDecodeError as e:
+        raise MissingConfigError(f"{cfg_path} is not valid JSON: {e}") from e
+    except KeyError as e:
+        raise MissingConfigError(f"{cfg_path} lacks the required field {e.args[0]!r}") from e
+
+
+def _weight_files(path: Path) -> dict[str, Path]:
+    """Tensor name -> file holding it (from the index, or the single ``model.safetensors``)."""
+    index = path / INDEX_FILE
+    if index.is_file():
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        files = {f: path / f for f in set(weight_map.values())}
+        absent = sorted(f for f, p in files.items() if not p.is_file())
+        if absent:
+            raise MissingWeightsError(f"missing weights shard(s) named in {INDEX_FILE}: {', '.join(absent)}")
+        located: dict[str, Path] = {}
+        for p in files.values():
+            with safe_open(str(p), framework="pt") as f:
+                located.update((k, p) for k in f.keys())  # noqa: SIM118 - safe_open has no __iter__
+        return located
+    single = path / SINGLE_FILE
+    if not single.is_file():
+        raise MissingWeightsError(f"missing weights file: neither {SINGLE_FILE} nor {INDEX_FILE} in {str(path)!r}")
+    with safe_open(str(single), framework="pt") as f:
+        return {k: single for k in f.keys()}  # noqa: SIM118
+
+
+def _shapes(located: dict[str, Path]) -> dict[str, tuple[int, ...]]:
+    out: dict[str, tuple[int, ...]] = {}
+    for p in set(located.values()):
+        with safe_open(str(p), framework="pt") as f:
+            for k in f.keys():  # noqa: SIM118
+                out[k] = tuple(f.get_slice(k).get_shape())
+    return out
+
+
+def _load_folder(path: Path, dtype: torch.dtype, device: torch.device | str, stages: set[Stage] | None) -> LoopedLM:
+    config = load_config(path)
+    located = _weight_files(path)
+    if config.arch == "ouro" and "model.lookahead_exit_gate.weight" in located:
+        config = replace(config, has_lookahead_gate=True)
+    with torch.device("meta"):
+        full = build_model(config).state_dict()
+        model = build_model(config, stages)
+    want = model.state_dict()
+
+    # Names in the file -> names in the model. Tied heads: the file's duplicate lm_head.weight is ignored, or
+    # used as the embedding when the embedding itself is absent. Huginn's stored RoPE table is ignored.
+    source = {k: k for k in located}
+    ignored = {"freqs_cis"} if config.arch == "huginn" else set()
+    if config.tie_embeddings and "lm_head.weight" in located:
+        embed = "model.embed_tokens.weight" if config.arch == "ouro" else "transformer.wte.weight"
+        if embed not in located:
+            source[embed] = "lm_head.weight"
+        ignored.add("lm_head.weight")
+    missing = set(full) - set(source)
+    if missing:
+        raise MissingTensorsError(f"checkpoint {str(path)!r} lacks tensors: {_names(missing)}")
+    unexpected = set(located) - set(full) - ignored
+    if unexpected:
+        raise UnexpectedTensorsError(f"checkpoint {str(path)!r} has unexpected tensors: {_names(unexpected)}")
+    shapes = _shapes(located)
+    for name, t in full.items():
+        got = shapes[source[name]]
+        if got != tuple(t.shape):
+            raise ShapeMismatchError(
+                f"tensor {source[name]!r}: checkpoint shape {list(got)} != shape {list(t.shape)} "
+                f"implied by config.json"
+            )
+
+    by_file: dict[Path, list[str]] = {}
+    for name in want:
+        by_file.setdefault(located[source[name]], []).append(name)
+    sd: dict[str, torch.Tensor] = {}
+    for p, names in by_file.items():
+        with safe_open(str(p), framework="pt") as f:
+            for name in names:
+                sd[name] = f.get_tensor(source[name]).to(device=device, dtype=dtype)
+    model.load_state_dict(sd, strict=True, assign=True)
+    return model.eval().requires_grad_(False)
+
+
+def load_model(
+    source: str,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    stages: set[Stage] | None = None,
+) -> LoopedLM:
+    """A preset name (``preset_names()``) or a local checkpoint folder -> ``LoopedLM`` holding only ``stages``
+    (None: all). Raises a ``CheckpointError`` subclass naming the problem."""
+    if source in preset_names():
+        return build_preset(source, dtype=dtype, device=device, stages=stages)
+    return _load_folder(Path(source), dtype, device, stages)
+
+
+def load_tokenizer(source: str) -> Tokenizer:
+    """Presets and folders without ``tokenizer.json``: the byte tokenizer; else a ``tokenizer.json`` wrapper."""
+    if source in preset_names():
+        cfg = preset_config(source)
+        return ByteTokenizer(cfg.vocab_size, cfg.stop_token_ids)
+    config = load_config(source)
+    tok_file = Path(source) / "tokenizer.json"
+    if tok_file.is_file():
+        return HFTokenizer(tok_file, config.stop_token_ids, config.vocab_size)
+    return ByteTokenizer(config.vocab_size, config.stop_token_ids)

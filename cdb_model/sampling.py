@@ -1,0 +1,80 @@
+"""Token sampling whose randomness depends only on ``(params.seed, token_index)``, never on the batch.
+
+Per token: greedy argmax when ``temperature == 0``; otherwise logits / temperature, top-k, top-p (the smallest
+set of most likely tokens whose mass reaches p, at least one), then an inverse-CDF draw with ``u ~ U[0, 1)``
+from a CPU ``torch.Generator`` seeded with ``derive_seed(seed, token_index)``. The math runs on CPU in float64,
+so the same logits give the same token on every device and in every batch. Logprobs are ``log_softmax`` of the
+unmodified logits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from cdb_scheduler.plan import SamplingParams, TokenLogprobs, derive_seed
+
+
+def filtered_probs(logits: Tensor, p: SamplingParams) -> tuple[Tensor, Tensor]:
+    """(token ids ``[K]``, probabilities ``[K]`` float64 summing to 1) left after temperature, top-k and top-p.
+
+    With a filter the kept tokens are most likely first (ties in vocabulary order); without one, all tokens in
+    vocabulary order. ``logits [V]``, ``p.temperature > 0``.
+    """
+    scaled = logits.double() / p.temperature  # [V]
+    if p.top_k <= 0 and p.top_p >= 1.0:  # no filter: the full distribution in vocabulary order (no sort)
+        return torch.arange(scaled.shape[0]), torch.softmax(scaled, dim=-1)
+    ids = torch.argsort(scaled, descending=True, stable=True)  # [V]
+    if p.top_k > 0:
+        ids = ids[: p.top_k]  # [K]
+    probs = torch.softmax(scaled[ids], dim=-1)  # [K]
+    if p.top_p < 1.0:
+        mass_before = torch.cumsum(probs, dim=-1) - probs  # [K]: mass of the strictly more likely tokens
+        keep = int((mass_before < p.top_p).sum().clamp(min=1))
+        ids, probs = ids[:keep], probs[:keep] / probs[:keep].sum()
+    return ids, probs
+
+
+def draw(probs: Tensor, seed: int) -> int:
+    """Index into ``probs [K]`` by inverse CDF with one uniform draw from ``Generator().manual_seed(seed)``."""
+    u = float(torch.rand((), generator=torch.Generator().manual_seed(seed), dtype=torch.float64))
+    cdf = torch.cumsum(probs, dim=-1)  # [K]
+    idx = int(torch.searchsorted(cdf, torch.tensor([u * float(cdf[-1])], dtype=cdf.dtype), right=True))
+    return min(idx, probs.shape[0] - 1)
+
+
+def sample(
+    logits: Tensor, params: Sequence[SamplingParams], token_index: Sequence[int]
+) -> tuple[list[int], list[TokenLogprobs | None]]:
+    """Sample one token per row of ``logits [N, V]``; ``params[i]`` and stream index ``token_index[i]``.
+
+    Returns the token ids and, where ``return_logprob`` or ``logprobs > 0`` is asked, their ``TokenLogprobs``.
+    """
+    if not len(params) == len(token_index) == logits.shape[0]:
+        raise ValueError(f"{logits.shape[0]} logit rows, {len(params)} params, {len(token_index)} indices")
+    cpu = logits.detach().to(device="cpu", dtype=torch.float32)  # [N, V]
+    greedy = cpu.argmax(dim=-1).tolist()  # [N]
+    tokens: list[int] = []
+    logprobs: list[TokenLogprobs | None] = []
+    for i, (p, index) in enumerate(zip(params, token_index, strict=True)):
+        if p.temperature == 0.0:
+            tok = int(greedy[i])
+        else:
+            ids, probs = filtered_probs(cpu[i], p)
+            tok = int(ids[draw(probs, derive_seed(p.seed, index))])
+        tokens.append(tok)
+        if p.return_logprob or p.logprobs > 0:
+            lp = torch.log_softmax(cpu[i].double(), dim=-1)  # [V]
+            top = torch.topk(lp, min(p.logprobs, lp.shape[0])) if p.logprobs > 0 else None
+            logprobs.append(
+                TokenLogprobs(
+                    logprob=float(lp[tok]),
+                    top_ids=tuple(top.indices.tolist()) if top is not None else (),
+                    top_logprobs=tuple(top.values.tolist()) if top is not None else (),
+                )
+            )
+        else:
+            logprobs.append(None)
+    return tokens, logprobs

@@ -1,0 +1,58 @@
+"""Scheduler configuration: one frozen, validated dataclass."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class Mode(enum.Enum):
+    """Scheduling modes; they share all code but the policy."""
+
+    CDB = "cdb"  # continuous depth batching: freed loop slots are refilled at once, at any depth
+    NO_REFILL = "no-refill"  # early exit in lockstep waves: freed slots stay empty until the wave drains
+    FULL_DEPTH = "full-depth"  # continuous batching with every token at max depth
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """Limits and policies of the scheduler. ``max_depth`` and ``kv_slots_policy`` come from the engine."""
+
+    max_depth: int
+    mode: Mode = Mode.CDB
+    max_num_seqs: int = 32  # resident requests = width of the loop batch
+    num_kv_blocks: int = 1024
+    kv_block_size: int = 16
+    kv_margin: float = 0.2  # admit a prefill only if free KV blocks stay above this fraction (or nothing decodes)
+    prefill_token_budget: int = 2048  # tokens per prefill op
+    prefill_chunk_size: int = 512  # prompts are chunked at multiples of this (result-defining: see docs)
+    min_coda_batch_size: int = 1
+    max_coda_in_flight: int = 2
+    loop_pipeline_depth: int = 2  # loop ops in flight: the stage starts k+1 the moment k ends
+    copy_on_exit: bool = False  # KV policy last_exited: on exit after step e, slot e is copied deeper
+    coda_has_kv: bool = False  # Huginn: the head runs coda blocks over every prompt position (their KV)
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.max_depth >= 1, "max_depth must be >= 1"),
+            (self.max_num_seqs >= 1, "max_num_seqs must be >= 1"),
+            (self.num_kv_blocks >= 1, "num_kv_blocks must be >= 1"),
+            (self.kv_block_size >= 1, "kv_block_size must be >= 1"),
+            (0.0 <= self.kv_margin < 1.0, "kv_margin must be in [0, 1)"),
+            (self.prefill_chunk_size >= 1, "prefill_chunk_size must be >= 1"),
+            (
+                self.prefill_token_budget >= self.prefill_chunk_size,
+                "prefill_token_budget must be >= chunk size",
+            ),
+            (self.min_coda_batch_size >= 1, "min_coda_batch_size must be >= 1"),
+            (self.max_coda_in_flight >= 1, "max_coda_in_flight must be >= 1"),
+            (self.loop_pipeline_depth >= 1, "loop_pipeline_depth must be >= 1"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+    @property
+    def admit_min_free_rows(self) -> int:
+        """Prefill is admitted only when at least this many resident slots are free (batches admissions)."""
+        return max(1, self.max_num_seqs // 8)

@@ -1,0 +1,116 @@
+"""Builds stage ops: sequence numbers, row fences, block-table deltas, releases and KV copies.
+
+Fence rule: an op on stage X touching bank rows R waits for the last op of every other stage that touched any
+row of R. Stages run their own ops in order, so this orders every read-after-write and write-after-read on the
+bank without a round trip through the scheduler.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from cdb_scheduler.plan import (
+    Fence,
+    HeadOp,
+    KVCopy,
+    KVUpdate,
+    LoopOp,
+    PreludeOp,
+    SamplingParams,
+    Stage,
+    derive_seed,
+)
+from cdb_scheduler.request import Request
+
+_STAGES = (Stage.PRELUDE, Stage.LOOP, Stage.HEAD)
+
+
+class OpBuilder:
+    """Per-stage bookkeeping shared by every op the scheduler issues."""
+
+    def __init__(self) -> None:
+        self._next_seq = [0, 0, 0]
+        self._row_last: dict[int, list[int]] = {}  # row -> last seq per stage that touched it (-1: none)
+        self._sent: list[dict[int, int]] = [{}, {}, {}]  # stage -> request id -> block-table length sent
+        self._released: list[list[int]] = [[], [], []]
+        self.pending_copies: list[KVCopy] = []
+
+    def forget(self, req: Request) -> None:
+        """The request's block table is gone (finished or preempted): stages drop their mirror."""
+        for stage in _STAGES:
+            if self._sent[stage].pop(req.id, None) is not None:
+                self._released[stage].append(req.id)
+        self.pending_copies = [c for c in self.pending_copies if c.request_id != req.id]
+
+    def _common(
+        self, stage: Stage, rows: Sequence[int], reqs: Iterable[Request]
+    ) -> tuple[int, tuple[Fence, ...], tuple[KVUpdate, ...], tuple[int, ...]]:
+        seq = self._next_seq[stage]
+        self._next_seq[stage] += 1
+        waits = [-1, -1, -1]
+        for row in rows:
+            last = self._row_last.get(row)
+            if last is None:
+                last = self._row_last[row] = [-1, -1, -1]
+            for other in _STAGES:
+                if other != stage and last[other] > waits[other]:
+                    waits[other] = last[other]
+            last[stage] = seq
+        fences = tuple(Fence(s, waits[s]) for s in _STAGES if waits[s] >= 0)
+        sent = self._sent[stage]
+        updates = []
+        seen: set[int] = set()
+        for req in reqs:
+            if req.id in seen:
+                continue
+            seen.add(req.id)
+            known = sent.get(req.id, 0)
+            if len(req.blocks) > known:
+                updates.append(KVUpdate(req.id, tuple(req.blocks[known:])))
+                sent[req.id] = len(req.blocks)
+        released = tuple(self._released[stage])
+        self._released[stage].clear()
+        return seq, fences, tuple(updates), released
+
+    def prelude(
+        self, reqs: Sequence[Request], tokens: Sequence[int], positions: Sequence[int], rows: Sequence[int]
+    ) -> PreludeOp:
+        seq, fences, updates, released = self._common(Stage.PRELUDE, rows, reqs)
+        seeds = tuple(-1 if r.init_seed < 0 else derive_seed(r.init_seed, p) for r, p in zip(reqs, positions))
+        return PreludeOp(
+            seq, fences, updates, released, tuple(r.id for r in reqs), tuple(tokens), tuple(positions),
+            tuple(rows), seeds,
+        )  # fmt: skip
+
+    def loop(
+        self,
+        reqs: Sequence[Request],
+        positions: Sequence[int],
+        rows: Sequence[int],
+        steps: Sequence[int],
+        *,
+        prefill: bool = False,
+        num_steps: int = 1,
+    ) -> LoopOp:
+        seq, fences, updates, released = self._common(Stage.LOOP, rows, reqs)
+        copies = tuple(self.pending_copies)
+        self.pending_copies.clear()
+        return LoopOp(
+            seq, fences, updates, released, tuple(r.id for r in reqs), tuple(positions), tuple(rows),
+            tuple(steps), prefill, num_steps, copies,
+        )  # fmt: skip
+
+    def head(
+        self,
+        reqs: Sequence[Request],
+        positions: Sequence[int],
+        rows: Sequence[int],
+        sample: Sequence[bool],
+        token_index: Sequence[int],
+    ) -> HeadOp:
+        seq, fences, updates, released = self._common(Stage.HEAD, rows, reqs)
+        sampling: tuple[SamplingParams, ...] = tuple(r.sampling for r in reqs)
+        return HeadOp(
+            seq, fences, updates, released, tuple(r.id for r in reqs), tuple(positions), tuple(rows),
+            tuple(sample), sampling, tuple(token_index),
+        )  # fmt: skip

@@ -1,0 +1,121 @@
+"""Request records and loop work items.
+
+Lifecycle of a request (numbered; see docs/design.md):
+1. WAITING: queued for prefill (also after preemption, with its generated tokens kept for replay).
+2. RUNNING: resident. Prompt chunks are prefilled at full depth; the last chunk's head samples token 0.
+   Each next token k >= 1 is one work item: prelude of token k-1 at position P+k-1, loop steps until its exit,
+   head samples token k. Exactly one item per request exists at a time.
+3. FINISHED: stop id, length, stop string, abort or error. Row and KV blocks are returned at once.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from cdb_scheduler.exit_policy import ExitPolicy, ExitState
+from cdb_scheduler.plan import SamplingParams, TokenLogprobs
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    CANCELLED = "cancelled"
+    ERROR = "error"
+
+
+@dataclass(slots=True)
+class Request:
+    """One generation request as the scheduler sees it (token ids only; text lives in the engine)."""
+
+    id: int
+    prompt: list[int]
+    max_tokens: int
+    policy: ExitPolicy
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop_token_ids: frozenset[int] = frozenset()
+    init_seed: int = -1  # Huginn initial state: < 0 zero, else seeded per position
+    replay_depths: list[int] | None = None  # benchmark replay: depth of generated token k at [k-1]
+    arrival: float = 0.0
+    status: Status = Status.WAITING
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    # progress counters
+    prefilled: int = 0  # prompt tokens whose KV is written
+    output: list[int] = field(default_factory=list)  # generated tokens (kept across preemption)
+    depths: list[int] = field(default_factory=list)  # served depth of each generated token
+    emitted: int = 0  # tokens already reported (replay after preemption does not report again)
+    loop_steps: int = 0  # loop steps run for this request's decode tokens (prefill not counted)
+    # resources
+    row: int = -1
+    blocks: list[int] = field(default_factory=list)
+    epoch: int = 0  # bumped on preemption: items of an older epoch are stale
+    num_preemptions: int = 0
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt)
+
+    @property
+    def computed_tokens(self) -> int:
+        """Tokens whose KV is (being) written: the preemption victim is the request with the fewest."""
+        return self.prefilled + max(0, len(self.output) - 1)
+
+    @property
+    def alive(self) -> bool:
+        return self.status is not Status.FINISHED
+
+
+@dataclass(slots=True)
+class Item:
+    """The work of one generated token ``index`` (>= 1): input token at ``position``, loop steps, head."""
+
+    req: Request
+    epoch: int
+    index: int  # generation index of the token this item produces
+    position: int  # position of its input token (= prompt_len + index - 1)
+    exit_state: ExitState
+    next_step: int = 0  # next loop step to issue
+    depth: int = 0  # served depth, set when the exit is decided
+    exited: bool = False
+    forced_depth: int = 0  # replay after preemption: the depth recorded the first time
+    pending_since: int = -1  # loop seq of an issued step whose fate is not yet decided
+
+    @property
+    def live(self) -> bool:
+        return self.req.alive and self.req.epoch == self.epoch
+
+    @property
+    def replay(self) -> bool:
+        return self.forced_depth > 0
+
+
+@dataclass(frozen=True, slots=True)
+class TokenOut:
+    """A generated token reported to the engine."""
+
+    request_id: int
+    index: int
+    token_id: int
+    depth: int
+    logprobs: TokenLogprobs | None
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    """A request ended; its resources are already free."""
+
+    request_id: int
+    reason: FinishReason
+    generated: int
+    loop_steps: int
+    error: str | None = None
+
+
+Event = TokenOut | Finished

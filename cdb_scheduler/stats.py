@@ -1,0 +1,38 @@
+"""Scheduler counters: what the benchmarks and metrics report."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    loop_steps: int = 0  # decode loop ops issued
+    loop_tokens: int = 0  # sum of their batch sizes
+    loop_capacity: int = 0  # sum of max_num_seqs over them (occupancy denominator)
+    refill_events: int = 0  # a step-0 item joined a non-empty ready queue
+    prefill_tokens: int = 0
+    preemptions: int = 0
+    tokens: int = 0  # generated tokens reported
+    depth_hist: dict[int, int] = field(default_factory=dict)  # served depth -> tokens
+    compute_s: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])  # per stage, from results
+    sched_cpu_s: float = 0.0  # scheduler thread CPU time in schedule() and on_result()
+
+    def on_loop_issue(self, batch: int, width: int) -> None:
+        self.loop_steps += 1
+        self.loop_tokens += batch
+        self.loop_capacity += width
+
+    def on_token(self, depth: int) -> None:
+        self.tokens += 1
+        self.depth_hist[depth] = self.depth_hist.get(depth, 0) + 1
+
+    @property
+    def occupancy(self) -> float:
+        """Mean loop-batch occupancy (tokens per loop step over the width)."""
+        return self.loop_tokens / self.loop_capacity if self.loop_capacity else 0.0
+
+    @property
+    def mean_depth(self) -> float:
+        n = sum(self.depth_hist.values())
+        return sum(d * c for d, c in self.depth_hist.items()) / n if n else 0.0

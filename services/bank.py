@@ -1,0 +1,257 @@
+"""The shared hidden-state bank and the fence board: the memory the stage processes share.
+
+Bank: one ``[rows, width]`` tensor that every stage reads and writes by row index; hidden states never travel over
+gRPC. Two storages behind one interface (:class:`SharedBank`):
+
+- CPU: a POSIX shared-memory segment (``multiprocessing.shared_memory``) viewed by ``torch.frombuffer``.
+- GPU: a CUDA tensor of the creating process, opened in the others through its CUDA IPC handle
+  (``cudaIpcOpenMemHandle`` via torch's ``_share_cuda_`` / ``_new_shared_cuda``). Same host only; the creator
+  must keep its tensor alive while others use it, and a process cannot open its own handle.
+
+Fence board (:class:`FenceBoard`): one int64 completion counter per stage in shared memory, plus an abort flag.
+``complete(stage, seq)`` publishes "op ``seq`` of ``stage`` and all its earlier ops are done" (a stage completes
+its ops in order, so one counter per stage suffices); ``wait(fences)`` spins briefly, then backs off with tiny
+sleeps. Aligned 8-byte stores and loads are single instructions on x86-64 and aarch64, so a reader never sees
+a torn counter. On CUDA a stage must synchronize its device work before ``complete``; interprocess CUDA events
+(``cudaIpcGetEventHandle``) could replace that host-side wait later, letting the waiting stage enqueue a device
+wait instead.
+
+Ownership: the creator owns a segment and unlinks it on ``close``; attachers only unmap. Everything that crosses
+a process boundary is a name, a shape, a dtype string or the raw bytes of a CUDA IPC handle: nothing is pickled.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from multiprocessing import resource_tracker, shared_memory
+
+import torch
+
+from cdb_scheduler.plan import Fence, Stage
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+}
+
+
+def _new_name(kind: str) -> str:
+    return f"cdb-{kind}-{secrets.token_hex(6)}"
+
+
+def _attach_segment(name: str) -> shared_memory.SharedMemory:
+    """Open an existing segment without adopting it.
+
+    Python 3.11 registers every attached segment with the resource tracker, which would unlink it when THIS
+    process exits; attachers must never unlink, so the registration is undone at once.
+    """
+    seg = shared_memory.SharedMemory(name=name)
+    resource_tracker.unregister(seg._name, "shared_memory")  # type: ignore[attr-defined]
+    return seg
+
+
+def _close_segment(seg: shared_memory.SharedMemory, unlink: bool) -> None:
+    try:
+        seg.close()
+    except BufferError:
+        pass  # a tensor view is still alive somewhere; the mapping goes away with the process
+    if unlink:
+        try:
+            seg.unlink()
+        except FileNotFoundError:
+            pass
+
+
+@dataclass(frozen=True, slots=True)
+class CudaIpcHandle:
+    """The fields of ``UntypedStorage._share_cuda_()``, in its order (interpreted by the CUDA driver)."""
+
+    device: int
+    handle: bytes
+    size_bytes: int
+    offset_bytes: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+
+
+@dataclass(frozen=True, slots=True)
+class BankSpec:
+    """Everything an attacher needs: ``kind`` is ``"shm"`` (``name``) or ``"cuda_ipc"`` (``cuda``)."""
+
+    kind: str
+    name: str
+    rows: int
+    width: int
+    dtype: str
+    cuda: CudaIpcHandle | None = None
+
+
+class SharedBank:
+    """A ``[rows, width]`` tensor shared by the stage processes. Use :meth:`create` or :meth:`attach`."""
+
+    def __init__(
+        self,
+        spec: BankSpec,
+        tensor: torch.Tensor,
+        segment: shared_memory.SharedMemory | None,
+        owner: bool,
+    ) -> None:
+        self.spec = spec
+        self.tensor: torch.Tensor | None = tensor  # (rows, width)
+        self._segment = segment
+        self.owner = owner
+
+    @classmethod
+    def create(cls, rows: int, width: int, dtype: str = "float32", device: str = "cpu") -> SharedBank:
+        """Allocate a zeroed bank owned by this process: shared memory on CPU, CUDA IPC on a CUDA device."""
+        if rows <= 0 or width <= 0:
+            raise ValueError(f"bank shape must be positive, got ({rows}, {width})")
+        tdtype = DTYPES[dtype]
+        dev = torch.device(device)
+        if dev.type == "cuda":
+            tensor = torch.zeros((rows, width), dtype=tdtype, device=dev)
+            fields = tensor.untyped_storage()._share_cuda_()  # type: ignore[attr-defined]
+            cuda = CudaIpcHandle(*fields)
+            spec = BankSpec("cuda_ipc", "", rows, width, dtype, cuda)
+            return cls(spec, tensor, None, owner=True)
+        if dev.type != "cpu":
+            raise ValueError(f"unsupported bank device {device!r} (cpu or cuda)")
+        nbytes = rows * width * tdtype.itemsize
+        seg = shared_memory.SharedMemory(name=_new_name("bank"), create=True, size=nbytes)
+        tensor = torch.frombuffer(seg.buf, dtype=tdtype, count=rows * width).view(rows, width)
+        tensor.zero_()
+        return cls(BankSpec("shm", seg.name, rows, width, dtype), tensor, seg, owner=True)
+
+    @classmethod
+    def attach(cls, spec: BankSpec) -> SharedBank:
+        """Open a bank created by another process; closing it never frees the memory."""
+        tdtype = DTYPES[spec.dtype]
+        if spec.kind == "cuda_ipc":
+            if spec.cuda is None:
+                raise ValueError("cuda_ipc bank spec without a CUDA IPC handle")
+            h = spec.cuda
+            storage = torch.UntypedStorage._new_shared_cuda(  # type: ignore[attr-defined]
+                h.device,
+                h.handle,
+                h.size_bytes,
+                h.offset_bytes,
+                h.ref_counter_handle,
+                h.ref_counter_offset,
+                h.event_handle,
+                h.event_sync_required,
+            )
+            tensor = torch.empty((0,), dtype=tdtype, device=torch.device("cuda", h.device))
+            tensor.set_(storage, 0, (spec.rows, spec.width), (spec.width, 1))
+            return cls(spec, tensor, None, owner=False)
+        if spec.kind != "shm":
+            raise ValueError(f"unknown bank kind {spec.kind!r}")
+        seg = _attach_segment(spec.name)
+        count = spec.rows * spec.width
+        if seg.size < count * tdtype.itemsize:
+            _close_segment(seg, unlink=False)
+            raise ValueError(f"segment {spec.name} holds {seg.size} bytes, bank needs {count * tdtype.itemsize}")
+        tensor = torch.frombuffer(seg.buf, dtype=tdtype, count=count).view(spec.rows, spec.width)
+        return cls(spec, tensor, seg, owner=False)
+
+    def close(self) -> None:
+        """Drop this process's view; the owner also frees the memory. Idempotent."""
+        self.tensor = None
+        if self._segment is not None:
+            _close_segment(self._segment, unlink=self.owner)
+            self._segment = None
+
+
+class FenceTimeout(TimeoutError):
+    """A fence was not satisfied in time."""
+
+
+class FenceAborted(RuntimeError):
+    """The fence board was aborted (the scheduler saw a stage fail): waiting is pointless."""
+
+
+_ABORT = len(Stage)  # index of the abort flag, after the per-stage counters
+
+
+class FenceBoard:
+    """Per-stage completion counters (int64, initially -1) and an abort flag, in shared memory."""
+
+    def __init__(self, segment: shared_memory.SharedMemory, owner: bool) -> None:
+        self.name = segment.name
+        self.owner = owner
+        self._segment: shared_memory.SharedMemory | None = segment
+        self._counters = segment.buf.cast("q")  # (len(Stage) + 1,) int64, 8-byte aligned
+
+    @classmethod
+    def create(cls) -> FenceBoard:
+        seg = shared_memory.SharedMemory(name=_new_name("fence"), create=True, size=8 * (len(Stage) + 1))
+        board = cls(seg, owner=True)
+        for stage in Stage:
+            board._counters[stage] = -1
+        board._counters[_ABORT] = 0
+        return board
+
+    @classmethod
+    def attach(cls, name: str) -> FenceBoard:
+        return cls(_attach_segment(name), owner=False)
+
+    def complete(self, stage: Stage, seq: int) -> None:
+        """Publish that op ``seq`` of ``stage`` (and every earlier op of it) has completed."""
+        self._counters[stage] = seq
+
+    def completed(self, stage: Stage) -> int:
+        """The last completed op of ``stage`` (-1: none)."""
+        return int(self._counters[stage])
+
+    def abort(self) -> None:
+        """Make every current and future ``wait`` raise :class:`FenceAborted`."""
+        self._counters[_ABORT] = 1
+
+    @property
+    def aborted(self) -> bool:
+        return bool(self._counters[_ABORT])
+
+    def ready(self, fences: Iterable[Fence]) -> bool:
+        counters = self._counters
+        return all(counters[f.stage] >= f.seq for f in fences)
+
+    def wait(self, fences: tuple[Fence, ...], timeout: float, spin_s: float = 2e-4) -> float:
+        """Block until every fence is satisfied; return the seconds waited.
+
+        Spins for ``spin_s`` (a fence is usually satisfied within microseconds when stages overlap), then sleeps
+        with exponential backoff from 20 µs up to 1 ms. Raises :class:`FenceTimeout` after ``timeout`` seconds,
+        :class:`FenceAborted` as soon as the board is aborted.
+        """
+        if not fences or self.ready(fences):
+            return 0.0
+        start = time.perf_counter()
+        deadline = start + timeout
+        spin_until = start + spin_s
+        pause = 2e-5
+        counters = self._counters
+        while True:
+            if counters[_ABORT]:
+                raise FenceAborted("fence board aborted")
+            if self.ready(fences):
+                return time.perf_counter() - start
+            now = time.perf_counter()
+            if now >= deadline:
+                missing = [f for f in fences if counters[f.stage] < f.seq]
+                raise FenceTimeout(f"fences {missing} not satisfied after {timeout:.1f}s")
+            if now >= spin_until:
+                time.sleep(pause)
+                pause = min(pause * 2, 1e-3)
+
+    def close(self) -> None:
+        """Unmap; the owner also unlinks. Idempotent."""
+        if self._segment is None:
+            return
+        self._counters.release()
+        _close_segment(self._segment, unlink=self.owner)
+        self._segment = None

@@ -1,0 +1,217 @@
+"""Conversions between the stage-op contract (``cdb_scheduler.plan``) and the internal protobuf messages.
+
+The only place where plan dataclasses meet ``stage_pb2``. Round trips are exact: ids and positions are integers,
+sampling values and signals travel as doubles, and every field of every op survives (tested). Protobuf types
+stop here: the executor and the stage server see plan objects only.
+"""
+
+from __future__ import annotations
+
+from cdb_api.v1 import stage_pb2 as pb
+from cdb_scheduler.plan import (
+    Fence,
+    HeadOp,
+    KVCopy,
+    KVUpdate,
+    LoopOp,
+    PreludeOp,
+    SamplingParams,
+    Stage,
+    StageOp,
+    StageResult,
+    TokenLogprobs,
+)
+from services.bank import BankSpec, CudaIpcHandle
+
+_MASK64 = (1 << 64) - 1
+
+_ROLE_TO_PB = {Stage.PRELUDE: pb.STAGE_ROLE_PRELUDE, Stage.LOOP: pb.STAGE_ROLE_LOOP, Stage.HEAD: pb.STAGE_ROLE_HEAD}
+_PB_TO_ROLE = {v: k for k, v in _ROLE_TO_PB.items()}
+_BANK_KIND = {"shm": pb.BANK_KIND_SHM, "cuda_ipc": pb.BANK_KIND_CUDA_IPC}
+_BANK_KIND_NAME = {v: k for k, v in _BANK_KIND.items()}
+
+
+def role_to_pb(stage: Stage) -> pb.StageRole.ValueType:
+    return _ROLE_TO_PB[stage]
+
+
+def role_from_pb(role: pb.StageRole.ValueType) -> Stage:
+    try:
+        return _PB_TO_ROLE[role]
+    except KeyError:
+        raise ValueError(f"invalid stage role {role}") from None
+
+
+def op_to_pb(op: StageOp, traceparent: str = "") -> pb.StageBatch:
+    """One stage op as the batch message of its stage's Run stream."""
+    msg = pb.StageBatch(seq=op.seq, released=op.released, traceparent=traceparent)
+    msg.fences.extend(pb.Fence(stage=_ROLE_TO_PB[f.stage], seq=f.seq) for f in op.fences)
+    msg.kv_updates.extend(
+        pb.KVUpdate(request_id=u.request_id, append=u.append, reset=u.reset) for u in op.kv_updates
+    )
+    if isinstance(op, PreludeOp):
+        msg.prelude.request_ids.extend(op.request_ids)
+        msg.prelude.token_ids.extend(op.token_ids)
+        msg.prelude.positions.extend(op.positions)
+        msg.prelude.rows.extend(op.rows)
+        msg.prelude.init_seeds.extend(op.init_seeds)
+    elif isinstance(op, LoopOp):
+        loop = msg.loop
+        loop.request_ids.extend(op.request_ids)
+        loop.positions.extend(op.positions)
+        loop.rows.extend(op.rows)
+        loop.steps.extend(op.steps)
+        loop.prefill = op.prefill
+        loop.num_steps = op.num_steps
+        loop.kv_copies.extend(
+            pb.KVCopy(request_id=c.request_id, position=c.position, from_slot=c.from_slot) for c in op.kv_copies
+        )
+    else:
+        head = msg.head
+        head.request_ids.extend(op.request_ids)
+        head.positions.extend(op.positions)
+        head.rows.extend(op.rows)
+        head.sample.extend(op.sample)
+        head.token_index.extend(op.token_index)
+        head.temperature.extend(s.temperature for s in op.sampling)
+        head.top_k.extend(s.top_k for s in op.sampling)
+        head.top_p.extend(s.top_p for s in op.sampling)
+        head.seed.extend(s.seed & _MASK64 for s in op.sampling)
+        head.logprobs.extend(s.logprobs for s in op.sampling)
+        head.return_logprob.extend(s.return_logprob for s in op.sampling)
+    return msg
+
+
+def op_from_pb(msg: pb.StageBatch) -> StageOp:
+    """The stage op of a batch message. Raises ValueError for a ping or an empty batch."""
+    fences = tuple(Fence(_PB_TO_ROLE[f.stage], f.seq) for f in msg.fences)
+    kv_updates = tuple(KVUpdate(u.request_id, tuple(u.append), u.reset) for u in msg.kv_updates)
+    released = tuple(msg.released)
+    which = msg.WhichOneof("work")
+    if which == "prelude":
+        p = msg.prelude
+        return PreludeOp(
+            msg.seq,
+            fences,
+            kv_updates,
+            released,
+            request_ids=tuple(p.request_ids),
+            token_ids=tuple(p.token_ids),
+            positions=tuple(p.positions),
+            rows=tuple(p.rows),
+            init_seeds=tuple(p.init_seeds),
+        )
+    if which == "loop":
+        lp = msg.loop
+        return LoopOp(
+            msg.seq,
+            fences,
+            kv_updates,
+            released,
+            request_ids=tuple(lp.request_ids),
+            positions=tuple(lp.positions),
+            rows=tuple(lp.rows),
+            steps=tuple(lp.steps),
+            prefill=lp.prefill,
+            num_steps=lp.num_steps,
+            kv_copies=tuple(KVCopy(c.request_id, c.position, c.from_slot) for c in lp.kv_copies),
+        )
+    if which == "head":
+        h = msg.head
+        sampling = tuple(
+            SamplingParams(
+                temperature=t, top_k=k, top_p=p, seed=s, logprobs=n, return_logprob=r
+            )
+            for t, k, p, s, n, r in zip(h.temperature, h.top_k, h.top_p, h.seed, h.logprobs, h.return_logprob)
+        )
+        return HeadOp(
+            msg.seq,
+            fences,
+            kv_updates,
+            released,
+            request_ids=tuple(h.request_ids),
+            positions=tuple(h.positions),
+            rows=tuple(h.rows),
+            sample=tuple(h.sample),
+            sampling=sampling,
+            token_index=tuple(h.token_index),
+        )
+    raise ValueError(f"batch {msg.seq} carries no stage work ({which})")
+
+
+def result_to_pb(res: StageResult) -> pb.StageReply:
+    """A stage's completion as its reply message."""
+    msg = pb.StageReply(
+        seq=res.seq,
+        stage=_ROLE_TO_PB[res.stage],
+        compute_s=res.compute_s,
+        signals=res.signals,
+        lookahead=res.lookahead,
+        token_ids=res.token_ids,
+        error=res.error or "",
+    )
+    for lp in res.logprobs:
+        if lp is None:
+            msg.logprobs.add()
+        else:
+            msg.logprobs.add(present=True, logprob=lp.logprob, top_ids=lp.top_ids, top_logprobs=lp.top_logprobs)
+    return msg
+
+
+def result_from_pb(msg: pb.StageReply) -> StageResult:
+    """The StageResult of a reply message (``fence_wait_s`` and ``pong`` are the transport's business)."""
+    logprobs = tuple(
+        TokenLogprobs(lp.logprob, tuple(lp.top_ids), tuple(lp.top_logprobs)) if lp.present else None
+        for lp in msg.logprobs
+    )
+    return StageResult(
+        stage=_PB_TO_ROLE[msg.stage],
+        seq=msg.seq,
+        compute_s=msg.compute_s,
+        signals=tuple(msg.signals),
+        lookahead=tuple(msg.lookahead),
+        token_ids=tuple(msg.token_ids),
+        logprobs=logprobs,
+        error=msg.error or None,
+    )
+
+
+def bank_spec_to_pb(spec: BankSpec) -> pb.BankSpec:
+    msg = pb.BankSpec(
+        kind=_BANK_KIND[spec.kind], name=spec.name, rows=spec.rows, width=spec.width, dtype=spec.dtype
+    )
+    if spec.cuda is not None:
+        c = spec.cuda
+        msg.cuda.CopyFrom(
+            pb.CudaIpcHandle(
+                device=c.device,
+                handle=c.handle,
+                size_bytes=c.size_bytes,
+                offset_bytes=c.offset_bytes,
+                ref_counter_handle=c.ref_counter_handle,
+                ref_counter_offset=c.ref_counter_offset,
+                event_handle=c.event_handle,
+                event_sync_required=c.event_sync_required,
+            )
+        )
+    return msg
+
+
+def bank_spec_from_pb(msg: pb.BankSpec) -> BankSpec:
+    kind = _BANK_KIND_NAME.get(msg.kind)
+    if kind is None:
+        raise ValueError(f"invalid bank kind {msg.kind}")
+    cuda = None
+    if msg.HasField("cuda"):
+        c = msg.cuda
+        cuda = CudaIpcHandle(
+            c.device,
+            c.handle,
+            c.size_bytes,
+            c.offset_bytes,
+            c.ref_counter_handle,
+            c.ref_counter_offset,
+            c.event_handle,
+            c.event_sync_required,
+        )
+    return BankSpec(kind, msg.name, msg.rows, msg.width, msg.dtype, cuda)

@@ -1,0 +1,94 @@
+"""A fake executor with a hand-made deterministic "model": scheduler tests run in milliseconds.
+
+Ops run lazily, one per ``poll``, in submission order across stages (like one device stream), so several ops
+are genuinely in flight when the scheduler plans. Every op's fences are checked at execution time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import deque
+
+from cdb_scheduler.exit_policy import ExitPolicy, Horizon
+from cdb_scheduler.plan import HeadOp, LoopOp, PreludeOp, Stage, StageOp, StageResult
+
+VOCAB = 50
+STOP_ID = 7
+
+
+def unit(*key: int) -> float:
+    """A deterministic number in [0, 1) for a key."""
+    h = hashlib.blake2b(repr(key).encode(), digest_size=8).digest()
+    return int.from_bytes(h, "little") / 2**64
+
+
+def signal(rid: int, position: int, step: int) -> float:
+    return unit(1, rid, position, step)
+
+
+def token(rid: int, position: int) -> int:
+    return int(unit(2, rid, position) * VOCAB)
+
+
+class FakeExecutor:
+    def __init__(self) -> None:
+        self.queue: deque[StageOp] = deque()
+        self.done = [-1, -1, -1]
+        self.submitted: list[StageOp] = []
+        self.max_loop_in_flight = 0
+
+    def submit(self, op: StageOp) -> None:
+        assert op.seq == sum(1 for o in self.submitted if o.stage == op.stage), "seq must count per stage"
+        for f in op.fences:
+            assert any(o.stage == f.stage and o.seq == f.seq for o in self.submitted), "fence on unknown op"
+        self.submitted.append(op)
+        self.queue.append(op)
+        loops = sum(1 for o in self.queue if isinstance(o, LoopOp) and not o.prefill)
+        self.max_loop_in_flight = max(self.max_loop_in_flight, loops)
+
+    def poll(self, timeout: float | None) -> StageResult | None:
+        if not self.queue:
+            return None
+        op = self.queue.popleft()
+        for f in op.fences:
+            assert self.done[f.stage] >= f.seq, f"fence {f} unsatisfied"
+        self.done[op.stage] = op.seq
+        if isinstance(op, PreludeOp):
+            return StageResult(Stage.PRELUDE, op.seq, 0.001)
+        if isinstance(op, LoopOp):
+            if op.prefill:
+                return StageResult(Stage.LOOP, op.seq, 0.004)
+            sig = tuple(signal(r, p, s) for r, p, s in zip(op.request_ids, op.positions, op.steps))
+            return StageResult(Stage.LOOP, op.seq, 0.002, signals=sig)
+        assert isinstance(op, HeadOp)
+        ids = tuple(token(r, p) for r, p, s in zip(op.request_ids, op.positions, op.sample) if s)
+        return StageResult(Stage.HEAD, op.seq, 0.001, token_ids=ids)
+
+    def wake(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def expected(rid: int, prompt_len: int, max_tokens: int, policy: ExitPolicy) -> tuple[list[int], list[int]]:
+    """Tokens and depths of one request run alone under the same rule (the sequential semantics)."""
+    tokens = [token(rid, prompt_len - 1)]
+    depths = [policy.max_depth]
+    while len(tokens) < max_tokens and tokens[-1] != STOP_ID:
+        pos = prompt_len + len(tokens) - 1
+        st = policy.new_state()
+        s = 0
+        while True:
+            if policy.horizon is Horizon.ONE_AHEAD:
+                leave = policy.exits_after(st, s)
+                policy.observe(st, s, signal(rid, pos, s))
+            else:
+                policy.observe(st, s, signal(rid, pos, s))
+                leave = policy.exits_after(st, s)
+            if leave:
+                break
+            s += 1
+        depths.append(s + 1)
+        tokens.append(token(rid, pos))
+    return tokens, depths

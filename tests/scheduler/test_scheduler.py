@@ -1,0 +1,177 @@
+"""Scheduler core against a fake executor: decisions, queue discipline, resources, preemption."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from cdb_scheduler.config import Mode, SchedulerConfig
+from cdb_scheduler.exit_policy import FixedDepth, Horizon, OuroHazard
+from cdb_scheduler.plan import LoopOp, Stage
+from cdb_scheduler.request import Finished, FinishReason, Request, TokenOut
+from cdb_scheduler.scheduler import Scheduler
+from tests.scheduler.fake import STOP_ID, FakeExecutor, expected
+
+MAX_DEPTH = 4
+
+
+def make_requests(rng: random.Random, n: int, horizon: Horizon, q: float = 0.5) -> list[Request]:
+    reqs = []
+    for rid in range(1, n + 1):
+        prompt = [rng.randrange(50) for _ in range(rng.randint(1, 40))]
+        reqs.append(
+            Request(
+                id=rid,
+                prompt=prompt,
+                max_tokens=rng.randint(1, 12),
+                policy=OuroHazard(q, MAX_DEPTH, 1, horizon),
+                stop_token_ids=frozenset({STOP_ID}),
+            )
+        )
+    return reqs
+
+
+def drive(sched: Scheduler, ex: FakeExecutor, reqs: list[Request], arrivals: int = 1) -> dict[int, list]:
+    """Run to completion, adding ``arrivals`` requests per round; checks invariants after every step."""
+    events: dict[int, list] = {r.id: [] for r in reqs}
+    pending = list(reqs)
+    for _ in range(100_000):
+        for _ in range(arrivals):
+            if pending:
+                sched.add(pending.pop(0))
+        for op in sched.schedule():
+            ex.submit(op)
+        sched.check_invariants()
+        res = ex.poll(0)
+        if res is None:
+            if not pending and not sched.has_work():
+                return events
+            assert pending or sched.in_flight(), "scheduler stalled with work left"
+            continue
+        for ev in sched.on_result(res):
+            events[ev.request_id].append(ev)
+        sched.check_invariants()
+    raise AssertionError("did not drain")
+
+
+def config(**kw) -> SchedulerConfig:
+    base = dict(max_depth=MAX_DEPTH, max_num_seqs=8, num_kv_blocks=256, kv_block_size=4, prefill_chunk_size=16,
+                prefill_token_budget=32, copy_on_exit=True)
+    base.update(kw)
+    return SchedulerConfig(**base)
+
+
+def check_against_expected(reqs: list[Request], events: dict[int, list]) -> None:
+    for r in reqs:
+        toks = [e for e in events[r.id] if isinstance(e, TokenOut)]
+        fin = [e for e in events[r.id] if isinstance(e, Finished)]
+        assert len(fin) == 1 and fin[0].reason in (FinishReason.STOP, FinishReason.LENGTH)
+        assert [e.index for e in toks] == list(range(len(toks))), "tokens must leave in order"
+        want_tokens, want_depths = expected(r.id, r.prompt_len, r.max_tokens, r.policy)
+        assert [e.token_id for e in toks] == want_tokens
+        assert [e.depth for e in toks] == want_depths
+
+
+@pytest.mark.parametrize("mode", [Mode.CDB, Mode.NO_REFILL])
+@pytest.mark.parametrize("horizon", [Horizon.ONE_AHEAD, Horizon.SAME_STEP])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_tokens_and_depths_equal_sequential_semantics(mode: Mode, horizon: Horizon, seed: int) -> None:
+    rng = random.Random(seed)
+    reqs = make_requests(rng, 30, horizon)
+    sched, ex = Scheduler(config(mode=mode)), FakeExecutor()
+    events = drive(sched, ex, reqs, arrivals=rng.randint(1, 4))
+    check_against_expected(reqs, events)
+    assert sched.rows.num_used == 0 and sched.blocks.num_used == 0, "resources leaked after drain"
+
+
+def test_full_depth_mode_serves_every_token_at_max_depth() -> None:
+    reqs = make_requests(random.Random(3), 12, Horizon.ONE_AHEAD)
+    sched, ex = Scheduler(config(mode=Mode.FULL_DEPTH)), FakeExecutor()
+    events = drive(sched, ex, reqs)
+    depths = {e.depth for evs in events.values() for e in evs if isinstance(e, TokenOut)}
+    assert depths == {MAX_DEPTH}
+
+
+def test_one_ahead_keeps_two_loop_ops_in_flight() -> None:
+    reqs = make_requests(random.Random(4), 16, Horizon.ONE_AHEAD)
+    ex = FakeExecutor()
+    drive(Scheduler(config()), ex, reqs, arrivals=16)
+    assert ex.max_loop_in_flight == 2
+
+
+def test_same_step_exits_one_step_earlier_than_one_ahead() -> None:
+    for horizon, shift in [(Horizon.SAME_STEP, 0), (Horizon.ONE_AHEAD, 1)]:
+        reqs = make_requests(random.Random(5), 6, horizon)
+        events = drive(Scheduler(config()), FakeExecutor(), reqs)
+        for r in reqs:
+            same = OuroHazard(0.5, MAX_DEPTH, 1, Horizon.SAME_STEP)
+            _, base = expected(r.id, r.prompt_len, r.max_tokens, same)
+            got = [e.depth for e in events[r.id] if isinstance(e, TokenOut)]
+            assert got[1:] == [min(d + shift, MAX_DEPTH) for d in base[1 : len(got)]]
+
+
+def test_refill_joins_running_loop_in_cdb_but_waits_for_the_wave_in_no_refill() -> None:
+    for mode in (Mode.CDB, Mode.NO_REFILL):
+        reqs = make_requests(random.Random(6), 16, Horizon.ONE_AHEAD)
+        sched, ex = Scheduler(config(mode=mode)), FakeExecutor()
+        drive(sched, ex, reqs, arrivals=16)
+        loops = [op for op in ex.submitted if isinstance(op, LoopOp) and not op.prefill]
+        mixed = sum(1 for op in loops if 0 in op.steps and any(s > 0 for s in op.steps))
+        if mode is Mode.CDB:
+            assert mixed > 0 and sched.stats.refill_events > 0
+        else:
+            assert mixed == 0, "no-refill must not mix a new token into a running wave"
+
+
+def test_tiny_kv_pool_forces_preemption_and_results_are_unchanged() -> None:
+    rng = random.Random(7)
+    reqs = make_requests(rng, 20, Horizon.ONE_AHEAD)
+    for r in reqs:
+        r.max_tokens = 12
+    sched = Scheduler(config(num_kv_blocks=24, kv_block_size=4, kv_margin=0.0))
+    events = drive(sched, FakeExecutor(), reqs, arrivals=20)
+    assert sched.stats.preemptions > 0
+    check_against_expected(reqs, events)
+
+
+def test_abort_frees_row_and_blocks_at_once() -> None:
+    reqs = make_requests(random.Random(8), 4, Horizon.ONE_AHEAD)
+    for r in reqs:
+        r.max_tokens = 50
+        r.stop_token_ids = frozenset()
+    sched, ex = Scheduler(config()), FakeExecutor()
+    for r in reqs:
+        sched.add(r)
+    for _ in range(40):
+        for op in sched.schedule():
+            ex.submit(op)
+        res = ex.poll(0)
+        if res is not None:
+            sched.on_result(res)
+    assert len(sched.running) == 4
+    for r in reqs:
+        (ev,) = sched.abort(r.id)
+        assert isinstance(ev, Finished) and ev.reason is FinishReason.CANCELLED
+        sched.check_invariants()
+    assert sched.rows.num_used == 0 and sched.blocks.num_used == 0
+    while (res := ex.poll(0)) is not None:  # late results of aborted requests are dropped
+        assert sched.on_result(res) == []
+    assert sched.schedule() == []
+
+
+def test_fences_order_head_after_the_loop_op_that_wrote_the_row() -> None:
+    reqs = make_requests(random.Random(9), 5, Horizon.ONE_AHEAD)
+    ex = FakeExecutor()
+    drive(Scheduler(config()), ex, reqs)
+    heads = [op for op in ex.submitted if op.stage is Stage.HEAD]
+    assert heads and all(any(f.stage is Stage.LOOP for f in op.fences) for op in heads)
+
+
+def test_fixed_depth_tokens_may_run_in_consecutive_ops_without_waiting() -> None:
+    reqs = make_requests(random.Random(10), 3, Horizon.ONE_AHEAD)
+    for r in reqs:
+        r.policy = FixedDepth(MAX_DEPTH, MAX_DEPTH)
+    ex = FakeExecutor()
+    drive(Scheduler(config()), ex, reqs, arrivals=3)
+    assert ex.max_loop_in_flight == 2

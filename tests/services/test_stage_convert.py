@@ -1,0 +1,131 @@
+"""Stage ops and results survive the protobuf round trip exactly."""
+
+from __future__ import annotations
+
+import pytest
+
+from cdb_api.v1 import stage_pb2 as pb
+from cdb_scheduler.plan import (
+    Fence,
+    HeadOp,
+    KVCopy,
+    KVUpdate,
+    LoopOp,
+    PreludeOp,
+    SamplingParams,
+    Stage,
+    StageOp,
+    StageResult,
+    TokenLogprobs,
+)
+from services.bank import BankSpec, CudaIpcHandle
+from services.convert import (
+    bank_spec_from_pb,
+    bank_spec_to_pb,
+    op_from_pb,
+    op_to_pb,
+    result_from_pb,
+    result_to_pb,
+    role_from_pb,
+    role_to_pb,
+)
+
+pytestmark = pytest.mark.timeout(10)
+
+FENCES = (Fence(Stage.PRELUDE, 0), Fence(Stage.HEAD, 12345678901))
+UPDATES = (KVUpdate(7, (1, 2, 3)), KVUpdate(9, (), reset=True))
+
+OPS: list[StageOp] = [
+    PreludeOp(0, (), (), (), request_ids=(), token_ids=(), positions=(), rows=(), init_seeds=()),
+    PreludeOp(
+        3,
+        FENCES,
+        UPDATES,
+        (4, 5),
+        request_ids=(7, 7, 9),
+        token_ids=(1, 511, 0),
+        positions=(0, 1, 0),
+        rows=(64, 65, 2),
+        init_seeds=(-1, 2**62 + 5, 0),
+    ),
+    LoopOp(1, FENCES, (), (), request_ids=(7,), positions=(3,), rows=(0,), steps=(2,)),
+    LoopOp(
+        2,
+        (),
+        UPDATES,
+        (1,),
+        request_ids=(7, 7),
+        positions=(0, 1),
+        rows=(64, 65),
+        steps=(0, 0),
+        prefill=True,
+        num_steps=4,
+        kv_copies=(KVCopy(7, 5, 1), KVCopy(9, 0, 3)),
+    ),
+    HeadOp(
+        8,
+        FENCES,
+        UPDATES,
+        (),
+        request_ids=(7, 9, 11),
+        positions=(10, 3, 0),
+        rows=(0, 1, 2),
+        sample=(True, False, True),
+        sampling=(
+            SamplingParams(),
+            SamplingParams(temperature=0.7, top_k=40, top_p=0.95, seed=2**64 - 1, logprobs=5, return_logprob=True),
+            SamplingParams(temperature=1e-7, top_p=1e-300, seed=12345),
+        ),
+        token_index=(0, 17, 3),
+    ),
+]
+
+
+@pytest.mark.parametrize("op", OPS, ids=lambda op: f"{type(op).__name__}-{op.seq}")
+def test_op_round_trip_is_exact(op: StageOp) -> None:
+    msg = op_to_pb(op, traceparent="00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01")
+    wire = pb.StageBatch.FromString(msg.SerializeToString())
+    assert wire.traceparent.startswith("00-0af7")
+    back = op_from_pb(wire)
+    assert back == op
+    assert type(back) is type(op)
+
+
+def test_ping_is_not_an_op() -> None:
+    msg = pb.StageBatch(seq=-1, ping=pb.Ping())
+    with pytest.raises(ValueError, match="no stage work"):
+        op_from_pb(msg)
+
+
+RESULTS = [
+    StageResult(Stage.PRELUDE, 0, 0.001),
+    StageResult(Stage.LOOP, 5, 0.25, signals=(0.1, 1 / 3), lookahead=(0.2, 2 / 3)),
+    StageResult(
+        Stage.HEAD,
+        7,
+        1e-4,
+        token_ids=(3, 4, 5),
+        logprobs=(None, TokenLogprobs(-0.1), TokenLogprobs(-1 / 7, (1, 2), (-0.5, -2 / 3))),
+    ),
+    StageResult(Stage.LOOP, 9, 0.0, error="boom: shape mismatch"),
+]
+
+
+@pytest.mark.parametrize("res", RESULTS, ids=lambda r: f"{r.stage.name}-{r.seq}")
+def test_result_round_trip_is_exact(res: StageResult) -> None:
+    wire = pb.StageReply.FromString(result_to_pb(res).SerializeToString())
+    assert result_from_pb(wire) == res
+
+
+def test_roles_and_bank_specs() -> None:
+    for stage in Stage:
+        assert role_from_pb(role_to_pb(stage)) is stage
+    with pytest.raises(ValueError):
+        role_from_pb(pb.STAGE_ROLE_UNSPECIFIED)
+    shm = BankSpec("shm", "cdb-bank-x", 80, 128, "bfloat16")
+    assert bank_spec_from_pb(bank_spec_to_pb(shm)) == shm
+    handle = CudaIpcHandle(1, b"\x00\x01h", 4096, 512, b"/torch_123", 8, b"\x02e", True)
+    cuda = BankSpec("cuda_ipc", "", 4, 8, "float32", handle)
+    assert bank_spec_from_pb(pb.BankSpec.FromString(bank_spec_to_pb(cuda).SerializeToString())) == cuda
+    with pytest.raises(ValueError):
+        bank_spec_from_pb(pb.BankSpec())
