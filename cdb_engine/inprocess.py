@@ -32,9 +32,12 @@ class InProcessExecutor:
         dtype = torch_dtype(setup.dtype)
         self.model = model if model is not None else load_model(setup.model, dtype=dtype, device=setup.device)
         self.bank = torch.zeros(setup.bank_rows, setup.bank_width, dtype=dtype, device=setup.device)
+        self.tokens = torch.zeros(setup.bank_rows, dtype=torch.long, device=setup.device)
         layout = KVLayout(KVPolicy(setup.kv_policy), setup.max_depth, setup.kv_shared_after)
         self.workers = {
-            stage: StageWorker(self.model, stage, self.bank, layout, setup.num_kv_blocks, setup.kv_block_size)
+            stage: StageWorker(
+                self.model, stage, self.bank, layout, setup.num_kv_blocks, setup.kv_block_size, self.tokens
+            )
             for stage in Stage
         }
         self._done = [-1, -1, -1]

@@ -118,6 +118,8 @@ def validate(
             build_policy(limits, params.exit_threshold)
         except ValueError as exc:
             raise InvalidRequest("exit_threshold", str(exc)) from None
+    if limits.exit_rule == "replay" and params.replay_depths is None:
+        raise InvalidRequest("replay_depths", "required by the exit rule 'replay'")
     if params.replay_depths is not None and any(not 1 <= d <= limits.max_depth for d in params.replay_depths):
         raise InvalidRequest("replay_depths", f"depths must be in [1, {limits.max_depth}]")
     return ids

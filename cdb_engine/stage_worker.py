@@ -32,7 +32,10 @@ class StageWorker:
         kv_layout: KVLayout,
         num_blocks: int,
         block_size: int,
+        tokens: Tensor | None = None,
     ) -> None:
+        """``tokens`` is the token bank ``[rows]`` (long): the head writes sampled ids there and the prelude reads
+        them for ``token_ids[i] == -1`` (refills without a round trip through the scheduler)."""
         c = model.config
         if bank.dim() != 2 or bank.shape[1] != c.bank_width:
             raise ValueError(f"bank must be [rows, {c.bank_width}], got {list(bank.shape)}")
@@ -40,6 +43,7 @@ class StageWorker:
             raise ValueError("loop stage needs a KV layout with max_depth >= 1")
         self.model, self.stage, self.bank, self.kv_layout = model, stage, bank, kv_layout
         self.device = bank.device
+        self.tokens = tokens if tokens is not None else torch.zeros(bank.shape[0], dtype=torch.long, device=bank.device)
         self.tables = BlockTables()
         layers, slots = {
             Stage.PRELUDE: (c.num_prelude_layers, 1),
@@ -103,8 +107,10 @@ class StageWorker:
         if not op.rows:
             return
         kv = self._kv(op.request_ids, op.positions, [0] * len(op.rows))
-        out = self.model.prelude(self._long(op.token_ids), self._long(op.positions), kv, op.init_seeds)
-        self._write(self._long(op.rows), out)
+        rows, ids = self._long(op.rows), self._long(op.token_ids)
+        ids = torch.where(ids < 0, self.tokens.index_select(0, rows).to(ids.device), ids)  # -1: from the token bank
+        out = self.model.prelude(ids, self._long(op.positions), kv, op.init_seeds)
+        self._write(rows, out)
 
     def _loop(self, op: LoopOp) -> tuple[tuple[float, ...], tuple[float, ...]]:
         assert self.pool is not None
@@ -136,4 +142,6 @@ class StageWorker:
             return (), ()
         logits = self.model.logits(hidden[self._long(picked)])  # [n_sampled, V] float32
         tokens, lps = sample(logits, [op.sampling[i] for i in picked], [op.token_index[i] for i in picked])
+        sampled_rows = self._long([op.rows[i] for i in picked])
+        self.tokens.index_copy_(0, sampled_rows, torch.tensor(tokens, dtype=torch.long).to(self.tokens.device))
         return tuple(tokens), tuple(lps)

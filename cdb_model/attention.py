@@ -24,7 +24,10 @@ from cdb_model.layers import compute_dtype
 
 class KVAccess(Protocol):
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        """Write ``k, v [N, kv_heads, d]`` at the tokens' positions, return ``out [N, heads, d]`` for ``q [N, heads, d]``."""
+        """Write ``k, v [N, kv_heads, d]`` at the tokens' positions; return ``out [N, heads, d]`` for ``q``.
+
+        Each token attends causally over positions ``0 .. p`` of its own request, scale ``1 / sqrt(d)``.
+        """
         ...
 
 
@@ -105,7 +108,7 @@ class DenseKV:
 
 
 def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
-    """``q [B, h, T, d]``, ``k, v [B, kvh, L, d]``, boolean ``mask [B, 1, T, L]`` (True = visible) -> ``[B, h, T, d]``."""
+    """``q [B, h, T, d]``, ``k, v [B, kvh, L, d]``, bool ``mask [B, 1, T, L]`` (True = visible) -> ``[B, h, T, d]``."""
     rep = q.shape[1] // k.shape[1]
     if rep > 1:
         k = k.repeat_interleave(rep, dim=1)  # [B, h, L, d]
@@ -131,13 +134,14 @@ class PagedKV:
     ) -> None:
         self.pool = pool
         dev = pool.device
-        blocks, offs = [], []
+        blocks: list[int] = []
+        offs: list[int] = []
         groups: dict[tuple[int, int], list[int]] = {}
-        for i, (rid, pos, slot) in enumerate(zip(request_ids, positions, slots, strict=True)):
-            (b,), (o,) = pool.locate(tables.table(rid), [pos])
+        for i, (rid, p, s) in enumerate(zip(request_ids, positions, slots, strict=True)):
+            (b,), (o,) = pool.locate(tables.table(rid), [p])
             blocks.append(b)
             offs.append(o)
-            groups.setdefault((rid, slot), []).append(i)
+            groups.setdefault((rid, s), []).append(i)
 
         def lt(xs: Sequence[int]) -> Tensor:
             return torch.tensor(list(xs), dtype=torch.long, device=dev)
@@ -178,14 +182,14 @@ class PagedKV:
         vp.index_put_(self._write, v)
         out = torch.empty_like(q)  # [N, h, d]
         if self._single is not None:
-            idx, slot, blocks, offs, mask = self._single
-            kc = kp[slot[:, None], blocks, offs].transpose(1, 2)  # [n1, L, kvh, d] -> [n1, kvh, L, d]
-            vc = vp[slot[:, None], blocks, offs].transpose(1, 2)
+            idx, slots, blocks, offs, mask = self._single
+            kc = kp[slots[:, None], blocks, offs].transpose(1, 2)  # [n1, L, kvh, d] -> [n1, kvh, L, d]
+            vc = vp[slots[:, None], blocks, offs].transpose(1, 2)
             o = _sdpa(q[idx][:, :, None, :], kc, vc, mask)  # [n1, h, 1, d]
             out[idx] = o[:, :, 0, :]
-        for idx, s, blocks, offs, mask in self._multi:
-            kc = kp[s, blocks, offs].transpose(0, 1)[None]  # [L, kvh, d] -> [1, kvh, L, d]
-            vc = vp[s, blocks, offs].transpose(0, 1)[None]
-            o = _sdpa(q[idx].transpose(0, 1)[None], kc, vc, mask)  # [1, h, T, d]
-            out[idx] = o[0].transpose(0, 1)
+        for gidx, slot, gblocks, goffs, gmask in self._multi:
+            kc = kp[slot, gblocks, goffs].transpose(0, 1)[None]  # [L, kvh, d] -> [1, kvh, L, d]
+            vc = vp[slot, gblocks, goffs].transpose(0, 1)[None]
+            o = _sdpa(q[gidx].transpose(0, 1)[None], kc, vc, gmask)  # [1, h, T, d]
+            out[gidx] = o[0].transpose(0, 1)
         return out

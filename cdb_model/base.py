@@ -47,9 +47,7 @@ class LoopedLM(nn.Module, ABC):
         return next(self.parameters()).device
 
     @abstractmethod
-    def prelude(
-        self, token_ids: Tensor, positions: Tensor, kv: KVAccess | None, init_seeds: Sequence[int]
-    ) -> Tensor:
+    def prelude(self, token_ids: Tensor, positions: Tensor, kv: KVAccess | None, init_seeds: Sequence[int]) -> Tensor:
         """Token ids ``[N]`` at ``positions [N]`` -> bank rows ``[N, bank_width]``.
 
         Huginn: ``init_seeds[i] < 0`` gives a zero initial state, otherwise the seeded truncated normal.

@@ -95,9 +95,7 @@ class HuginnLM(LoopedLM):
         assert self.transformer.wte is not None
         return self.transformer.wte(token_ids) * math.sqrt(self.config.hidden_size)
 
-    def prelude(
-        self, token_ids: Tensor, positions: Tensor, kv: KVAccess | None, init_seeds: Sequence[int]
-    ) -> Tensor:
+    def prelude(self, token_ids: Tensor, positions: Tensor, kv: KVAccess | None, init_seeds: Sequence[int]) -> Tensor:
         t = self.transformer
         x = self.embed(token_ids)  # [N, H]
         assert t.prelude is not None

@@ -149,8 +149,7 @@ def _load_folder(path: Path, dtype: torch.dtype, device: torch.device | str, sta
         got = shapes[source[name]]
         if got != tuple(t.shape):
             raise ShapeMismatchError(
-                f"tensor {source[name]!r}: checkpoint shape {list(got)} != shape {list(t.shape)} "
-                f"implied by config.json"
+                f"tensor {source[name]!r}: checkpoint shape {list(got)} != shape {list(t.shape)} implied by config.json"
             )
 
     by_file: dict[Path, list[str]] = {}

@@ -90,9 +90,7 @@ class OuroLM(LoopedLM):
         if Stage.HEAD in self.stages and not config.tie_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
-    def prelude(
-        self, token_ids: Tensor, positions: Tensor, kv: KVAccess | None, init_seeds: Sequence[int]
-    ) -> Tensor:
+    def prelude(self, token_ids: Tensor, positions: Tensor, kv: KVAccess | None, init_seeds: Sequence[int]) -> Tensor:
         self._require(Stage.PRELUDE)
         assert self.model.embed_tokens is not None
         return self.model.embed_tokens(token_ids)  # [N, H]

@@ -3,9 +3,9 @@
 | preset | use | max_depth | default threshold |
 |---|---|---|---|
 | ``ouro-tiny`` | tests, demo | 4 | q = 0.5 (hazards spread ~0.1-0.9: exits at every depth) |
-| ``huginn-tiny`` | tests, demo | 8 | latent diff 0.1 (exits spread over steps 2..8) |
-| ``ouro-bench`` | benchmarks: F0/Fr ~ 0.08 like Ouro-1.4B | 4 | q = 0.5 |
-| ``huginn-bench`` | benchmarks: F0/Fr ~ 1.18 like huginn-0125 | 16 | latent diff 0.1 |
+| ``huginn-tiny`` | tests, demo | 8 | latent diff 0.2 (exits spread over depths 4..8) |
+| ``ouro-bench`` | benchmarks: F0/Fr ~ 0.08 like Ouro-1.4B | 4 | q = 0.5 (exits at every depth) |
+| ``huginn-bench`` | benchmarks: F0/Fr ~ 1.18 like huginn-0125 | 16 | latent diff 0.1 (depths ~10..16) |
 
 Weights are drawn per tensor from a generator seeded by (preset, tensor name), so a model built for a subset of
 stages holds exactly the same values as the full one. ``python -m cdb_model.presets --time`` prints F0, Fr and
@@ -27,6 +27,7 @@ from cdb_model.config import ModelConfig
 from cdb_model.models import build_model
 from cdb_scheduler.plan import Stage
 
+
 def _ouro(**kw: Any) -> ModelConfig:
     return ModelConfig(arch="ouro", num_prelude_layers=0, num_coda_layers=0, rope_theta=1e6, norm_eps=1e-6,
                        max_positions=4096, tie_embeddings=False, stop_token_ids=(0, 2),
@@ -35,25 +36,65 @@ def _ouro(**kw: Any) -> ModelConfig:
 
 def _huginn(**kw: Any) -> ModelConfig:
     return ModelConfig(arch="huginn", rope_theta=50000.0, norm_eps=1e-6, max_positions=4096,
-                       tie_embeddings=True, stop_token_ids=(0, 2), early_exit_threshold=0.1, **kw)  # fmt: skip
+                       tie_embeddings=True, stop_token_ids=(0, 2), **kw)  # fmt: skip
 
 
 _PRESETS: dict[str, ModelConfig] = {
-    "ouro-tiny": _ouro(name="ouro-tiny", vocab_size=512, hidden_size=128, num_heads=4, num_kv_heads=2,
-                       head_dim=32, intermediate_size=256, num_loop_layers=2, max_depth=4),  # fmt: skip
-    "huginn-tiny": _huginn(name="huginn-tiny", vocab_size=512, hidden_size=96, num_heads=4, num_kv_heads=4,
-                           head_dim=24, intermediate_size=192, num_prelude_layers=1, num_loop_layers=2,
-                           num_coda_layers=1, max_depth=8),  # fmt: skip
-    "ouro-bench": _ouro(name="ouro-bench", vocab_size=1024, hidden_size=256, num_heads=8, num_kv_heads=8,
-                        head_dim=32, intermediate_size=704, num_loop_layers=4, max_depth=4),  # fmt: skip
-    "huginn-bench": _huginn(name="huginn-bench", vocab_size=3328, hidden_size=256, num_heads=8, num_kv_heads=8,
-                            head_dim=32, intermediate_size=896, num_prelude_layers=2, num_loop_layers=4,
-                            num_coda_layers=2, max_depth=16),  # fmt: skip
+    "ouro-tiny": _ouro(
+        name="ouro-tiny",
+        vocab_size=512,
+        hidden_size=128,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        intermediate_size=256,
+        num_loop_layers=2,
+        max_depth=4,
+    ),
+    "huginn-tiny": _huginn(
+        name="huginn-tiny",
+        vocab_size=512,
+        hidden_size=96,
+        num_heads=4,
+        num_kv_heads=4,
+        head_dim=24,
+        intermediate_size=192,
+        num_prelude_layers=1,
+        num_loop_layers=2,
+        num_coda_layers=1,
+        max_depth=8,
+        early_exit_threshold=0.2,
+    ),
+    "ouro-bench": _ouro(
+        name="ouro-bench",
+        vocab_size=1024,
+        hidden_size=256,
+        num_heads=8,
+        num_kv_heads=8,
+        head_dim=32,
+        intermediate_size=704,
+        num_loop_layers=4,
+        max_depth=4,
+    ),
+    "huginn-bench": _huginn(
+        name="huginn-bench",
+        vocab_size=3328,
+        hidden_size=256,
+        num_heads=8,
+        num_kv_heads=8,
+        head_dim=32,
+        intermediate_size=896,
+        num_prelude_layers=2,
+        num_loop_layers=4,
+        num_coda_layers=2,
+        max_depth=16,
+        early_exit_threshold=0.1,
+    ),
 }
 
 # Exit-signal shaping (see the module docstring): Ouro gate logit std / mean, Huginn adapter state gain.
 _OURO_GATE_STD, _OURO_GATE_BIAS = 1.5, -0.5
-_HUGINN_STATE_GAIN = 0.6
+_HUGINN_STATE_GAIN = {"huginn-tiny": 0.55, "huginn-bench": 0.6}
 
 
 def preset_names() -> list[str]:
@@ -89,7 +130,7 @@ def _init(preset: str, name: str, shape: tuple[int, ...], c: ModelConfig) -> tor
         return normal(_OURO_GATE_STD * c.hidden_size**-0.5)
     if leaf == "adapter":  # [H, 2H]: contractive in the state, full gain on the injection
         h = c.hidden_size
-        return torch.cat([normal(_HUGINN_STATE_GAIN * h**-0.5, h, h), normal(h**-0.5, h, h)], dim=1)
+        return torch.cat([normal(_HUGINN_STATE_GAIN[preset] * h**-0.5, h, h), normal(h**-0.5, h, h)], dim=1)
     return normal(shape[-1] ** -0.5)  # Linear weights: N(0, 1 / fan_in)
 
 

@@ -83,7 +83,9 @@ class OpBase:
 class PreludeOp(OpBase):
     """Embed tokens (Huginn: scale, prelude blocks writing prelude KV, initial state) into bank rows.
 
-    Per token: request id, token id, position, bank row. ``init_seeds[i] < 0`` means zero initial state (Huginn);
+    Per token: request id, token id, position, bank row. ``token_ids[i] == -1`` means "the token the head
+    sampled last for this row" (read from the token bank, written by a HeadOp this op is fenced on): a refill
+    needs no round trip through the scheduler. ``init_seeds[i] < 0`` means zero initial state (Huginn);
     otherwise the seeded truncated-normal initial state drawn from that seed. Ouro ignores ``init_seeds``.
     """
 
@@ -120,7 +122,8 @@ class HeadOp(OpBase):
     """Coda (Huginn: ln_f, coda blocks writing coda KV, ln_f), LM head and sampling of bank rows.
 
     Every token runs the coda (its KV is needed by later tokens); only tokens with ``sample[i]`` are projected
-    to logits and sampled, with ``sampling[i]`` and the stream index ``token_index[i]``.
+    to logits and sampled, with ``sampling[i]`` and the stream index ``token_index[i]``. Each sampled id is
+    also written to the token bank at its row, where a following PreludeOp picks it up.
     """
 
     request_ids: tuple[int, ...]

@@ -4,7 +4,9 @@ Lifecycle of a request (numbered; see docs/design.md):
 1. WAITING: queued for prefill (also after preemption, with its generated tokens kept for replay).
 2. RUNNING: resident. Prompt chunks are prefilled at full depth; the last chunk's head samples token 0.
    Each next token k >= 1 is one work item: prelude of token k-1 at position P+k-1, loop steps until its exit,
-   head samples token k. Exactly one item per request exists at a time.
+   head samples token k. When item k goes to the head, item k+1 is queued at once (its input token is read
+   from the token bank): at most one item per request is in the loop, and a successor of a request that
+   turns out to have ended (stop id) is dropped.
 3. FINISHED: stop id, length, stop string, abort or error. Row and KV blocks are returned at once.
 """
 
@@ -80,6 +82,7 @@ class Item:
     epoch: int
     index: int  # generation index of the token this item produces
     position: int  # position of its input token (= prompt_len + index - 1)
+    input_token: int  # token id at ``position``; -1: sampled by the head into the token bank, not yet known
     exit_state: ExitState
     next_step: int = 0  # next loop step to issue
     depth: int = 0  # served depth, set when the exit is decided

@@ -100,10 +100,16 @@ class Scheduler:
             self._issue_refills(ops)
             self._issue_prefill(ops)
             self._start_wave()
-            while self.ready and len(self._loop) < self.cfg.loop_pipeline_depth:
+            if self.ready and len(self._loop) < self.cfg.loop_pipeline_depth:
+                # One loop op per round: tokens it lets exit go to the head (and their successors to the
+                # prelude) before the next loop op is formed, so that op already includes the refills.
                 ops.append(self._issue_loop())
+                continue
             if not self.ready:
                 self._issue_codas(ops, flush=True)
+                self._issue_refills(ops)
+                if self.ready and len(self._loop) < self.cfg.loop_pipeline_depth:
+                    continue
             starved = bool(self.stalled) or self._prefill_starved
             if ops or self.in_flight() or not starved or not self._preempt_one():
                 break
@@ -126,6 +132,10 @@ class Scheduler:
             )  # fmt: skip
             self._head[op.seq] = items
             ops.append(op)
+            for it in items:  # successors start now; their prelude reads the sampled id from the token bank
+                if it.index + 1 < it.req.max_tokens:
+                    known = it.req.output[it.index] if it.index < len(it.req.output) else -1
+                    self._spawn(it.req, it.index + 1, known)
 
     def _issue_refills(self, ops: list[StageOp]) -> None:
         self._drop_stale(self.refills)
@@ -134,7 +144,7 @@ class Scheduler:
         items = list(self.refills)
         self.refills.clear()
         reqs = [it.req for it in items]
-        tokens = [it.req.output[it.index - 1] for it in items]
+        tokens = [it.input_token for it in items]
         op = self.ops.prelude(reqs, tokens, [it.position for it in items], [r.row for r in reqs])
         self._prelude[op.seq] = items
         ops.append(op)
@@ -229,9 +239,9 @@ class Scheduler:
             budget -= end - start
             picked.append((req, start, end))
         if not partial:
-            while self.waiting and self.rows.num_free > 0:
-                if self.rows.num_free < cfg.admit_min_free_rows and self.running:
-                    break
+            # Admit only when enough slots are free (admissions come in batches), then fill every free slot.
+            admit = self.rows.num_free >= cfg.admit_min_free_rows or not self.running
+            while admit and self.waiting and self.rows.num_free > 0:
                 req = self.waiting[0]
                 end = min(cfg.prefill_chunk_size, req.prompt_len)
                 if end > budget:
@@ -389,13 +399,17 @@ class Scheduler:
             if n >= req.max_tokens:
                 events.append(self._finish(req, FinishReason.LENGTH))
                 return
-        succ = Item(req, req.epoch, index + 1, req.prompt_len + index, req.policy.new_state())
-        k = succ.index
-        if k < n:
-            succ.forced_depth = req.depths[k]
+        if index == 0:  # decode successors were spawned when their predecessor went to the head
+            self._spawn(req, 1, token)
+
+    def _spawn(self, req: Request, index: int, input_token: int) -> None:
+        """Queue the item of generated token ``index`` (its input is token ``index - 1``)."""
+        it = Item(req, req.epoch, index, req.prompt_len + index - 1, input_token, req.policy.new_state())
+        if index < len(req.output):
+            it.forced_depth = req.depths[index]  # recomputing after preemption: the recorded depth
         elif req.replay_depths is not None:
-            succ.exit_state.target_depth = req.replay_depths[min(k - 1, len(req.replay_depths) - 1)]
-        self._place_successor(succ)
+            it.exit_state.target_depth = req.replay_depths[min(index - 1, len(req.replay_depths) - 1)]
+        self._place_successor(it)
 
     def _place_successor(self, it: Item) -> None:
         if self._grow_blocks(it.req, it.position + 1, admit=False):
@@ -456,7 +470,7 @@ class Scheduler:
     # ----------------------------------------------------------------- invariants
     def check_invariants(self) -> None:
         """Ownership invariants (tests call this after every step): one row per running request, blocks owned
-        by exactly the requests holding them, at most one live item per request."""
+        by exactly the requests holding them, at most one token per request in the loop (queued or running)."""
         row_owners = self.rows.owners()
         assert sorted(row_owners.values()) == sorted(r.id for r in self.running.values()), "row ownership"
         for req in self.running.values():
@@ -464,13 +478,11 @@ class Scheduler:
         block_owners = self.blocks.owners()
         held = {b: r.id for r in self.running.values() for b in r.blocks}
         assert block_owners == held, "KV block ownership"
-        live: dict[int, int] = {}
-        queues = [self.ready, self.coda, self.refills, self.stalled, self.wave_next]
-        flights = [fl.items for fl in self._loop.values()] + list(self._head.values())
-        seen: set[int] = set()
-        for group in [*queues, *flights]:
+        groups = [self.ready, self.refills, self.stalled, self.wave_next]
+        groups += [[it for it in f.items if not it.exited] for f in self._loop.values()]
+        count: dict[int, set[int]] = {}
+        for group in groups:
             for it in group:
-                if it.live and id(it) not in seen:
-                    seen.add(id(it))
-                    live[it.req.id] = live.get(it.req.id, 0) + 1
-        assert all(n == 1 for n in live.values()), f"more than one token of a request in flight: {live}"
+                if it.live:
+                    count.setdefault(it.req.id, set()).add(id(it))
+        assert all(len(v) == 1 for v in count.values()), "more than one token of a request in the loop"

@@ -1,7 +1,8 @@
 """The shared hidden-state bank and the fence board: the memory the stage processes share.
 
 Bank: one ``[rows, width]`` tensor that every stage reads and writes by row index; hidden states never travel over
-gRPC. Two storages behind one interface (:class:`SharedBank`):
+gRPC. The token bank (sampled ids, ``[rows, 1]`` int64, head -> prelude) is a second bank of the same kind.
+Two storages behind one interface (:class:`SharedBank`):
 
 - CPU: a POSIX shared-memory segment (``multiprocessing.shared_memory``) viewed by ``torch.frombuffer``.
 - GPU: a CUDA tensor of the creating process, opened in the others through its CUDA IPC handle
@@ -22,6 +23,7 @@ a process boundary is a name, a shape, a dtype string or the raw bytes of a CUDA
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import time
 from collections.abc import Iterable
@@ -37,6 +39,7 @@ DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
     "float64": torch.float64,
+    "int64": torch.int64,  # the token bank
 }
 
 
@@ -56,15 +59,11 @@ def _attach_segment(name: str) -> shared_memory.SharedMemory:
 
 
 def _close_segment(seg: shared_memory.SharedMemory, unlink: bool) -> None:
-    try:
+    with contextlib.suppress(BufferError):  # a tensor view is still alive: the mapping goes with the process
         seg.close()
-    except BufferError:
-        pass  # a tensor view is still alive somewhere; the mapping goes away with the process
     if unlink:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             seg.unlink()
-        except FileNotFoundError:
-            pass
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,7 +116,7 @@ class SharedBank:
         dev = torch.device(device)
         if dev.type == "cuda":
             tensor = torch.zeros((rows, width), dtype=tdtype, device=dev)
-            fields = tensor.untyped_storage()._share_cuda_()  # type: ignore[attr-defined]
+            fields = tensor.untyped_storage()._share_cuda_()
             cuda = CudaIpcHandle(*fields)
             spec = BankSpec("cuda_ipc", "", rows, width, dtype, cuda)
             return cls(spec, tensor, None, owner=True)
@@ -137,7 +136,7 @@ class SharedBank:
             if spec.cuda is None:
                 raise ValueError("cuda_ipc bank spec without a CUDA IPC handle")
             h = spec.cuda
-            storage = torch.UntypedStorage._new_shared_cuda(  # type: ignore[attr-defined]
+            storage = torch.UntypedStorage._new_shared_cuda(
                 h.device,
                 h.handle,
                 h.size_bytes,
@@ -186,6 +185,7 @@ class FenceBoard:
         self.name = segment.name
         self.owner = owner
         self._segment: shared_memory.SharedMemory | None = segment
+        assert segment.buf is not None
         self._counters = segment.buf.cast("q")  # (len(Stage) + 1,) int64, 8-byte aligned
 
     @classmethod

@@ -31,11 +31,11 @@ _BANK_KIND = {"shm": pb.BANK_KIND_SHM, "cuda_ipc": pb.BANK_KIND_CUDA_IPC}
 _BANK_KIND_NAME = {v: k for k, v in _BANK_KIND.items()}
 
 
-def role_to_pb(stage: Stage) -> pb.StageRole.ValueType:
+def role_to_pb(stage: Stage) -> pb.StageRole:
     return _ROLE_TO_PB[stage]
 
 
-def role_from_pb(role: pb.StageRole.ValueType) -> Stage:
+def role_from_pb(role: pb.StageRole) -> Stage:
     try:
         return _PB_TO_ROLE[role]
     except KeyError:
@@ -46,9 +46,7 @@ def op_to_pb(op: StageOp, traceparent: str = "") -> pb.StageBatch:
     """One stage op as the batch message of its stage's Run stream."""
     msg = pb.StageBatch(seq=op.seq, released=op.released, traceparent=traceparent)
     msg.fences.extend(pb.Fence(stage=_ROLE_TO_PB[f.stage], seq=f.seq) for f in op.fences)
-    msg.kv_updates.extend(
-        pb.KVUpdate(request_id=u.request_id, append=u.append, reset=u.reset) for u in op.kv_updates
-    )
+    msg.kv_updates.extend(pb.KVUpdate(request_id=u.request_id, append=u.append, reset=u.reset) for u in op.kv_updates)
     if isinstance(op, PreludeOp):
         msg.prelude.request_ids.extend(op.request_ids)
         msg.prelude.token_ids.extend(op.token_ids)
@@ -119,9 +117,7 @@ def op_from_pb(msg: pb.StageBatch) -> StageOp:
     if which == "head":
         h = msg.head
         sampling = tuple(
-            SamplingParams(
-                temperature=t, top_k=k, top_p=p, seed=s, logprobs=n, return_logprob=r
-            )
+            SamplingParams(temperature=t, top_k=k, top_p=p, seed=s, logprobs=n, return_logprob=r)
             for t, k, p, s, n, r in zip(h.temperature, h.top_k, h.top_p, h.seed, h.logprobs, h.return_logprob)
         )
         return HeadOp(
@@ -177,9 +173,7 @@ def result_from_pb(msg: pb.StageReply) -> StageResult:
 
 
 def bank_spec_to_pb(spec: BankSpec) -> pb.BankSpec:
-    msg = pb.BankSpec(
-        kind=_BANK_KIND[spec.kind], name=spec.name, rows=spec.rows, width=spec.width, dtype=spec.dtype
-    )
+    msg = pb.BankSpec(kind=_BANK_KIND[spec.kind], name=spec.name, rows=spec.rows, width=spec.width, dtype=spec.dtype)
     if spec.cuda is not None:
         c = spec.cuda
         msg.cuda.CopyFrom(

@@ -25,7 +25,7 @@ import signal
 import threading
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent import futures
 from dataclasses import dataclass
 from typing import Any
@@ -76,19 +76,30 @@ class _Session:
     """One Configure: the attached shared memory and the worker over it."""
 
     bank: SharedBank
+    tokens: SharedBank
     fences: FenceBoard
-    worker: StageWorker
+    worker: Any  # a StageWorker; None once closed
 
     def close(self) -> None:
-        self.worker = None  # type: ignore[assignment]  # drop the bank views before unmapping
+        self.worker = None  # drop the bank views before unmapping
         self.bank.close()
+        self.tokens.close()
         self.fences.close()
 
 
 class StageService(stage_pb2_grpc.StageServicer):
     """The ``cdb.v1.Stage`` servicer of one stage role over an already loaded model."""
 
-    def __init__(self, stage: Stage, model_name: str, dtype: str, model: Any, settings: Settings) -> None:
+    def __init__(
+        self,
+        stage: Stage,
+        model_name: str,
+        dtype: str,
+        model: Any,
+        settings: Settings,
+        worker_factory: Callable[..., Any] = StageWorker,
+    ) -> None:
+        self.worker_factory = worker_factory  # StageWorker's signature; tests pass a fake
         self.stage = stage
         self.model_name = model_name
         self.dtype = dtype
@@ -116,12 +127,16 @@ class StageService(stage_pb2_grpc.StageServicer):
                 self._session.close()
                 self._session = None
             bank = SharedBank.attach(bank_spec_from_pb(request.bank))
+            tokens = SharedBank.attach(bank_spec_from_pb(request.token_bank))
             fences = FenceBoard.attach(request.fences.name)
+            assert bank.tensor is not None and tokens.tensor is not None
             kv = request.kv
             layout = KVLayout(KVPolicy(kv.policy), kv.max_depth, kv.shared_after)
-            worker = StageWorker(self.model, self.stage, bank.tensor, layout, kv.num_blocks, kv.block_size)
-            self._session = _Session(bank, fences, worker)
-        log.info("%s configured: bank %s %dx%d, kv %s", self.stage.name, bank.spec.kind, kv.num_blocks, kv.block_size, kv.policy)
+            worker = self.worker_factory(
+                self.model, self.stage, bank.tensor, layout, kv.num_blocks, kv.block_size, tokens.tensor.view(-1)
+            )
+            self._session = _Session(bank, tokens, fences, worker)
+        log.info("%s configured: %s bank, kv %s x %d", self.stage.name, bank.spec.kind, kv.policy, kv.num_blocks)
         return pb.ConfigureResponse(
             role=role_to_pb(self.stage),
             model=self.model_name,
@@ -134,10 +149,16 @@ class StageService(stage_pb2_grpc.StageServicer):
         session = self._session
         if session is None:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "stage not configured: call Configure first")
+        assert session is not None
         inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         outbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         stop = threading.Event()
-        context.add_callback(lambda: (stop.set(), inbox.put(_END)))
+
+        def on_done() -> None:
+            stop.set()
+            inbox.put(_END)
+
+        context.add_callback(on_done)
 
         def read() -> None:
             try:
@@ -181,7 +202,8 @@ class StageService(stage_pb2_grpc.StageServicer):
             result = StageResult(self.stage, msg.seq, 0.0, error=f"{self.stage.name} stage: {exc}")
         except Exception as exc:  # the op fails, the scheduler fails its requests, the stage keeps serving
             log.error("%s batch %d failed:\n%s", self.stage.name, msg.seq, traceback.format_exc())
-            result = StageResult(self.stage, msg.seq, 0.0, error=f"{self.stage.name} stage: {type(exc).__name__}: {exc}")
+            error = f"{self.stage.name} stage: {type(exc).__name__}: {exc}"
+            result = StageResult(self.stage, msg.seq, 0.0, error=error)
         session.fences.complete(self.stage, msg.seq)
         reply = result_to_pb(result)
         reply.fence_wait_s = fence_wait

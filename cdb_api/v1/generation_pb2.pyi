@@ -97,14 +97,16 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., total_loop_steps: _Optional[int] = ...) -> None: ...
 
 class Finish(_message.Message):
-    __slots__ = ("reason", "usage", "error")
+    __slots__ = ("reason", "usage", "error", "text")
     REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
     reason: FinishReason
     usage: Usage
     error: str
-    def __init__(self, reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., error: _Optional[str] = ...) -> None: ...
+    text: str
+    def __init__(self, reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., error: _Optional[str] = ..., text: _Optional[str] = ...) -> None: ...
 
 class GenerateStreamResponse(_message.Message):
     __slots__ = ("request_id", "token", "finish")

@@ -84,20 +84,22 @@ class KVSpec(_message.Message):
     def __init__(self, policy: _Optional[str] = ..., max_depth: _Optional[int] = ..., shared_after: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...
 
 class ConfigureRequest(_message.Message):
-    __slots__ = ("role", "model", "dtype", "bank", "fences", "kv")
+    __slots__ = ("role", "model", "dtype", "bank", "fences", "kv", "token_bank")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     BANK_FIELD_NUMBER: _ClassVar[int]
     FENCES_FIELD_NUMBER: _ClassVar[int]
     KV_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_BANK_FIELD_NUMBER: _ClassVar[int]
     role: StageRole
     model: str
     dtype: str
     bank: BankSpec
     fences: FenceBoardSpec
     kv: KVSpec
-    def __init__(self, role: _Optional[_Union[StageRole, str]] = ..., model: _Optional[str] = ..., dtype: _Optional[str] = ..., bank: _Optional[_Union[BankSpec, _Mapping]] = ..., fences: _Optional[_Union[FenceBoardSpec, _Mapping]] = ..., kv: _Optional[_Union[KVSpec, _Mapping]] = ...) -> None: ...
+    token_bank: BankSpec
+    def __init__(self, role: _Optional[_Union[StageRole, str]] = ..., model: _Optional[str] = ..., dtype: _Optional[str] = ..., bank: _Optional[_Union[BankSpec, _Mapping]] = ..., fences: _Optional[_Union[FenceBoardSpec, _Mapping]] = ..., kv: _Optional[_Union[KVSpec, _Mapping]] = ..., token_bank: _Optional[_Union[BankSpec, _Mapping]] = ...) -> None: ...
 
 class ConfigureResponse(_message.Message):
     __slots__ = ("role", "model", "architecture", "bank_width", "device")

@@ -1,0 +1,5 @@
+import sys
+
+from cdb.cli import main
+
+sys.exit(main())

@@ -1,0 +1,196 @@
+"""``cdb bench offline``: full-depth, no-refill and CDB on the same seeded workload, in one invocation.
+
+Exit depths are replayed from a distribution with a given mean, min and max (the paper's replay method: every
+mode serves the same depths), or decided live by the model's gate. EOS is off, so every request emits its
+drawn length. Reports throughput, each mode's ratio to full depth, the FLOP bound
+S = (F0 + r_max Fr) / (F0 + d_mean Fr) and the realized fraction (ratio / S).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, replace
+
+from cdb_engine.config import EngineConfig, RequestParams
+from cdb_engine.engine import Engine
+from cdb_engine.setup import StageSetup, torch_dtype
+from cdb_model.base import LoopedLM
+from cdb_model.loader import load_model
+from cdb_scheduler.plan import Executor, SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    """A seeded offline workload: prompts (random token ids), output lengths, replayed depths."""
+
+    prompts: list[list[int]]
+    params: list[RequestParams]
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(p.max_tokens for p in self.params)
+
+
+def depth_sampler(rng: random.Random, mean: float, lo: int, hi: int) -> Callable[[], int]:
+    """Depths in [lo, hi] with the given mean: lo + Binomial(hi - lo, p)."""
+    if not lo <= mean <= hi:
+        raise ValueError(f"mean depth {mean} outside [{lo}, {hi}]")
+    n = hi - lo
+    p = (mean - lo) / n if n else 0.0
+    return lambda: lo + sum(rng.random() < p for _ in range(n))
+
+
+def make_workload(
+    *,
+    vocab: int,
+    num_requests: int,
+    prompt_len: tuple[int, int],
+    output_len: tuple[int, int],
+    depth: tuple[float, int, int] | None,
+    seed: int = 0,
+) -> Workload:
+    """``depth = (mean, min, max)`` replays per-token depths; None lets the live exit rule decide."""
+    rng = random.Random(seed)
+    draw = depth_sampler(rng, *depth) if depth else None
+    prompts, params = [], []
+    for _ in range(num_requests):
+        prompts.append([rng.randrange(3, vocab) for _ in range(rng.randint(*prompt_len))])
+        n = rng.randint(*output_len)
+        replay = tuple(draw() for _ in range(n - 1)) if draw else None
+        params.append(RequestParams(max_tokens=n, sampling=SamplingParams(), ignore_eos=True, replay_depths=replay))
+    return Workload(prompts, params)
+
+
+def run_mode(
+    cfg: EngineConfig, work: Workload, executor_factory: Callable[[StageSetup], Executor] | None
+) -> dict[str, float]:
+    """Drain the workload once on a fresh engine; returns the mode's figures."""
+    with Engine(cfg, executor_factory) as eng:
+        t0 = time.perf_counter()
+        outs = eng.generate(work.prompts, work.params)
+        wall = time.perf_counter() - t0
+        st = eng.sched_stats
+    tokens = sum(len(o.token_ids) for o in outs)
+    loop_compute = st.compute_s[1]
+    return {
+        "wall_s": wall,
+        "tokens": tokens,
+        "tokens_per_s": tokens / wall,
+        "mean_depth": st.mean_depth,
+        "loop_steps": st.loop_steps,
+        "occupancy": st.occupancy,
+        "refill_events": st.refill_events,
+        "loop_compute_s": loop_compute,
+        "loop_busy_fraction": loop_compute / wall,
+        "sched_cpu_per_step_over_step_time": (st.sched_cpu_s / max(1, st.loop_steps))
+        / max(1e-12, loop_compute / max(1, st.loop_steps)),
+        "preemptions": st.preemptions,
+    }
+
+
+def shared_model_factory(model: LoopedLM) -> Callable[[StageSetup], Executor]:
+    from cdb_engine.inprocess import InProcessExecutor
+
+    return lambda setup: InProcessExecutor(setup, model=model)
+
+
+def bench_offline(
+    base: EngineConfig,
+    work: Workload,
+    modes: Sequence[str] = ("full-depth", "no-refill", "cdb"),
+    executor_factory: Callable[[StageSetup], Executor] | None = None,
+    progress: bool = False,
+) -> dict[str, object]:
+    """All modes on one workload; figures relative to full depth and to the FLOP bound."""
+    if executor_factory is None:
+        model = load_model(base.model, dtype=torch_dtype(base.dtype), device=base.device)
+        executor_factory = shared_model_factory(model)
+    warm = Workload(work.prompts[:4], [replace(p, max_tokens=min(p.max_tokens, 4)) for p in work.params[:4]])
+    run_mode(replace(base, mode="cdb"), warm, executor_factory)  # first calls allocate and warm caches
+    results: dict[str, dict[str, float]] = {}
+    for i, mode in enumerate(modes):
+        if progress:
+            print(f"[{i + 1}/{len(modes)}] {mode} ...", file=sys.stderr, flush=True)
+        results[mode] = run_mode(replace(base, mode=mode), work, executor_factory)
+    probe = Engine(base)
+    f0, fr = probe.model_config.param_counts()
+    r = probe.limits.max_depth
+    adaptive = results.get("cdb") or results[modes[-1]]
+    d = adaptive["mean_depth"]
+    bound = (f0 + r * fr) / (f0 + d * fr)
+    summary: dict[str, object] = {
+        "model": base.model,
+        "F0": f0,
+        "Fr": fr,
+        "F0_over_Fr": f0 / fr,
+        "max_depth": r,
+        "mean_depth": d,
+        "flop_bound_S": bound,
+        "width": base.max_num_seqs,
+        "requests": len(work.prompts),
+        "output_tokens": work.output_tokens,
+        "modes": results,
+    }
+    if "full-depth" in results:
+        ref = results["full-depth"]["tokens_per_s"]
+        for mode, fig in results.items():
+            fig["ratio_to_full_depth"] = fig["tokens_per_s"] / ref
+            fig["realized_fraction_of_S"] = fig["ratio_to_full_depth"] / bound
+    return summary
+
+
+def _table(summary: dict[str, object]) -> str:
+    lines = [
+        f"model {summary['model']}  F0/Fr {summary['F0_over_Fr']:.3f}  r_max {summary['max_depth']}  "
+        f"mean depth {summary['mean_depth']:.2f}  FLOP bound S {summary['flop_bound_S']:.3f}  width {summary['width']}",
+        f"{'mode':<11} {'tok/s':>9} {'ratio':>7} {'of S':>6} {'occup.':>7} {'refills':>8} {'sched/step':>10}",
+    ]
+    modes = summary["modes"]
+    assert isinstance(modes, dict)
+    for mode, f in modes.items():
+        lines.append(
+            f"{mode:<11} {f['tokens_per_s']:>9.1f} {f.get('ratio_to_full_depth', 0):>7.3f} "
+            f"{f.get('realized_fraction_of_S', 0):>6.3f} {f['occupancy']:>7.3f} {f['refill_events']:>8d} "
+            f"{f['sched_cpu_per_step_over_step_time']:>10.4f}"
+        )
+    return "\n".join(lines)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="ouro-bench", help="preset name or checkpoint folder")
+    p.add_argument("--requests", type=int, default=128)
+    p.add_argument("--width", type=int, default=32, help="max resident requests (loop batch width)")
+    p.add_argument("--prompt-len", type=int, nargs=2, default=(16, 64), metavar=("MIN", "MAX"))
+    p.add_argument("--output-len", type=int, nargs=2, default=(32, 96), metavar=("MIN", "MAX"))
+    p.add_argument("--depth-mean", type=float, default=None, help="replay depths with this mean (default: live)")
+    p.add_argument("--depth-min", type=int, default=1)
+    p.add_argument("--depth-max", type=int, default=None, help="default: the model's max depth")
+    p.add_argument("--kv-policy", default="single")
+    p.add_argument("--modes", default="full-depth,no-refill,cdb")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+
+
+def main(args: argparse.Namespace) -> int:
+    exit_rule = "replay" if args.depth_mean is not None else "auto"
+    base = EngineConfig(model=args.model, dtype=args.dtype, max_num_seqs=args.width, kv_policy=args.kv_policy,
+                        exit_rule=exit_rule, num_threads=args.threads)  # fmt: skip
+    probe = Engine(base)
+    r = args.depth_max or probe.limits.max_depth
+    depth = (args.depth_mean, args.depth_min, r) if args.depth_mean is not None else None
+    work = make_workload(vocab=probe.model_config.vocab_size, num_requests=args.requests,
+                         prompt_len=tuple(args.prompt_len), output_len=tuple(args.output_len), depth=depth,
+                         seed=args.seed)  # fmt: skip
+    summary = bench_offline(base, work, args.modes.split(","), progress=not args.json)
+    print(json.dumps(summary, indent=2) if args.json else _table(summary))
+    return 0
+
+
+__all__ = ["Workload", "asdict", "bench_offline", "make_workload", "run_mode"]

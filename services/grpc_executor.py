@@ -1,0 +1,260 @@
+"""``Executor`` (``cdb_scheduler.plan``) over gRPC: one persistent ``Run`` stream per stage server.
+
+The executor owns the shared memory: it creates the hidden-state bank and the fence board, ``Configure``s each
+stage to attach them, then opens the three streams. ``submit`` converts an op to a ``StageBatch`` and queues it
+on its stage's stream without waiting (so several batches are in flight per stage); one reader thread per stream
+turns replies into ``StageResult``s on a single result queue that ``poll`` reads.
+
+Failure contract (never hang): when a stream breaks or ends (stage process killed, connection lost, keepalive
+timeout on a frozen stage), the executor becomes ``broken``: the fence board is aborted (stages waiting on a fence
+give up at once), every outstanding op of every stage gets a ``StageResult`` with ``error`` (exactly once, in
+``seq`` order per stage), and every later ``submit`` is answered with an error result at once. ``broken`` (the
+reason) is what the service's health check reads.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+
+import grpc
+
+from cdb_api.v1 import stage_pb2 as pb
+from cdb_api.v1 import stage_pb2_grpc
+from cdb_engine.setup import StageSetup
+from cdb_scheduler.plan import Stage, StageOp, StageResult
+from services.bank import FenceBoard, SharedBank
+from services.convert import bank_spec_to_pb, op_to_pb, result_from_pb, role_to_pb
+from services.settings import Settings, load_settings
+
+log = logging.getLogger("cdb.executor")
+
+_END = object()
+_WAKE = object()
+
+
+def channel_options(settings: Settings) -> list[tuple[str, int]]:
+    """Stage channel options: keepalive pings detect a frozen stage; no message size surprises."""
+    keepalive_ms = int(settings.stage_keepalive_s * 1000)
+    return [
+        ("grpc.keepalive_time_ms", keepalive_ms),
+        ("grpc.keepalive_timeout_ms", keepalive_ms),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.max_receive_message_length", 64 << 20),
+        ("grpc.max_send_message_length", 64 << 20),
+    ]
+
+
+@dataclass(slots=True)
+class StageCounters:
+    """Per-stage figures accumulated from replies (benchmarks, idle fraction)."""
+
+    ops: int = 0
+    compute_s: float = 0.0
+    fence_wait_s: float = 0.0
+    errors: int = 0
+    ping_rtts: list[float] = field(default_factory=list)
+
+
+class _Link:
+    """One stage's persistent Run stream: a send queue feeding gRPC, and a reader thread."""
+
+    def __init__(self, stage: Stage, channel: grpc.Channel, owner: GrpcExecutor) -> None:
+        self.stage = stage
+        self._outbox: queue.SimpleQueue[object] = queue.SimpleQueue()
+        stub = stage_pb2_grpc.StageStub(channel)
+        self.call = stub.Run(iter(self._outbox.get, _END))  # gRPC drains the iterator on its own thread
+        self._owner = owner
+        self._thread = threading.Thread(target=self._read, name=f"cdb-link-{stage.name.lower()}", daemon=True)
+        self._thread.start()
+
+    def send(self, msg: pb.StageBatch) -> None:
+        self._outbox.put(msg)
+
+    def _read(self) -> None:
+        replies: Iterator[pb.StageReply] = self.call
+        try:
+            for reply in replies:
+                self._owner._on_reply(self.stage, reply)
+            why = "stream ended"
+        except grpc.RpcError as exc:
+            why = f"{exc.code().name}: {exc.details()}"
+        self._owner._on_broken(f"{self.stage.name.lower()} stage failed ({why})")
+
+    def send_end(self) -> None:
+        """Half-close: the stage finishes what it has, then ends the stream."""
+        self._outbox.put(_END)
+
+    def close(self) -> None:
+        self._outbox.put(_END)  # half-close: the stage finishes what it has, then ends the stream
+        self.call.cancel()
+        self._thread.join(timeout=5)
+
+
+class GrpcExecutor:
+    """Executes stage ops on three stage servers. Thread-safe ``submit``/``wake``; one poller at a time."""
+
+    def __init__(self, setup: StageSetup, stage_addrs: Mapping[Stage, str], settings: Settings | None = None):
+        self.settings = settings or load_settings()
+        self.setup = setup
+        self.counters = {stage: StageCounters() for stage in Stage}
+        self.broken: str | None = None
+        self._lock = threading.Lock()
+        self._results: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._outstanding: dict[Stage, dict[int, float]] = {stage: {} for stage in Stage}
+        self._pongs: dict[int, threading.Event] = {}
+        self._closed = False
+        self._links: dict[Stage, _Link] = {}
+        self.channels: dict[Stage, grpc.Channel] = {}
+        bank_device = setup.device if setup.device.startswith("cuda") else "cpu"
+        self.bank = SharedBank.create(setup.bank_rows, setup.bank_width, setup.dtype, bank_device)
+        self.tokens = SharedBank.create(setup.bank_rows, 1, "int64", bank_device)
+        self.fences = FenceBoard.create()
+        try:
+            for stage in Stage:
+                self.channels[stage] = self._connect(stage, stage_addrs[stage])
+            for stage in Stage:
+                self._configure(stage)
+            for stage in Stage:
+                self._links[stage] = _Link(stage, self.channels[stage], self)
+        except BaseException:
+            self.close()
+            raise
+
+    def _connect(self, stage: Stage, address: str) -> grpc.Channel:
+        channel = grpc.insecure_channel(address, options=channel_options(self.settings))
+        try:
+            grpc.channel_ready_future(channel).result(timeout=self.settings.stage_connect_timeout_s)
+        except grpc.FutureTimeoutError:
+            channel.close()
+            raise ConnectionError(f"{stage.name.lower()} stage at {address} not reachable") from None
+        return channel
+
+    def _configure(self, stage: Stage) -> None:
+        s = self.setup
+        request = pb.ConfigureRequest(
+            role=role_to_pb(stage),
+            model=s.model,
+            dtype=s.dtype,
+            bank=bank_spec_to_pb(self.bank.spec),
+            token_bank=bank_spec_to_pb(self.tokens.spec),
+            fences=pb.FenceBoardSpec(name=self.fences.name),
+            kv=pb.KVSpec(
+                policy=s.kv_policy,
+                max_depth=s.max_depth,
+                shared_after=s.kv_shared_after,
+                num_blocks=s.num_kv_blocks,
+                block_size=s.kv_block_size,
+            ),
+        )
+        stub = stage_pb2_grpc.StageStub(self.channels[stage])
+        stub.Configure(request, timeout=self.settings.stage_connect_timeout_s, wait_for_ready=True)
+
+    # --- Executor protocol -----------------------------------------------------------------------------------
+
+    def submit(self, op: StageOp) -> None:
+        """Queue ``op`` on its stage's stream; never blocks on compute or the network."""
+        with self._lock:
+            broken = self.broken
+            if broken is None:
+                self._outstanding[op.stage][op.seq] = time.perf_counter()
+        if broken is not None:
+            self._results.put(StageResult(op.stage, op.seq, 0.0, error=broken))
+            return
+        self._links[op.stage].send(op_to_pb(op))
+
+    def poll(self, timeout: float | None) -> StageResult | None:
+        try:
+            item = self._results.get(timeout=timeout)
+        except queue.Empty:
+            return None
+        return item if isinstance(item, StageResult) else None
+
+    def wake(self) -> None:
+        self._results.put(_WAKE)
+
+    def close(self) -> None:
+        """End the streams, close the channels, free the shared memory. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        for link in self._links.values():
+            link.close()
+        for channel in self.channels.values():
+            channel.close()
+        self.fences.close()
+        self.bank.close()
+        self.tokens.close()
+
+    # --- diagnostics -----------------------------------------------------------------------------------------
+
+    def ping(self, stage: Stage, timeout: float = 5.0) -> float:
+        """Round trip of an empty batch through ``stage``'s stream (queued behind its pending batches)."""
+        token = -(time.perf_counter_ns() & 0x3FFFFFFFFFFFFFFF) - 1  # negative: never a real op seq
+        done = threading.Event()
+        with self._lock:
+            self._pongs[token] = done
+        start = time.perf_counter()
+        self._links[stage].send(pb.StageBatch(seq=token, ping=pb.Ping()))
+        if not done.wait(timeout):
+            raise TimeoutError(f"{stage.name.lower()} stage did not answer a ping in {timeout}s")
+        rtt = time.perf_counter() - start
+        self.counters[stage].ping_rtts.append(rtt)
+        return rtt
+
+    # --- called by the link threads --------------------------------------------------------------------------
+
+    def _on_reply(self, stage: Stage, reply: pb.StageReply) -> None:
+        if reply.pong:
+            with self._lock:
+                event = self._pongs.pop(reply.seq, None)
+            if event is not None:
+                event.set()
+            return
+        with self._lock:
+            if self._outstanding[stage].pop(reply.seq, None) is None:
+                return  # already failed when the executor broke
+            c = self.counters[stage]
+            c.ops += 1
+            c.compute_s += reply.compute_s
+            c.fence_wait_s += reply.fence_wait_s
+            c.errors += bool(reply.error)
+        self._results.put(result_from_pb(reply))
+
+    def _on_broken(self, why: str) -> None:
+        with self._lock:
+            if self._closed or self.broken is not None:
+                return
+            self.broken = why
+            failed = [(stage, sorted(pending)) for stage, pending in self._outstanding.items()]
+            for pending in self._outstanding.values():
+                pending.clear()
+        log.error("executor broken: %s", why)
+        self.fences.abort()
+        for stage, seqs in failed:
+            for seq in seqs:
+                self._results.put(StageResult(stage, seq, 0.0, error=why))
+        for link in self._links.values():
+            link.send_end()
+
+
+class GrpcExecutorFactory:
+    """``executor_factory`` for ``Engine``: builds a :class:`GrpcExecutor` and remembers it for health checks."""
+
+    def __init__(self, stage_addrs: Mapping[Stage, str], settings: Settings | None = None) -> None:
+        missing = set(Stage) - set(stage_addrs)
+        if missing:
+            raise ValueError(f"missing stage addresses: {sorted(s.name.lower() for s in missing)}")
+        self.stage_addrs = dict(stage_addrs)
+        self.settings = settings or load_settings()
+        self.executor: GrpcExecutor | None = None
+
+    def __call__(self, setup: StageSetup) -> GrpcExecutor:
+        self.executor = GrpcExecutor(setup, self.stage_addrs, self.settings)
+        return self.executor

@@ -1,0 +1,140 @@
+"""The public API edge: ``cdb.v1.Generation`` messages <-> engine calls, and the ONE exception -> status map.
+
+Protobuf types stop here; the engine sees ``RequestParams`` and emits ``TokenEvent`` / ``FinishEvent``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+
+from cdb_api.v1 import generation_pb2 as pb
+from cdb_engine.config import RequestParams
+from cdb_engine.engine import Engine, FinishEvent, TokenEvent
+from cdb_engine.errors import EngineStopped, InvalidRequest, Overloaded
+from cdb_scheduler.plan import SamplingParams, TokenLogprobs
+
+_DEFAULT_MAX_TOKENS = RequestParams().max_tokens
+
+# engine field names -> request field paths of GenerateRequest, so that errors name what the caller sent
+_FIELD_PATHS = {
+    "temperature": "sampling.temperature",
+    "top_p": "sampling.top_p",
+    "top_k": "sampling.top_k",
+    "logprobs": "sampling.top_logprobs",
+}
+
+_FINISH = {
+    "stop": pb.FINISH_REASON_STOP,
+    "length": pb.FINISH_REASON_LENGTH,
+    "cancelled": pb.FINISH_REASON_CANCELLED,
+    "error": pb.FINISH_REASON_ERROR,
+}
+
+
+class StageFailed(Exception):
+    """The engine failed a request because a stage (process) failed."""
+
+
+class ServerDraining(Exception):
+    """The server is shutting down: no new work, in-flight work cut at the drain deadline."""
+
+
+def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The gRPC status of an exception raised while serving a request: the only such mapping."""
+    if isinstance(exc, InvalidRequest):
+        return grpc.StatusCode.INVALID_ARGUMENT, f"{_FIELD_PATHS.get(exc.field, exc.field)}: {exc.message}"
+    if isinstance(exc, Overloaded):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, f"server overloaded: {exc}"
+    if isinstance(exc, StageFailed | EngineStopped | ServerDraining):
+        return grpc.StatusCode.UNAVAILABLE, str(exc) or type(exc).__name__
+    return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
+
+
+def request_to_engine(req: pb.GenerateRequest) -> tuple[str | list[int], RequestParams]:
+    """The prompt (text or ids) and the engine's parameters of a request; values are validated by the engine."""
+    prompt: str | list[int] = list(req.token_ids.ids) if req.WhichOneof("prompt") == "token_ids" else req.text
+    s = req.sampling
+    sampling = SamplingParams(
+        temperature=s.temperature,
+        top_k=s.top_k,
+        top_p=s.top_p if s.HasField("top_p") else 1.0,
+        seed=s.seed,
+        logprobs=s.top_logprobs,
+        return_logprob=s.return_logprobs,
+    )
+    params = RequestParams(
+        max_tokens=req.max_tokens if req.HasField("max_tokens") else _DEFAULT_MAX_TOKENS,
+        sampling=sampling,
+        stop_token_ids=tuple(req.stop_token_ids),
+        stop_strings=tuple(req.stop_strings),
+        exit_threshold=req.exit_threshold if req.HasField("exit_threshold") else None,
+        ignore_eos=req.ignore_eos,
+    )
+    return prompt, params
+
+
+def _logprobs_pb(lp: TokenLogprobs) -> pb.TokenLogprobs:
+    return pb.TokenLogprobs(logprob=lp.logprob, top_ids=lp.top_ids, top_logprobs=lp.top_logprobs)
+
+
+def token_to_pb(ev: TokenEvent) -> pb.Token:
+    tok = pb.Token(id=ev.token_id, text=ev.text, depth=ev.depth)
+    if ev.logprobs is not None:
+        tok.logprobs.CopyFrom(_logprobs_pb(ev.logprobs))
+    return tok
+
+
+def finish_to_pb(ev: FinishEvent) -> pb.Finish:
+    usage = pb.Usage(
+        prompt_tokens=ev.prompt_tokens, generated_tokens=ev.generated_tokens, total_loop_steps=ev.total_loop_steps
+    )
+    return pb.Finish(
+        reason=_FINISH.get(ev.finish_reason, pb.FINISH_REASON_UNSPECIFIED),
+        usage=usage,
+        error=ev.error or "",
+        text=ev.text,
+    )
+
+
+def event_to_pb(ev: TokenEvent | FinishEvent) -> pb.GenerateStreamResponse:
+    if isinstance(ev, TokenEvent):
+        return pb.GenerateStreamResponse(request_id=ev.request_id, token=token_to_pb(ev))
+    return pb.GenerateStreamResponse(request_id=ev.request_id, finish=finish_to_pb(ev))
+
+
+def info_to_pb(engine: Engine, deployment: str, max_concurrent_rpcs: int, extra_error: str | None = None) -> Any:
+    """``InfoResponse`` from the engine's configuration, limits and live counters."""
+    cfg, mc, limits = engine.config, engine.model_config, engine.limits
+    st = engine.stats()
+    error = st.error or extra_error
+    return pb.InfoResponse(
+        model=cfg.model,
+        architecture=mc.arch,
+        max_depth=limits.max_depth,
+        vocab_size=mc.vocab_size,
+        kv_policy=cfg.kv_policy,
+        mode=cfg.mode,
+        deployment=deployment,
+        limits=pb.Limits(
+            max_input_tokens=limits.max_input_tokens,
+            max_total_tokens=limits.max_total_tokens,
+            max_num_seqs=cfg.max_num_seqs,
+            max_waiting=cfg.max_waiting,
+            max_running=cfg.max_num_seqs + cfg.max_waiting,
+            max_concurrent_rpcs=max_concurrent_rpcs,
+        ),
+        counters=pb.Counters(
+            waiting=st.waiting,
+            running=st.running,
+            held_rows=st.held_rows,
+            used_kv_blocks=st.used_kv_blocks,
+            total_kv_blocks=st.total_kv_blocks,
+            loop_steps=st.loop_steps,
+        ),
+        healthy=st.healthy and error is None,
+        error=error or "",
+        kv_block_size=cfg.kv_block_size,
+        dtype=cfg.dtype,
+    )
