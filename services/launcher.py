@@ -293,7 +293,7 @@ def demo_main(argv: list[str] | None = None) -> int:
         print(f"serving on {handle.address}; streaming one generation (token[depth]):", flush=True)
         for item in client.stream(args.prompt, max_tokens=args.demo_max_tokens):
             if isinstance(item, StreamToken):
-                print(f"{item.text!r}[{item.depth}]", end=" ", flush=True)
+                print(f"{item.text or f'<{item.id}>'}[{item.depth}]", end=" ", flush=True)
             else:
                 print(f"\nfinish: {item.finish_reason}, {item.generated_tokens} tokens, {item.total_loop_steps} steps")
     return 0

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import struct
 import threading
 from collections import deque
 from collections.abc import Sequence
@@ -71,14 +72,59 @@ def any_value(value: Any) -> AnyValue:
     return AnyValue(array_value=ArrayValue(values=[any_value(v) for v in value]))
 
 
-def field(tag: int, payload: bytes) -> bytes:
-    """One length-delimited protobuf field (``tag`` = field number << 3 | 2) holding ``payload``."""
-    n, head = len(payload), bytearray((tag,))
+def _varint(n: int) -> bytes:
+    if n < 0:
+        n += 1 << 64  # int64 two's complement, as protobuf encodes negative varints
+    out = bytearray()
     while n >= 0x80:
-        head.append((n & 0x7F) | 0x80)
+        out.append((n & 0x7F) | 0x80)
         n >>= 7
-    head.append(n)
-    return bytes(head) + payload
+    out.append(n)
+    return bytes(out)
+
+
+def field(tag: int, payload: bytes) -> bytes:
+    """One length-delimited protobuf field (``tag`` = field number << 3 | 2, below 128) holding ``payload``."""
+    n = len(payload)
+    return bytes((tag, n)) + payload if n < 0x80 else bytes((tag,)) + _varint(n) + payload
+
+
+_F64, _F32, _DBL = struct.Struct("<Q").pack, struct.Struct("<I").pack, struct.Struct("<d").pack
+_KEYS: dict[str, bytes] = {}  # attribute key → its encoded KeyValue.key field (keys are a small fixed set)
+
+
+def attribute_field(key: str, value: Any) -> bytes:
+    """``Span.attributes`` entry (field 9): KeyValue{key=1, value=2: AnyValue{string=1|bool=2|int=3|double=4}}."""
+    k = _KEYS.get(key)
+    if k is None:
+        k = _KEYS[key] = field(0x0A, key.encode())
+    if isinstance(value, bool):
+        v = b"\x10\x01" if value else b"\x10\x00"
+    elif isinstance(value, int):
+        v = b"\x18" + (bytes((value,)) if 0 <= value < 0x80 else _varint(value))
+    elif isinstance(value, float):
+        v = b"\x21" + _DBL(value)
+    elif isinstance(value, str):
+        v = field(0x0A, value.encode())
+    else:
+        v = any_value(value).SerializeToString()
+    return field(0x4A, k + field(0x12, v))
+
+
+def span_bytes(s: Normalized) -> bytes:
+    """The wire encoding of one OTLP ``Span`` (field numbers of opentelemetry/proto/trace/v1/trace.proto)."""
+    name, kind, trace_id, span_id, parent_id, start, end, attrs, links, error = s
+    parts = [b"\x0a\x10", trace_id.to_bytes(16, "big"), b"\x12\x08", span_id.to_bytes(8, "big")]
+    if parent_id:
+        parts += (b"\x22\x08", parent_id.to_bytes(8, "big"))
+    # name=5; kind=6 (SDK SpanKind starts at INTERNAL=0, OTLP at INTERNAL=1); start=7, end=8 (fixed64)
+    parts += (field(0x2A, name.encode()), bytes((0x30, kind.value + 1)), b"\x39", _F64(start), b"\x41", _F64(end))
+    parts += [attribute_field(k, v) for k, v in attrs.items()]
+    if error:  # status=15: Status{message=2, code=3 (ERROR=2)}
+        parts.append(field(0x7A, field(0x12, error.encode()) + b"\x18\x02"))
+    parts += (b"\x85\x01", _F32(0x101))  # flags=16 (fixed32): has_is_remote (parent is local) | sampled
+    parts += [link for _, link in links]
+    return b"".join(parts)
 
 
 def link_field(ctx: SpanContext) -> bytes:
@@ -148,7 +194,7 @@ class LeanRecorder:
             _, name, kind, trace_id, span_id, parent_id, start, end, span_attrs, error = r
             return (name, kind, trace_id, span_id, parent_id, start, end, span_attrs, [], error)
         _, name, seq, links, size, start, end, compute_s, extra, error = r
-        uniq = list(dict.fromkeys(filter(None, links))) if links else []
+        uniq = list({id(e): e for e in links if e is not None}.values()) if links else []  # one entry per request
         trace_id, span_id = new_ids()
         if not uniq and (trace_id & _MASK64) >= self._root_bound:
             return None
@@ -170,24 +216,9 @@ class LeanRecorder:
                 log.exception("span export failed")
 
     def encode(self, spans: list[Normalized]) -> ExportTraceServiceRequest:
-        """One OTLP request: resource → scope → spans, each span's links appended as pre-encoded fields."""
-        body = []
-        for name, kind, trace_id, span_id, parent_id, start, end, attrs, links, error in spans:
-            sp = PbSpan(
-                trace_id=trace_id.to_bytes(16, "big"),
-                span_id=span_id.to_bytes(8, "big"),
-                parent_span_id=parent_id.to_bytes(8, "big") if parent_id else b"",
-                name=name,
-                kind=cast(Any, kind.value + 1),  # SDK SpanKind starts at INTERNAL=0, OTLP at INTERNAL=1
-                start_time_unix_nano=start,
-                end_time_unix_nano=end,
-                attributes=[KeyValue(key=k, value=any_value(v)) for k, v in attrs.items()],
-                flags=0x101,  # has_is_remote (the parent is local) | sampled
-            )
-            if error:
-                sp.status.code, sp.status.message = PbSpan.Status.STATUS_CODE_ERROR, error
-            body.append(field(0x12, sp.SerializeToString() + b"".join(link for _, link in links)))
-        scope_spans = field(0x12, self._scope_prefix + b"".join(body))
+        """One OTLP request: ResourceSpans{resource=1, scope_spans=2: ScopeSpans{scope=1, spans=2}}."""
+        body = b"".join([field(0x12, span_bytes(s)) for s in spans])
+        scope_spans = field(0x12, self._scope_prefix + body)
         return ExportTraceServiceRequest.FromString(field(0x0A, self._res_prefix + scope_spans))
 
     def _readable(self, s: Normalized) -> ReadableSpan:

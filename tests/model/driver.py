@@ -132,7 +132,7 @@ def drive_workers(
                         copies.append(KVCopy(t.rid, t.position, layout.slot(t.step)))
                 else:
                     t.step += 1
-            loop = [t for t in loop if t not in exited]
+            loop = [t for t in loop if all(t is not e for e in exited)]
         head = [(t.rid, t.position, t.rid, True, t.index) for t in exited]
         for r, ps in chunks:
             last = ps[-1] == len(prompts[r]) - 1

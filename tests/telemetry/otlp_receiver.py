@@ -174,6 +174,16 @@ def linked_to(spans: Iterable[CollectedSpan], target: CollectedSpan) -> list[Col
     return [s for s in spans if (target.trace_id, target.span_id) in s.links]
 
 
+def descendants(spans: Iterable[CollectedSpan], root: CollectedSpan) -> list[CollectedSpan]:
+    """``root`` and every span below it (a trace may hold several requests, e.g. under one client span)."""
+    same = trace_of(spans, root.trace_id)
+    found, frontier = [root], [root]
+    while frontier:
+        frontier = [s for p in frontier for s in children(same, p)]
+        found.extend(frontier)
+    return found
+
+
 def format_spans(spans: Iterable[CollectedSpan]) -> str:
     return "\n".join(f"  [{s.service}] {s.name} {s.duration_ms:.3f} ms parent={s.parent_span_id}" for s in spans)
 
@@ -208,7 +218,7 @@ def check_request_trace(
     assert request.kind == KIND_SERVER, request
     for key in ("gen_ai.operation.name", "gen_ai.request.model", "gen_ai.request.max_tokens"):
         assert key in request.attributes, (key, request.attributes)
-    mine = trace_of(spans, request.trace_id)
+    mine = descendants(spans, request)
     phases = {s.name: s for s in children(mine, request)}
     for name in ("queue", "prefill"):
         assert name in phases, f"no {name} span under the request:\n{format_trace(mine, request)}"

@@ -121,9 +121,7 @@ def test_console_exporter(monkeypatch: pytest.MonkeyPatch, capsys: pytest.Captur
     assert "console-svc" in out
 
 
-def test_service_name_default_and_sampler_off(
-    receiver: OtlpReceiver, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_service_name_default_and_sampler_off(receiver: OtlpReceiver, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OTEL_TRACES_EXPORTER", "otlp")
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.endpoint)
     monkeypatch.delenv("OTEL_SERVICE_NAME", raising=False)

@@ -1,0 +1,83 @@
+"""Overload, SIGTERM drain and ``kill -9`` of each stage, each on its own real process tree."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import grpc
+import pytest
+
+from cdb_engine.config import EngineConfig
+from cdb_scheduler.plan import Stage
+from clients.common import GenerateOptions
+from clients.sync_client import Client
+from tests.services.tree import StreamRun, process_tree
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+
+LONG = GenerateOptions(max_tokens=3000, ignore_eos=True)
+
+
+def test_overload_is_resource_exhausted_at_once() -> None:
+    config = EngineConfig(model="ouro-tiny", max_num_seqs=2, max_waiting=2, num_kv_blocks=512)
+    with process_tree(config) as tree, Client(tree.address, timeout=60) as client:
+        runs = [StreamRun(client, "busy", GenerateOptions(LONG, request_id=f"r{i}")).start() for i in range(4)]
+        deadline = time.monotonic() + 30
+        while (c := client.info().counters)["running"] + c["waiting"] < 4 and time.monotonic() < deadline:
+            pass  # wait until all four are admitted or queued
+        t0 = time.monotonic()
+        with pytest.raises(grpc.RpcError) as err:
+            list(client.stream("one too many", max_tokens=5))
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert time.monotonic() - t0 < 2.0
+        for i in range(4):
+            assert client.abort(f"r{i}")
+        for run in runs:
+            assert run.done.wait(30) and run.finish is not None and run.finish.finish_reason == "cancelled"
+        assert client.generate("fits again", max_tokens=2).finish.generated_tokens == 2
+
+
+def test_sigterm_stops_serving_drains_in_flight_streams_and_exits() -> None:
+    config = EngineConfig(model="ouro-tiny", max_num_seqs=8, num_kv_blocks=512)
+    with process_tree(config, CDB_DRAIN_TIMEOUT_S="4") as tree, Client(tree.address, timeout=60) as client:
+        short = [StreamRun(client, f"short {i}", GenerateOptions(max_tokens=40, ignore_eos=True)).start()
+                 for i in range(3)]  # fmt: skip
+        long = [StreamRun(client, f"long {i}", LONG).start() for i in range(2)]
+        for run in short + long:
+            assert run.first.wait(30)
+        assert tree.scheduler is not None
+        tree.scheduler.send_signal(signal.SIGTERM)
+        client.wait_for_status("NOT_SERVING", timeout=10)
+        with pytest.raises(grpc.RpcError) as err:
+            client.generate("too late", max_tokens=2)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        for run in short:  # in-flight streams finish normally
+            assert run.done.wait(30) and run.error is None
+            assert run.finish is not None and run.finish.finish_reason == "length" and len(run.tokens) == 40
+        for run in long:  # cut at the drain deadline
+            assert run.done.wait(30) and run.code == grpc.StatusCode.UNAVAILABLE
+        assert tree.scheduler.wait(timeout=30) == 0
+
+
+@pytest.mark.parametrize("role", list(Stage), ids=lambda s: s.name.lower())
+def test_kill_9_of_a_stage_gives_unavailable_promptly_and_not_serving(role: Stage) -> None:
+    config = EngineConfig(model="ouro-tiny", max_num_seqs=8, num_kv_blocks=512)
+    with process_tree(config) as tree, Client(tree.address, timeout=60) as client:
+        runs = [StreamRun(client, f"prompt {i}", LONG).start() for i in range(4)]
+        for run in runs:
+            assert run.first.wait(30) and run.error is None
+        t0 = time.monotonic()
+        os.kill(tree.stages[role].pid, signal.SIGKILL)
+        for run in runs:
+            assert run.done.wait(15)
+            assert run.code == grpc.StatusCode.UNAVAILABLE, (run.code, run.finish)
+            assert role.name.lower() in run.error.details()  # type: ignore[union-attr]
+        assert time.monotonic() - t0 < 5.0
+        client.wait_for_status("NOT_SERVING", timeout=10)
+        with pytest.raises(grpc.RpcError) as err:
+            client.generate("after the crash", max_tokens=2)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        info = client.info()
+        assert not info.healthy and role.name.lower() in info.error

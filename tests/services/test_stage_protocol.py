@@ -1,0 +1,177 @@
+"""The stage protocol with stage servers in this process: fences, errors, broken streams, configuration, and
+the engine over gRPC executors producing exactly the in-process engine's tokens."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from cdb_api.v1 import stage_pb2 as pb
+from cdb_api.v1 import stage_pb2_grpc
+from cdb_engine.config import EngineConfig, RequestParams
+from cdb_engine.engine import Engine
+from cdb_model.loader import load_model
+from cdb_scheduler.plan import Fence, HeadOp, LoopOp, PreludeOp, SamplingParams, Stage, StageResult
+from services.grpc_executor import GrpcExecutor, GrpcExecutorFactory
+from services.stage_server import require_loopback
+from tests.services.stage_harness import FAST, FakeWorker, fake_model, fake_setup, stage_servers
+
+pytestmark = pytest.mark.timeout(90)
+
+
+def loop_op(seq: int, rows: tuple[int, ...], fences: tuple[Fence, ...] = ()) -> LoopOp:
+    n = len(rows)
+    return LoopOp(seq, fences, (), (), request_ids=rows, positions=(0,) * n, rows=rows, steps=(0,) * n)
+
+
+def head_op(seq: int, rows: tuple[int, ...], fences: tuple[Fence, ...] = ()) -> HeadOp:
+    n = len(rows)
+    return HeadOp(seq, fences, (), (), request_ids=rows, positions=(0,) * n, rows=rows, sample=(True,) * n,
+                  sampling=(SamplingParams(),) * n, token_index=(0,) * n)  # fmt: skip
+
+
+def poll_all(ex: GrpcExecutor, n: int, timeout: float = 10.0) -> list[StageResult]:
+    out: list[StageResult] = []
+    deadline = time.monotonic() + timeout
+    while len(out) < n and time.monotonic() < deadline:
+        res = ex.poll(deadline - time.monotonic())
+        if res is not None:
+            out.append(res)
+    return out
+
+
+@pytest.fixture
+def fake_stages(tmp_path: Path) -> Iterator[tuple[dict, GrpcExecutor]]:
+    FakeWorker.reset()
+    with stage_servers(tmp_path, lambda s: fake_model(), worker_factory=FakeWorker) as running:
+        ex = GrpcExecutor(fake_setup(), {s: r.address for s, r in running.items()}, FAST)
+        try:
+            yield running, ex
+        finally:
+            for gate in FakeWorker.gates.values():
+                gate.set()
+            ex.close()
+
+
+def test_fences_order_stages_and_results_arrive_in_order(fake_stages: tuple[dict, GrpcExecutor]) -> None:
+    running, ex = fake_stages
+    gate = FakeWorker.gates[(Stage.LOOP, 1)] = threading.Event()
+    ex.submit(loop_op(0, (1, 2)))
+    ex.submit(loop_op(1, (1, 2)))
+    ex.submit(head_op(0, (1, 2), fences=(Fence(Stage.LOOP, 1),)))  # must wait for the gated loop op
+    ex.submit(PreludeOp(0, (), (), (), request_ids=(3,), token_ids=(5,), positions=(0,), rows=(3,), init_seeds=(-1,)))
+    first = poll_all(ex, 2)  # loop 0 and the prelude op; the head op waits on its fence
+    assert {(r.stage, r.seq) for r in first} == {(Stage.LOOP, 0), (Stage.PRELUDE, 0)}
+    gate.set()
+    rest = poll_all(ex, 2)
+    assert [(r.stage, r.seq) for r in rest] == [(Stage.LOOP, 1), (Stage.HEAD, 0)]
+    assert rest[1].token_ids == (2, 2)  # the head saw both loop steps through the shared bank
+    assert FakeWorker.log.index((Stage.LOOP, 1)) < FakeWorker.log.index((Stage.HEAD, 0))
+    assert ex.ping(Stage.LOOP) > 0 and ex.counters[Stage.LOOP].ops == 2
+
+
+def test_failed_op_replies_error_and_the_stage_keeps_serving(fake_stages: tuple[dict, GrpcExecutor]) -> None:
+    _, ex = fake_stages
+    FakeWorker.fail_seqs.add((Stage.LOOP, 0))
+    ex.submit(loop_op(0, (0,)))
+    ex.submit(loop_op(1, (0,)))
+    a, b = poll_all(ex, 2)
+    assert a.seq == 0 and a.error is not None and "injected failure" in a.error
+    assert b.seq == 1 and b.error is None and b.signals == (0.5,)
+    assert ex.broken is None
+
+
+def test_fence_timeout_fails_the_op_not_the_stage(tmp_path: Path) -> None:
+    FakeWorker.reset()
+    short = FAST.__class__(fence_timeout_s=0.2, stage_connect_timeout_s=10.0)
+    with stage_servers(tmp_path, lambda s: fake_model(), worker_factory=FakeWorker, settings=short) as running:
+        ex = GrpcExecutor(fake_setup(), {s: r.address for s, r in running.items()}, short)
+        try:
+            ex.submit(head_op(0, (0,), fences=(Fence(Stage.LOOP, 5),)))  # never satisfied
+            ex.submit(head_op(1, (0,)))
+            a, b = poll_all(ex, 2)
+            assert a.error is not None and "not satisfied" in a.error
+            assert b.error is None
+        finally:
+            ex.close()
+
+
+def test_stage_death_fails_every_outstanding_op_promptly(fake_stages: tuple[dict, GrpcExecutor]) -> None:
+    running, ex = fake_stages
+    started = FakeWorker.started[(Stage.LOOP, 0)] = threading.Event()
+    FakeWorker.gates[(Stage.LOOP, 0)] = threading.Event()  # the loop stage hangs in op 0
+    for seq in range(3):
+        ex.submit(loop_op(seq, (seq,)))
+    ex.submit(head_op(0, (0,), fences=(Fence(Stage.LOOP, 2),)))  # the head waits on the loop
+    assert started.wait(10)
+    t0 = time.monotonic()
+    running[Stage.LOOP].server.stop(0)  # the loop stage goes away
+    results = poll_all(ex, 4, timeout=10)
+    assert time.monotonic() - t0 < 5
+    assert sorted((r.stage, r.seq) for r in results) == [(Stage.LOOP, 0), (Stage.LOOP, 1), (Stage.LOOP, 2),
+                                                         (Stage.HEAD, 0)]  # fmt: skip
+    assert all(r.error and "loop stage failed" in r.error for r in results)
+    assert ex.broken is not None and ex.fences.aborted
+    ex.submit(head_op(1, (0,)))  # later ops fail at once
+    late = ex.poll(1.0)
+    assert late is not None and late.seq == 1 and late.error == ex.broken
+
+
+def test_configure_is_checked_and_run_needs_it(tmp_path: Path) -> None:
+    with stage_servers(tmp_path, lambda s: fake_model(), worker_factory=FakeWorker) as running:
+        channel = grpc.insecure_channel(running[Stage.HEAD].address)
+        stub = stage_pb2_grpc.StageStub(channel)
+        with pytest.raises(grpc.RpcError) as err:
+            next(iter(stub.Run(iter([pb.StageBatch(seq=0, ping=pb.Ping())]))))
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        bad = [
+            pb.ConfigureRequest(role=pb.STAGE_ROLE_LOOP, model="ouro-tiny", dtype="float64"),
+            pb.ConfigureRequest(role=pb.STAGE_ROLE_HEAD, model="other", dtype="float64"),
+            pb.ConfigureRequest(role=pb.STAGE_ROLE_HEAD, model="ouro-tiny", dtype="float32"),
+            pb.ConfigureRequest(role=pb.STAGE_ROLE_HEAD, model="ouro-tiny", dtype="float64", bank=pb.BankSpec(width=3)),
+        ]
+        for request, what in zip(bad, ["role", "model", "dtype", "bank width"]):
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Configure(request, timeout=5)
+            assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and what in err.value.details()
+        channel.close()
+
+
+@pytest.mark.parametrize(
+    "listen,ok",
+    [("127.0.0.1:0", True), ("[::1]:50061", True), ("localhost:5", True), ("unix:///tmp/x.sock", True),
+     ("0.0.0.0:50061", False), ("10.1.2.3:80", False), ("example.com:80", False), ("127.0.0.1", False)],
+)  # fmt: skip
+def test_stage_servers_listen_on_loopback_only(listen: str, ok: bool) -> None:
+    if ok:
+        assert require_loopback(listen) == listen
+    else:
+        with pytest.raises(ValueError):
+            require_loopback(listen)
+
+
+@pytest.mark.parametrize("model", ["ouro-tiny", "huginn-tiny"])
+def test_engine_over_grpc_stages_equals_in_process_engine(tmp_path: Path, model: str) -> None:
+    cfg = EngineConfig(model=model, dtype="float64", max_num_seqs=4, num_kv_blocks=128, init_seed=7)
+    prompts: list[str | list[int]] = ["hello", [5, 6, 7, 8, 9, 10], "the loop", [300] * 20, "x", "abc def"]
+    params = [
+        RequestParams(max_tokens=12, ignore_eos=True),
+        RequestParams(max_tokens=9, sampling=SamplingParams(temperature=0.9, top_p=0.9, seed=3, logprobs=2)),
+        RequestParams(max_tokens=7, sampling=SamplingParams(temperature=1.2, top_k=20, seed=11), ignore_eos=True),
+    ] * 2
+    with Engine(cfg) as local:
+        expected = local.generate(prompts, params)
+    weights = {stage: load_model(model, dtype=torch.float64, stages={stage}) for stage in Stage}
+    with stage_servers(tmp_path, weights.__getitem__, model_name=model) as running:
+        factory = GrpcExecutorFactory({s: r.address for s, r in running.items()}, FAST)
+        with Engine(cfg, executor_factory=factory) as remote:
+            got = remote.generate(prompts, params)
+    for e, g in zip(expected, got):
+        assert (g.token_ids, g.depths, g.finish_reason) == (e.token_ids, e.depths, e.finish_reason)
+        assert g.logprobs == e.logprobs
