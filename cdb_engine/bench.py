@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 
 from cdb_engine.config import EngineConfig, RequestParams
-from cdb_engine.engine import Engine
+from cdb_engine.engine import Completion, Engine
 from cdb_engine.setup import StageSetup, torch_dtype
 from cdb_model.base import LoopedLM
 from cdb_model.loader import load_model
@@ -81,6 +81,7 @@ def run_mode(
         "wall_s": wall,
         "tokens": tokens,
         "tokens_per_s": tokens / wall,
+        "steady_tokens_per_s": steady_throughput(outs, cfg.max_num_seqs) or tokens / wall,
         "mean_depth": st.mean_depth,
         "loop_steps": st.loop_steps,
         "occupancy": st.occupancy,
@@ -91,6 +92,17 @@ def run_mode(
         / max(1e-12, loop_compute / max(1, st.loop_steps)),
         "preemptions": st.preemptions,
     }
+
+
+def steady_throughput(outs: Sequence[Completion], width: int) -> float | None:
+    """Tokens/s while every slot is busy: from the first token of the ``width``-th request to the first token of
+    the last request (after it the waiting queue is empty and the drain tail begins). None if too short."""
+    firsts = sorted(o.token_times[0] for o in outs if o.token_times)
+    if len(firsts) <= width:
+        return None
+    start, end = firsts[width - 1], firsts[-1]
+    n = sum(1 for o in outs for t in o.token_times if start < t <= end)
+    return n / (end - start) if end > start and n else None
 
 
 def shared_model_factory(model: LoopedLM) -> Callable[[StageSetup], Executor]:
@@ -138,9 +150,12 @@ def bench_offline(
     }
     if "full-depth" in results:
         ref = results["full-depth"]["tokens_per_s"]
+        steady_ref = results["full-depth"]["steady_tokens_per_s"]
         for mode, fig in results.items():
             fig["ratio_to_full_depth"] = fig["tokens_per_s"] / ref
             fig["realized_fraction_of_S"] = fig["ratio_to_full_depth"] / bound
+            fig["steady_ratio_to_full_depth"] = fig["steady_tokens_per_s"] / steady_ref
+            fig["steady_realized_fraction_of_S"] = fig["steady_ratio_to_full_depth"] / bound
     return summary
 
 
@@ -148,14 +163,16 @@ def _table(summary: dict[str, object]) -> str:
     lines = [
         f"model {summary['model']}  F0/Fr {summary['F0_over_Fr']:.3f}  r_max {summary['max_depth']}  "
         f"mean depth {summary['mean_depth']:.2f}  FLOP bound S {summary['flop_bound_S']:.3f}  width {summary['width']}",
-        f"{'mode':<11} {'tok/s':>9} {'ratio':>7} {'of S':>6} {'occup.':>7} {'refills':>8} {'sched/step':>10}",
+        f"{'mode':<11} {'tok/s':>9} {'ratio':>7} {'of S':>6} {'steady':>7} {'of S':>6} {'occup.':>7} {'refills':>8} "
+        f"{'sched/step':>10}",
     ]
     modes = summary["modes"]
     assert isinstance(modes, dict)
     for mode, f in modes.items():
         lines.append(
             f"{mode:<11} {f['tokens_per_s']:>9.1f} {f.get('ratio_to_full_depth', 0):>7.3f} "
-            f"{f.get('realized_fraction_of_S', 0):>6.3f} {f['occupancy']:>7.3f} {f['refill_events']:>8d} "
+            f"{f.get('realized_fraction_of_S', 0):>6.3f} {f.get('steady_ratio_to_full_depth', 0):>7.3f} "
+            f"{f.get('steady_realized_fraction_of_S', 0):>6.3f} {f['occupancy']:>7.3f} {f['refill_events']:>8d} "
             f"{f['sched_cpu_per_step_over_step_time']:>10.4f}"
         )
     return "\n".join(lines)

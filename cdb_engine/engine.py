@@ -66,6 +66,7 @@ class Completion:
     finish_reason: str = ""
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     total_loop_steps: int = 0
+    token_times: list[float] = field(default_factory=list)  # time.perf_counter() when each token was reported
 
 
 @dataclass(frozen=True, slots=True)
@@ -333,6 +334,7 @@ class Engine:
                     out.depths.append(ev.depth)
                     out.text += ev.text
                     out.logprobs.append(ev.logprobs)
+                    out.token_times.append(time.perf_counter())
                 else:
                     out.text += ev.text
                     out.finish_reason = ev.finish_reason

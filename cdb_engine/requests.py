@@ -57,6 +57,17 @@ def resolve_limits(cfg: EngineConfig, mc: ModelConfig) -> Limits:
     build_policy(limits, None)  # validates threshold and depths once
     if cfg.kv_policy == "depth_indexed" and cfg.mode != "full-depth" and not _full_depth(limits):
         raise ValueError("kv_policy depth_indexed needs every token at full depth: use mode full-depth")
+    if (
+        cfg.kv_policy == "first_then_shared"
+        and cfg.mode != "full-depth"
+        and limits.exit_rule in ("hazard", "latent-diff", "replay")
+        and limits.min_depth < cfg.kv_shared_after
+    ):
+        # A token leaving before step k-1 would leave private slots that later tokens read unwritten.
+        raise ValueError(
+            f"kv_policy first_then_shared({cfg.kv_shared_after}) needs min_depth >= {cfg.kv_shared_after}, "
+            f"got {limits.min_depth}"
+        )
     return limits
 
 

@@ -147,49 +147,78 @@ class PagedKV:
             return torch.tensor(list(xs), dtype=torch.long, device=dev)
 
         self._write = (lt(slots), lt(blocks), lt(offs))  # [N] each
-        # Decode-like tokens: one padded batch. Indices [n1, L], mask [n1, 1, 1, L].
+        self._write_rows: Tensor | None = None  # flat pool rows, built on first use (device-side arithmetic)
+        self._single_rows = torch.empty(0, dtype=torch.long)
+        self._multi_rows: list[Tensor] = []
+        # Decode-like tokens: one padded batch. Blocks [n1, L], offsets [L], mask [n1, 1, 1, L].
         single = [idx[0] for idx in groups.values() if len(idx) == 1]
         self._single: tuple[Tensor, Tensor, Tensor, Tensor, Tensor] | None = None
         if single:
-            length = max(positions[i] for i in single) + 1
-            ctx = [self._context(pool, tables.table(request_ids[i]), positions[i] + 1, length) for i in single]
-            sb = torch.stack([c[0] for c in ctx])  # [n1, L] block ids
-            so = torch.stack([c[1] for c in ctx])  # [n1, L] offsets
-            pos = lt([positions[i] for i in single])
+            pos = lt([positions[i] for i in single])  # [n1]
+            length = int(pos.max()) + 1
+            sb, so = self._context(pool, [tables.table(request_ids[i]) for i in single], pos.tolist(), length)
             mask = (torch.arange(length, device=dev)[None, :] <= pos[:, None])[:, None, None, :]
             self._single = (lt(single), lt([slots[i] for i in single]), sb, so, mask)
         # Prompt chunks: per group (token indices [T], slot, blocks [L], offsets [L], mask [1, 1, T, L]).
         self._multi: list[tuple[Tensor, int, Tensor, Tensor, Tensor]] = []
         for (rid, slot), idx in groups.items():
             if len(idx) > 1:
-                length = max(positions[i] for i in idx) + 1
-                gb, go = self._context(pool, tables.table(rid), length, length)
-                pos = lt([positions[i] for i in idx])
+                pos = lt([positions[i] for i in idx])  # [T]
+                length = int(pos.max()) + 1
+                gb, go = self._context(pool, [tables.table(rid)], [length - 1], length)
                 mask = (torch.arange(length, device=dev)[None, :] <= pos[:, None])[None, None]
-                self._multi.append((lt(idx), slot, gb, go, mask))
+                self._multi.append((lt(idx), slot, gb[0], go, mask))
 
     @staticmethod
-    def _context(pool: PagedKVPool, table: Sequence[int], n: int, length: int) -> tuple[Tensor, Tensor]:
-        """(blocks [length], offsets [length]) of positions ``0 .. n-1`` padded with block 0 up to ``length``."""
-        blocks, offs = pool.locate(table, range(n))
-        pad = length - n
-        t = torch.tensor([*blocks, *([table[0]] * pad)], dtype=torch.long, device=pool.device)
-        return t, torch.tensor([*offs, *([0] * pad)], dtype=torch.long, device=pool.device)
+    def _context(
+        pool: PagedKVPool, tables: Sequence[Sequence[int]], last: Sequence[int], length: int
+    ) -> tuple[Tensor, Tensor]:
+        """Block ids ``[n, length]`` and offsets ``[length]`` of positions ``0 .. length-1`` in each table.
+
+        Positions after ``last[i]`` are masked out by the caller; they may point at any block of the table.
+        """
+        bs = pool.block_size
+        n_blocks = -(-length // bs)
+        padded = []
+        for table, p in zip(tables, last, strict=True):
+            if len(table) * bs <= p:
+                raise IndexError(f"position {p} beyond the block table ({len(table)} blocks of {bs})")
+            head = list(table[:n_blocks])
+            padded.append(head + [head[0]] * (n_blocks - len(head)))
+        t = torch.tensor(padded, dtype=torch.long, device=pool.device)  # [n, n_blocks]
+        j = torch.arange(length, device=pool.device)  # [L]
+        return t[:, j // bs], j % bs
+
+    def _flat(self, slots: Tensor, blocks: Tensor, offs: Tensor) -> Tensor:
+        """Row indices into the ``[slots * blocks * block_size, kvh, d]`` view of one layer's pool."""
+        return (slots * self.pool.num_blocks + blocks) * self.pool.block_size + offs
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        kp, vp = self.pool.k[layer], self.pool.v[layer]  # [slots, blocks, block_size, kvh, d]
-        kp.index_put_(self._write, k)
-        vp.index_put_(self._write, v)
+        kvh, d = k.shape[1], k.shape[2]
+        # One layer's pool viewed as rows: a gather of whole [kvh, d] rows is a plain index_select (memcpy),
+        # several times faster on CPU than advanced indexing over three index tensors.
+        kp = self.pool.k[layer].view(-1, kvh, d)  # [slots * blocks * block_size, kvh, d]
+        vp = self.pool.v[layer].view(-1, kvh, d)
+        if self._write_rows is None:
+            self._write_rows = self._flat(*self._write)
+            if self._single is not None:
+                idx, slots, blocks, offs, _ = self._single
+                self._single_rows = self._flat(slots[:, None], blocks, offs[None, :])  # [n1, L]
+            self._multi_rows = [self._flat(torch.tensor(s, device=b.device), b, o) for _, s, b, o, _ in self._multi]
+        kp.index_copy_(0, self._write_rows, k)
+        vp.index_copy_(0, self._write_rows, v)
         out = torch.empty_like(q)  # [N, h, d]
         if self._single is not None:
-            idx, slots, blocks, offs, mask = self._single
-            kc = kp[slots[:, None], blocks, offs].transpose(1, 2)  # [n1, L, kvh, d] -> [n1, kvh, L, d]
-            vc = vp[slots[:, None], blocks, offs].transpose(1, 2)
+            idx, _, _, _, mask = self._single
+            rows = self._single_rows
+            n1, length = rows.shape
+            kc = kp.index_select(0, rows.view(-1)).view(n1, length, kvh, d).transpose(1, 2)  # [n1, kvh, L, d]
+            vc = vp.index_select(0, rows.view(-1)).view(n1, length, kvh, d).transpose(1, 2)
             o = _sdpa(q[idx][:, :, None, :], kc, vc, mask)  # [n1, h, 1, d]
             out[idx] = o[:, :, 0, :]
-        for gidx, slot, gblocks, goffs, gmask in self._multi:
-            kc = kp[slot, gblocks, goffs].transpose(0, 1)[None]  # [L, kvh, d] -> [1, kvh, L, d]
-            vc = vp[slot, gblocks, goffs].transpose(0, 1)[None]
+        for (gidx, _, _, _, gmask), grows in zip(self._multi, self._multi_rows):
+            kc = kp.index_select(0, grows).transpose(0, 1)[None]  # [L, kvh, d] -> [1, kvh, L, d]
+            vc = vp.index_select(0, grows).transpose(0, 1)[None]
             o = _sdpa(q[gidx].transpose(0, 1)[None], kc, vc, gmask)  # [1, h, T, d]
             out[gidx] = o[0].transpose(0, 1)
         return out

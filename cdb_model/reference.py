@@ -59,9 +59,11 @@ class _Request:
         rows, signal, lookahead = self.model.loop_step(rows, self._t(positions), steps, kv)
         return rows, float(signal[-1]), None if lookahead is None else float(lookahead[-1])
 
-    def head(self, rows: Tensor, positions: Sequence[int], params: SamplingParams, token_index: int) -> int:
-        """Coda over all rows, then sample the last one."""
-        hidden = self.model.coda(rows, self._t(positions), self.coda_kv.access(positions, 0))  # [T, H]
+    def coda(self, rows: Tensor, positions: Sequence[int]) -> Tensor:
+        """Coda over all rows (Huginn: writes their coda KV) -> final hidden ``[T, H]``."""
+        return self.model.coda(rows, self._t(positions), self.coda_kv.access(positions, 0))
+
+    def sample_last(self, hidden: Tensor, params: SamplingParams, token_index: int) -> int:
         tokens, _ = sample(self.model.logits(hidden[-1:]), [params], [token_index])
         return tokens[0]
 
@@ -97,7 +99,8 @@ def reference_generate(
             rows = req.prelude(prompt_ids[start : start + chunk], positions)
             for s in range(policy.max_depth):
                 rows, _, _ = req.step(rows, positions, s)
-            token = req.head(rows, positions, sampling, 0)
+            hidden = req.coda(rows, positions)
+        token = req.sample_last(hidden, sampling, 0)  # the last prompt position, full depth
         out.tokens.append(token)
         out.depths.append(policy.max_depth)
 
@@ -106,7 +109,7 @@ def reference_generate(
             position = n + i - 1
             rows = req.prelude([token], [position])
             st = policy.new_state(target_depth=replay_depths[i - 1] if replay_depths is not None else 0)
-            s = 0
+            s, leave = 0, False
             while True:
                 if policy.horizon is Horizon.ONE_AHEAD:
                     leave = policy.exits_after(st, s)
@@ -119,7 +122,7 @@ def reference_generate(
                 s += 1
             if kv_layout.copies_on_exit and s + 1 < kv_layout.n_slots:
                 req.loop_kv.copy_position(position, kv_layout.slot(s), range(s + 1, kv_layout.n_slots))
-            token = req.head(rows, [position], sampling, i)
+            token = req.sample_last(req.coda(rows, [position]), sampling, i)
             out.tokens.append(token)
             out.depths.append(s + 1)
     return out

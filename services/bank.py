@@ -1,4 +1,4 @@
-"""The shared hidden-state bank and the fence board: the memory the stage processes share.
+"""The shared hidden-state bank: the memory the stage processes share.
 
 Bank: one ``[rows, width]`` tensor that every stage reads and writes by row index; hidden states never travel over
 gRPC. The token bank (sampled ids, ``[rows, 1]`` int64, head -> prelude) is a second bank of the same kind.
@@ -9,13 +9,7 @@ Two storages behind one interface (:class:`SharedBank`):
   (``cudaIpcOpenMemHandle`` via torch's ``_share_cuda_`` / ``_new_shared_cuda``). Same host only; the creator
   must keep its tensor alive while others use it, and a process cannot open its own handle.
 
-Fence board (:class:`FenceBoard`): one int64 completion counter per stage in shared memory, plus an abort flag.
-``complete(stage, seq)`` publishes "op ``seq`` of ``stage`` and all its earlier ops are done" (a stage completes
-its ops in order, so one counter per stage suffices); ``wait(fences)`` spins briefly, then backs off with tiny
-sleeps. Aligned 8-byte stores and loads are single instructions on x86-64 and aarch64, so a reader never sees
-a torn counter. On CUDA a stage must synchronize its device work before ``complete``; interprocess CUDA events
-(``cudaIpcGetEventHandle``) could replace that host-side wait later, letting the waiting stage enqueue a device
-wait instead.
+The fence board that orders the stages' use of the bank is in ``services.fences``.
 
 Ownership: the creator owns a segment and unlinks it on ``close``; attachers only unmap. Everything that crosses
 a process boundary is a name, a shape, a dtype string or the raw bytes of a CUDA IPC handle: nothing is pickled.
@@ -25,14 +19,10 @@ from __future__ import annotations
 
 import contextlib
 import secrets
-import time
-from collections.abc import Iterable
 from dataclasses import dataclass
 from multiprocessing import resource_tracker, shared_memory
 
 import torch
-
-from cdb_scheduler.plan import Fence, Stage
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -43,22 +33,28 @@ DTYPES: dict[str, torch.dtype] = {
 }
 
 
-def _new_name(kind: str) -> str:
-    return f"cdb-{kind}-{secrets.token_hex(6)}"
+_CREATED_HERE: set[str] = set()  # segments this process created (and its resource tracker owns)
 
 
-def _attach_segment(name: str) -> shared_memory.SharedMemory:
+def new_segment_name(kind: str) -> str:
+    name = f"cdb-{kind}-{secrets.token_hex(6)}"
+    _CREATED_HERE.add(name)
+    return name
+
+
+def attach_segment(name: str) -> shared_memory.SharedMemory:
     """Open an existing segment without adopting it.
 
     Python 3.11 registers every attached segment with the resource tracker, which would unlink it when THIS
     process exits; attachers must never unlink, so the registration is undone at once.
     """
     seg = shared_memory.SharedMemory(name=name)
-    resource_tracker.unregister(seg._name, "shared_memory")  # type: ignore[attr-defined]
+    if name not in _CREATED_HERE:  # creator and attacher in one process (tests): the creator's entry stays
+        resource_tracker.unregister(seg._name, "shared_memory")  # type: ignore[attr-defined]
     return seg
 
 
-def _close_segment(seg: shared_memory.SharedMemory, unlink: bool) -> None:
+def close_segment(seg: shared_memory.SharedMemory, unlink: bool) -> None:
     with contextlib.suppress(BufferError):  # a tensor view is still alive: the mapping goes with the process
         seg.close()
     if unlink:
@@ -123,7 +119,7 @@ class SharedBank:
         if dev.type != "cpu":
             raise ValueError(f"unsupported bank device {device!r} (cpu or cuda)")
         nbytes = rows * width * tdtype.itemsize
-        seg = shared_memory.SharedMemory(name=_new_name("bank"), create=True, size=nbytes)
+        seg = shared_memory.SharedMemory(name=new_segment_name("bank"), create=True, size=nbytes)
         tensor = torch.frombuffer(seg.buf, dtype=tdtype, count=rows * width).view(rows, width)
         tensor.zero_()
         return cls(BankSpec("shm", seg.name, rows, width, dtype), tensor, seg, owner=True)
@@ -151,10 +147,10 @@ class SharedBank:
             return cls(spec, tensor, None, owner=False)
         if spec.kind != "shm":
             raise ValueError(f"unknown bank kind {spec.kind!r}")
-        seg = _attach_segment(spec.name)
+        seg = attach_segment(spec.name)
         count = spec.rows * spec.width
         if seg.size < count * tdtype.itemsize:
-            _close_segment(seg, unlink=False)
+            close_segment(seg, unlink=False)
             raise ValueError(f"segment {spec.name} holds {seg.size} bytes, bank needs {count * tdtype.itemsize}")
         tensor = torch.frombuffer(seg.buf, dtype=tdtype, count=count).view(spec.rows, spec.width)
         return cls(spec, tensor, seg, owner=False)
@@ -163,95 +159,5 @@ class SharedBank:
         """Drop this process's view; the owner also frees the memory. Idempotent."""
         self.tensor = None
         if self._segment is not None:
-            _close_segment(self._segment, unlink=self.owner)
+            close_segment(self._segment, unlink=self.owner)
             self._segment = None
-
-
-class FenceTimeout(TimeoutError):
-    """A fence was not satisfied in time."""
-
-
-class FenceAborted(RuntimeError):
-    """The fence board was aborted (the scheduler saw a stage fail): waiting is pointless."""
-
-
-_ABORT = len(Stage)  # index of the abort flag, after the per-stage counters
-
-
-class FenceBoard:
-    """Per-stage completion counters (int64, initially -1) and an abort flag, in shared memory."""
-
-    def __init__(self, segment: shared_memory.SharedMemory, owner: bool) -> None:
-        self.name = segment.name
-        self.owner = owner
-        self._segment: shared_memory.SharedMemory | None = segment
-        assert segment.buf is not None
-        self._counters = segment.buf.cast("q")  # (len(Stage) + 1,) int64, 8-byte aligned
-
-    @classmethod
-    def create(cls) -> FenceBoard:
-        seg = shared_memory.SharedMemory(name=_new_name("fence"), create=True, size=8 * (len(Stage) + 1))
-        board = cls(seg, owner=True)
-        for stage in Stage:
-            board._counters[stage] = -1
-        board._counters[_ABORT] = 0
-        return board
-
-    @classmethod
-    def attach(cls, name: str) -> FenceBoard:
-        return cls(_attach_segment(name), owner=False)
-
-    def complete(self, stage: Stage, seq: int) -> None:
-        """Publish that op ``seq`` of ``stage`` (and every earlier op of it) has completed."""
-        self._counters[stage] = seq
-
-    def completed(self, stage: Stage) -> int:
-        """The last completed op of ``stage`` (-1: none)."""
-        return int(self._counters[stage])
-
-    def abort(self) -> None:
-        """Make every current and future ``wait`` raise :class:`FenceAborted`."""
-        self._counters[_ABORT] = 1
-
-    @property
-    def aborted(self) -> bool:
-        return bool(self._counters[_ABORT])
-
-    def ready(self, fences: Iterable[Fence]) -> bool:
-        counters = self._counters
-        return all(counters[f.stage] >= f.seq for f in fences)
-
-    def wait(self, fences: tuple[Fence, ...], timeout: float, spin_s: float = 2e-4) -> float:
-        """Block until every fence is satisfied; return the seconds waited.
-
-        Spins for ``spin_s`` (a fence is usually satisfied within microseconds when stages overlap), then sleeps
-        with exponential backoff from 20 µs up to 1 ms. Raises :class:`FenceTimeout` after ``timeout`` seconds,
-        :class:`FenceAborted` as soon as the board is aborted.
-        """
-        if not fences or self.ready(fences):
-            return 0.0
-        start = time.perf_counter()
-        deadline = start + timeout
-        spin_until = start + spin_s
-        pause = 2e-5
-        counters = self._counters
-        while True:
-            if counters[_ABORT]:
-                raise FenceAborted("fence board aborted")
-            if self.ready(fences):
-                return time.perf_counter() - start
-            now = time.perf_counter()
-            if now >= deadline:
-                missing = [f for f in fences if counters[f.stage] < f.seq]
-                raise FenceTimeout(f"fences {missing} not satisfied after {timeout:.1f}s")
-            if now >= spin_until:
-                time.sleep(pause)
-                pause = min(pause * 2, 1e-3)
-
-    def close(self) -> None:
-        """Unmap; the owner also unlinks. Idempotent."""
-        if self._segment is None:
-            return
-        self._counters.release()
-        _close_segment(self._segment, unlink=self.owner)
-        self._segment = None

@@ -7,6 +7,8 @@ stop here: the executor and the stage server see plan objects only.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from cdb_api.v1 import stage_pb2 as pb
 from cdb_scheduler.plan import (
     Fence,
@@ -42,9 +44,11 @@ def role_from_pb(role: pb.StageRole) -> Stage:
         raise ValueError(f"invalid stage role {role}") from None
 
 
-def op_to_pb(op: StageOp, traceparent: str = "") -> pb.StageBatch:
-    """One stage op as the batch message of its stage's Run stream."""
+def op_to_pb(op: StageOp, traceparent: str = "", trace_contexts: Mapping[int, str] | None = None) -> pb.StageBatch:
+    """One stage op as the batch message of its stage's Run stream (with optional W3C trace context)."""
     msg = pb.StageBatch(seq=op.seq, released=op.released, traceparent=traceparent)
+    if trace_contexts:
+        msg.trace_contexts.update(trace_contexts)
     msg.fences.extend(pb.Fence(stage=_ROLE_TO_PB[f.stage], seq=f.seq) for f in op.fences)
     msg.kv_updates.extend(pb.KVUpdate(request_id=u.request_id, append=u.append, reset=u.reset) for u in op.kv_updates)
     if isinstance(op, PreludeOp):

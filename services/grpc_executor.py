@@ -3,7 +3,8 @@
 The executor owns the shared memory: it creates the hidden-state bank and the fence board, ``Configure``s each
 stage to attach them, then opens the three streams. ``submit`` converts an op to a ``StageBatch`` and queues it
 on its stage's stream without waiting (so several batches are in flight per stage); one reader thread per stream
-turns replies into ``StageResult``s on a single result queue that ``poll`` reads.
+turns replies into ``StageResult``s on a single result queue that ``poll`` reads, in causal order (a result never
+precedes the results of the ops it was fenced on; per stage, ``seq`` order).
 
 Failure contract (never hang): when a stream breaks or ends (stage process killed, connection lost, keepalive
 timeout on a frozen stage), the executor becomes ``broken``: the fence board is aborted (stages waiting on a fence
@@ -18,17 +19,20 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import grpc
 
 from cdb_api.v1 import stage_pb2 as pb
 from cdb_api.v1 import stage_pb2_grpc
 from cdb_engine.setup import StageSetup
-from cdb_scheduler.plan import Stage, StageOp, StageResult
-from services.bank import FenceBoard, SharedBank
+from cdb_scheduler.plan import Fence, Stage, StageOp, StageResult
+from services.bank import SharedBank
 from services.convert import bank_spec_to_pb, op_to_pb, result_from_pb, role_to_pb
+from services.fences import FenceBoard
 from services.settings import Settings, load_settings
 
 log = logging.getLogger("cdb.executor")
@@ -59,6 +63,18 @@ class StageCounters:
     fence_wait_s: float = 0.0
     errors: int = 0
     ping_rtts: list[float] = field(default_factory=list)
+
+
+class OpObserver(Protocol):
+    """Optional per-op hooks, both called on the engine thread (``services.telemetry.RequestTraces`` fits)."""
+
+    def contexts_for_op(self, op: StageOp) -> Mapping[int, str]:
+        """Request id -> W3C traceparent to send with ``op`` (``StageBatch.trace_contexts``)."""
+        ...
+
+    def on_op_done(self, op: StageOp, result: StageResult, sent_ns: int, done_ns: int) -> None:
+        """``op`` was sent at ``sent_ns`` and its result polled at ``done_ns`` (``time.time_ns``)."""
+        ...
 
 
 class _Link:
@@ -99,14 +115,24 @@ class _Link:
 class GrpcExecutor:
     """Executes stage ops on three stage servers. Thread-safe ``submit``/``wake``; one poller at a time."""
 
-    def __init__(self, setup: StageSetup, stage_addrs: Mapping[Stage, str], settings: Settings | None = None):
+    def __init__(
+        self,
+        setup: StageSetup,
+        stage_addrs: Mapping[Stage, str],
+        settings: Settings | None = None,
+        observer: OpObserver | None = None,
+    ) -> None:
         self.settings = settings or load_settings()
+        self.observer = observer
+        self._sent: dict[tuple[Stage, int], tuple[StageOp, int]] = {}  # with an observer: op, sent at (ns)
         self.setup = setup
         self.counters = {stage: StageCounters() for stage in Stage}
         self.broken: str | None = None
         self._lock = threading.Lock()
         self._results: queue.SimpleQueue[object] = queue.SimpleQueue()
-        self._outstanding: dict[Stage, dict[int, float]] = {stage: {} for stage in Stage}
+        self._outstanding: dict[Stage, dict[int, tuple[Fence, ...]]] = {stage: {} for stage in Stage}
+        self._held: dict[Stage, deque[tuple[StageResult, tuple[Fence, ...]]]] = {stage: deque() for stage in Stage}
+        self._delivered = [-1] * len(Stage)  # seq of the last result delivered, per stage
         self._pongs: dict[int, threading.Event] = {}
         self._closed = False
         self._links: dict[Stage, _Link] = {}
@@ -162,18 +188,26 @@ class GrpcExecutor:
         with self._lock:
             broken = self.broken
             if broken is None:
-                self._outstanding[op.stage][op.seq] = time.perf_counter()
+                self._outstanding[op.stage][op.seq] = op.fences
         if broken is not None:
             self._results.put(StageResult(op.stage, op.seq, 0.0, error=broken))
             return
-        self._links[op.stage].send(op_to_pb(op))
+        contexts = None
+        if self.observer is not None:
+            contexts = self.observer.contexts_for_op(op)
+            self._sent[(op.stage, op.seq)] = (op, time.time_ns())
+        self._links[op.stage].send(op_to_pb(op, trace_contexts=contexts))
 
     def poll(self, timeout: float | None) -> StageResult | None:
         try:
             item = self._results.get(timeout=timeout)
         except queue.Empty:
             return None
-        return item if isinstance(item, StageResult) else None
+        if not isinstance(item, StageResult):
+            return None
+        if self.observer is not None and (sent := self._sent.pop((item.stage, item.seq), None)) is not None:
+            self.observer.on_op_done(sent[0], item, sent[1], time.time_ns())
+        return item
 
     def wake(self) -> None:
         self._results.put(_WAKE)
@@ -217,15 +251,36 @@ class GrpcExecutor:
             if event is not None:
                 event.set()
             return
+        result = result_from_pb(reply)
         with self._lock:
-            if self._outstanding[stage].pop(reply.seq, None) is None:
+            fences = self._outstanding[stage].pop(reply.seq, None)
+            if fences is None:
                 return  # already failed when the executor broke
             c = self.counters[stage]
             c.ops += 1
             c.compute_s += reply.compute_s
             c.fence_wait_s += reply.fence_wait_s
             c.errors += bool(reply.error)
-        self._results.put(result_from_pb(reply))
+            self._held[stage].append((result, fences))
+            self._release_held()
+
+    def _release_held(self) -> None:
+        """Deliver held results in causal order (caller holds the lock).
+
+        A stage marks its completion on the fence board before it replies, so the reply of an op can overtake
+        the reply of an op it was fenced on. The engine sees results in the order the in-process executor
+        guarantees for dependencies: never before the results of the ops it was fenced on, and in ``seq``
+        order per stage.
+        """
+        progress = True
+        while progress:
+            progress = False
+            for stage, held in self._held.items():
+                while held and all(self._delivered[f.stage] >= f.seq for f in held[0][1]):
+                    result, _ = held.popleft()
+                    self._delivered[stage] = result.seq
+                    self._results.put(result)
+                    progress = True
 
     def _on_broken(self, why: str) -> None:
         with self._lock:
@@ -235,6 +290,9 @@ class GrpcExecutor:
             failed = [(stage, sorted(pending)) for stage, pending in self._outstanding.items()]
             for pending in self._outstanding.values():
                 pending.clear()
+            for held in self._held.values():  # completed, held for order: deliver before the failures
+                while held:
+                    self._results.put(held.popleft()[0])
         log.error("executor broken: %s", why)
         self.fences.abort()
         for stage, seqs in failed:
@@ -247,7 +305,10 @@ class GrpcExecutor:
 class GrpcExecutorFactory:
     """``executor_factory`` for ``Engine``: builds a :class:`GrpcExecutor` and remembers it for health checks."""
 
-    def __init__(self, stage_addrs: Mapping[Stage, str], settings: Settings | None = None) -> None:
+    def __init__(
+        self, stage_addrs: Mapping[Stage, str], settings: Settings | None = None, observer: OpObserver | None = None
+    ) -> None:
+        self.observer = observer
         missing = set(Stage) - set(stage_addrs)
         if missing:
             raise ValueError(f"missing stage addresses: {sorted(s.name.lower() for s in missing)}")
@@ -256,5 +317,5 @@ class GrpcExecutorFactory:
         self.executor: GrpcExecutor | None = None
 
     def __call__(self, setup: StageSetup) -> GrpcExecutor:
-        self.executor = GrpcExecutor(setup, self.stage_addrs, self.settings)
+        self.executor = GrpcExecutor(setup, self.stage_addrs, self.settings, self.observer)
         return self.executor

@@ -212,6 +212,18 @@ def _terminate(procs: list[subprocess.Popen[bytes]], timeout: float) -> None:
 def serve_all(config: EngineConfig, listen: str = "127.0.0.1:50051", *, settings: Settings | None = None,
               env: Mapping[str, str] | None = None) -> ServeHandle:  # fmt: skip
     """Start three stage servers and the scheduler service; return once all are ready."""
+    return _start_tree(config, listen, settings, env)
+
+
+def start_stages(config: EngineConfig, *, settings: Settings | None = None,
+                 env: Mapping[str, str] | None = None) -> ServeHandle:  # fmt: skip
+    """Start only the three stage servers (``handle.stage_addrs``), e.g. for an in-process ``Engine`` over
+    ``GrpcExecutorFactory`` (benchmarks); return once all are ready."""
+    return _start_tree(config, None, settings, env)
+
+
+def _start_tree(config: EngineConfig, listen: str | None, settings: Settings | None,
+                env: Mapping[str, str] | None) -> ServeHandle:  # fmt: skip
     settings = settings or load_settings()
     handle = ServeHandle(tempfile.mkdtemp(prefix="cdb-serve-"), settings)
     try:
@@ -225,14 +237,16 @@ def serve_all(config: EngineConfig, listen: str = "127.0.0.1:50051", *, settings
                     "--ready-file", ready[stage]]  # fmt: skip
             handle.stages[stage] = handle._spawn(argv, f"{role}.log", env)
         sched_ready = os.path.join(handle.workdir, "scheduler.ready")
-        argv = ["-m", "services.scheduler_server", "--listen", listen, "--ready-file", sched_ready]
-        argv += [f"--stage={ROLE_NAMES[s]}={a}" for s, a in sockets.items()]
-        argv += engine_config_to_argv(config)
-        handle.scheduler = handle._spawn(argv, "scheduler.log", env)
+        if listen is not None:
+            argv = ["-m", "services.scheduler_server", "--listen", listen, "--ready-file", sched_ready]
+            argv += [f"--stage={ROLE_NAMES[s]}={a}" for s, a in sockets.items()]
+            argv += engine_config_to_argv(config)
+            handle.scheduler = handle._spawn(argv, "scheduler.log", env)
         for stage, role in ROLE_NAMES.items():
             proc = handle.stages[stage]
             handle.stage_addrs[stage] = wait_ready_file(ready[stage], proc, settings.ready_timeout_s, f"{role} stage")
-        handle.address = wait_ready_file(sched_ready, handle.scheduler, settings.ready_timeout_s, "scheduler")
+        if handle.scheduler is not None:
+            handle.address = wait_ready_file(sched_ready, handle.scheduler, settings.ready_timeout_s, "scheduler")
     except BaseException as exc:
         logs = "\n".join(f"--- {n}.log ---\n{handle.log(n)[-2000:]}" for n in ("scheduler", *ROLE_NAMES.values()))
         handle.stop(drain_timeout=0.0)

@@ -25,10 +25,10 @@ import signal
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent import futures
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 import torch
@@ -41,9 +41,10 @@ from cdb_engine.setup import torch_dtype
 from cdb_engine.stage_worker import StageWorker
 from cdb_model.kv import KVLayout, KVPolicy
 from cdb_model.loader import load_model
-from cdb_scheduler.plan import Stage, StageResult
-from services.bank import FenceAborted, FenceBoard, FenceTimeout, SharedBank
+from cdb_scheduler.plan import Stage, StageOp, StageResult
+from services.bank import SharedBank
 from services.convert import bank_spec_from_pb, op_from_pb, result_to_pb, role_from_pb, role_to_pb
+from services.fences import FenceAborted, FenceBoard, FenceTimeout
 from services.settings import Settings, load_settings
 
 log = logging.getLogger("cdb.stage")
@@ -87,6 +88,18 @@ class _Session:
         self.fences.close()
 
 
+class BatchObserver(Protocol):
+    """Optional per-batch hooks, called on the stage's executor thread (``services.telemetry.StageTracer`` fits)."""
+
+    def update(self, contexts: Mapping[int, str], released: Iterable[int] = ()) -> None:
+        """The batch's ``trace_contexts`` and ``released`` ids, before it runs."""
+        ...
+
+    def record_op(self, op: StageOp, start_ns: int, end_ns: int, compute_s: float, error: str | None = None) -> None:
+        """The batch ran from ``start_ns`` to ``end_ns`` (``time.time_ns``)."""
+        ...
+
+
 class StageService(stage_pb2_grpc.StageServicer):
     """The ``cdb.v1.Stage`` servicer of one stage role over an already loaded model."""
 
@@ -98,8 +111,10 @@ class StageService(stage_pb2_grpc.StageServicer):
         model: Any,
         settings: Settings,
         worker_factory: Callable[..., Any] = StageWorker,
+        observer: BatchObserver | None = None,
     ) -> None:
         self.worker_factory = worker_factory  # StageWorker's signature; tests pass a fake
+        self.observer = observer
         self.stage = stage
         self.model_name = model_name
         self.dtype = dtype
@@ -192,12 +207,16 @@ class StageService(stage_pb2_grpc.StageServicer):
             op = op_from_pb(msg)
             if op.stage is not self.stage:
                 raise ValueError(f"{op.stage.name} batch sent to the {self.stage.name} stage")
+            if self.observer is not None:
+                self.observer.update(msg.trace_contexts, op.released)
             fence_wait = session.fences.wait(op.fences, self.settings.fence_timeout_s, self.settings.fence_spin_s)
-            start = time.perf_counter()
+            start, start_ns = time.perf_counter(), time.time_ns()
             result = session.worker.execute(op)
             if self.model.device.type == "cuda":
-                torch.cuda.synchronize(self.model.device)  # fence = host-side "done"; see services/bank.py
+                torch.cuda.synchronize(self.model.device)  # fence = host-side "done"; see services/fences.py
             result = dataclasses.replace(result, compute_s=time.perf_counter() - start)
+            if self.observer is not None:
+                self.observer.record_op(op, start_ns, time.time_ns(), result.compute_s, result.error)
         except (FenceTimeout, FenceAborted) as exc:
             result = StageResult(self.stage, msg.seq, 0.0, error=f"{self.stage.name} stage: {exc}")
         except Exception as exc:  # the op fails, the scheduler fails its requests, the stage keeps serving

@@ -206,7 +206,14 @@ class Ping(_message.Message):
     def __init__(self) -> None: ...
 
 class StageBatch(_message.Message):
-    __slots__ = ("seq", "fences", "kv_updates", "released", "prelude", "loop", "head", "ping", "traceparent")
+    __slots__ = ("seq", "fences", "kv_updates", "released", "prelude", "loop", "head", "ping", "traceparent", "trace_contexts")
+    class TraceContextsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: str
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[str] = ...) -> None: ...
     SEQ_FIELD_NUMBER: _ClassVar[int]
     FENCES_FIELD_NUMBER: _ClassVar[int]
     KV_UPDATES_FIELD_NUMBER: _ClassVar[int]
@@ -216,6 +223,7 @@ class StageBatch(_message.Message):
     HEAD_FIELD_NUMBER: _ClassVar[int]
     PING_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXTS_FIELD_NUMBER: _ClassVar[int]
     seq: int
     fences: _containers.RepeatedCompositeFieldContainer[Fence]
     kv_updates: _containers.RepeatedCompositeFieldContainer[KVUpdate]
@@ -225,7 +233,8 @@ class StageBatch(_message.Message):
     head: HeadBatch
     ping: Ping
     traceparent: str
-    def __init__(self, seq: _Optional[int] = ..., fences: _Optional[_Iterable[_Union[Fence, _Mapping]]] = ..., kv_updates: _Optional[_Iterable[_Union[KVUpdate, _Mapping]]] = ..., released: _Optional[_Iterable[int]] = ..., prelude: _Optional[_Union[PreludeBatch, _Mapping]] = ..., loop: _Optional[_Union[LoopBatch, _Mapping]] = ..., head: _Optional[_Union[HeadBatch, _Mapping]] = ..., ping: _Optional[_Union[Ping, _Mapping]] = ..., traceparent: _Optional[str] = ...) -> None: ...
+    trace_contexts: _containers.ScalarMap[int, str]
+    def __init__(self, seq: _Optional[int] = ..., fences: _Optional[_Iterable[_Union[Fence, _Mapping]]] = ..., kv_updates: _Optional[_Iterable[_Union[KVUpdate, _Mapping]]] = ..., released: _Optional[_Iterable[int]] = ..., prelude: _Optional[_Union[PreludeBatch, _Mapping]] = ..., loop: _Optional[_Union[LoopBatch, _Mapping]] = ..., head: _Optional[_Union[HeadBatch, _Mapping]] = ..., ping: _Optional[_Union[Ping, _Mapping]] = ..., traceparent: _Optional[str] = ..., trace_contexts: _Optional[_Mapping[int, str]] = ...) -> None: ...
 
 class SampledLogprobs(_message.Message):
     __slots__ = ("present", "logprob", "top_ids", "top_logprobs")

@@ -77,8 +77,9 @@ def test_workers_match_reference(
     prompts = [tok.encode(p) for p in PROMPTS]
     layout = KVLayout(policy, model.config.max_depth, shared_after=2)
     min_depth = 2 if policy is KVPolicy.FIRST_THEN_SHARED else 1  # first_then_shared(k) needs min depth >= k
-    kw = dict(max_new_tokens=10, layout=layout, sampling=sampling, prefill_chunk_size=chunk, init_seed=init_seed)
-    outs = drive_workers(model, prompts, policy=_policy(model, horizon, min_depth), arrivals=[0, 1, 1, 4], **kw)  # type: ignore[arg-type]
+    outs = drive_workers(model, prompts, max_new_tokens=10, policy=_policy(model, horizon, min_depth), layout=layout,
+                         sampling=sampling, prefill_chunk_size=chunk, init_seed=init_seed,
+                         arrivals=[0, 1, 1, 4])  # fmt: skip
     refs = []
     for p in prompts:
         refs.append(reference_generate(model, p, max_new_tokens=10, policy=_policy(model, horizon, min_depth),

@@ -8,7 +8,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, ClassVar
 
 import grpc
 import torch
@@ -65,10 +65,10 @@ class FakeWorker:
     """Echoes ops: loop ops add 1 to their rows, head ops return row values as token ids. Control knobs:
     ``fail_seqs`` raise, ``gates[seq]`` block until set; ``log`` records (stage, seq) in execution order."""
 
-    log: list[tuple[Stage, int]] = []
-    fail_seqs: set[tuple[Stage, int]] = set()
-    gates: dict[tuple[Stage, int], threading.Event] = {}
-    started: dict[tuple[Stage, int], threading.Event] = {}
+    log: ClassVar[list[tuple[Stage, int]]] = []
+    fail_seqs: ClassVar[set[tuple[Stage, int]]] = set()
+    gates: ClassVar[dict[tuple[Stage, int], threading.Event]] = {}
+    started: ClassVar[dict[tuple[Stage, int], threading.Event]] = {}
 
     def __init__(self, model: Any, stage: Stage, bank: torch.Tensor, *args: Any) -> None:
         self.stage, self.bank = stage, bank

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from cdb_scheduler.plan import Fence, Stage
-from services.bank import BankSpec, FenceAborted, FenceBoard, FenceTimeout, SharedBank
+from services.bank import BankSpec, SharedBank
+from services.fences import FenceAborted, FenceBoard, FenceTimeout
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -76,7 +77,7 @@ def test_fence_board_cross_process_complete_and_wait() -> None:
     assert board.completed(Stage.LOOP) == -1
     code = f"""
 from cdb_scheduler.plan import Fence, Stage
-from services.bank import FenceBoard
+from services.fences import FenceBoard
 b = FenceBoard.attach({board.name!r})
 b.complete(Stage.PRELUDE, 4)
 b.wait((Fence(Stage.HEAD, 2),), timeout=20.0)

@@ -60,7 +60,7 @@ def fake_stages(tmp_path: Path) -> Iterator[tuple[dict, GrpcExecutor]]:
 
 
 def test_fences_order_stages_and_results_arrive_in_order(fake_stages: tuple[dict, GrpcExecutor]) -> None:
-    running, ex = fake_stages
+    _, ex = fake_stages
     gate = FakeWorker.gates[(Stage.LOOP, 1)] = threading.Event()
     ex.submit(loop_op(0, (1, 2)))
     ex.submit(loop_op(1, (1, 2)))
@@ -69,7 +69,7 @@ def test_fences_order_stages_and_results_arrive_in_order(fake_stages: tuple[dict
     first = poll_all(ex, 2)  # loop 0 and the prelude op; the head op waits on its fence
     assert {(r.stage, r.seq) for r in first} == {(Stage.LOOP, 0), (Stage.PRELUDE, 0)}
     gate.set()
-    rest = poll_all(ex, 2)
+    rest = poll_all(ex, 2)  # the head's reply may overtake the loop's; the executor restores causal order
     assert [(r.stage, r.seq) for r in rest] == [(Stage.LOOP, 1), (Stage.HEAD, 0)]
     assert rest[1].token_ids == (2, 2)  # the head saw both loop steps through the shared bank
     assert FakeWorker.log.index((Stage.LOOP, 1)) < FakeWorker.log.index((Stage.HEAD, 0))

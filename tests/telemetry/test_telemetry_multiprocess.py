@@ -28,8 +28,12 @@ def test_request_trace_across_processes(tracing: OtlpReceiver) -> None:
         env = {**os.environ, **otel_env(tracing.endpoint, f"cdb-{stage}"), "PYTHONPATH": str(ROOT)}
         procs[stage] = subprocess.Popen(
             [sys.executable, str(HERE / "fake_stage.py"), stage],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True, cwd=ROOT,
-        )  # fmt: skip
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+            text=True,
+            cwd=ROOT,
+        )
     try:
         traces = telemetry.RequestTraces(detail_tokens=2)
         client = telemetry.get_tracer().start_span("client")
@@ -44,8 +48,15 @@ def test_request_trace_across_processes(tracing: OtlpReceiver) -> None:
 
         def op(stage: str, rids: list[int], steps: int = 1) -> None:
             start = telemetry.now_ns()
-            msg = {"contexts": traces.contexts_for(stage, rids), "released": [], "seq": seq[stage],
-                   "request_ids": rids, "start_ns": start, "end_ns": start + 1000, "compute_s": 1e-6}  # fmt: skip
+            msg = {
+                "contexts": traces.contexts_for(stage, rids),
+                "released": [],
+                "seq": seq[stage],
+                "request_ids": rids,
+                "start_ns": start,
+                "end_ns": start + 1000,
+                "compute_s": 1e-6,
+            }
             proc = procs[stage]
             assert proc.stdin is not None and proc.stdout is not None
             proc.stdin.write(json.dumps(msg) + "\n")

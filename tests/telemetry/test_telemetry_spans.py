@@ -104,8 +104,18 @@ def test_batch_spans_are_linked_roots(tracing: OtlpReceiver) -> None:
     stage.update({1: a.traceparent, 2: b.traceparent, 3: ""})
     assert len(stage) == 2
     t = telemetry.now_ns()
-    op = LoopOp(seq=5, fences=(), kv_updates=(), released=(), request_ids=(1, 2, 2), positions=(3, 4, 5),
-                rows=(0, 1, 1), steps=(0, 0, 0), prefill=True, num_steps=4)  # fmt: skip
+    op = LoopOp(
+        seq=5,
+        fences=(),
+        kv_updates=(),
+        released=(),
+        request_ids=(1, 2, 2),
+        positions=(3, 4, 5),
+        rows=(0, 1, 1),
+        steps=(0, 0, 0),
+        prefill=True,
+        num_steps=4,
+    )
     stage.record_op(op, t, t + 2 * MS, 0.002)
     stage.update({}, released=[1])
     stage.record(6, [1, 2], t + 2 * MS, t + 3 * MS, 0.001, error="boom")
@@ -138,13 +148,42 @@ def test_plan_op_helpers(tracing: OtlpReceiver) -> None:
     span.enqueued()
     t = telemetry.now_ns()
     ops = [
-        PreludeOp(seq=0, fences=(), kv_updates=(), released=(), request_ids=(9,), token_ids=(1,), positions=(0,),
-                  rows=(0,), init_seeds=(-1,)),
-        LoopOp(seq=0, fences=(), kv_updates=(), released=(), request_ids=(9,), positions=(0,), rows=(0,),
-               steps=(0,), prefill=True, num_steps=4),
-        HeadOp(seq=0, fences=(), kv_updates=(), released=(), request_ids=(9,), positions=(0,), rows=(0,),
-               sample=(True,), sampling=(SamplingParams(),), token_index=(0,)),
-    ]  # fmt: skip
+        PreludeOp(
+            seq=0,
+            fences=(),
+            kv_updates=(),
+            released=(),
+            request_ids=(9,),
+            token_ids=(1,),
+            positions=(0,),
+            rows=(0,),
+            init_seeds=(-1,),
+        ),
+        LoopOp(
+            seq=0,
+            fences=(),
+            kv_updates=(),
+            released=(),
+            request_ids=(9,),
+            positions=(0,),
+            rows=(0,),
+            steps=(0,),
+            prefill=True,
+            num_steps=4,
+        ),
+        HeadOp(
+            seq=0,
+            fences=(),
+            kv_updates=(),
+            released=(),
+            request_ids=(9,),
+            positions=(0,),
+            rows=(0,),
+            sample=(True,),
+            sampling=(SamplingParams(),),
+            token_index=(0,),
+        ),
+    ]
     for i, op in enumerate(ops):
         assert traces.contexts_for_op(op) == {9: span.traceparent}
         traces.on_op_done(op, StageResult(stage=op.stage, seq=0, compute_s=0.001), t + i * MS, t + (i + 1) * MS)
