@@ -11,6 +11,7 @@ import asyncio
 import itertools
 import queue
 import threading
+import sys
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
@@ -282,20 +283,32 @@ class Engine:
                 continue
             if isinstance(ev, TokenOut):
                 text, stopped = live.detok.push(ev.token_id)
-                live.sink(TokenEvent(live.name, ev.index, ev.token_id, text, ev.depth, ev.logprobs))
-                if stopped:
-                    self._dispatch(self.scheduler.abort(ev.request_id, FinishReason.STOP))
+                ok = self._emit(live, TokenEvent(live.name, ev.index, ev.token_id, text, ev.depth, ev.logprobs))
+                if stopped or not ok:
+                    reason = FinishReason.STOP if stopped else FinishReason.CANCELLED
+                    self._dispatch(self.scheduler.abort(ev.request_id, reason))
                 continue
             del self._live[ev.request_id]
             self._by_name.pop(live.name, None)
             with self._lock:
                 self._active -= 1
             tail = live.detok.flush() if ev.reason is not FinishReason.STOP else ""
-            live.sink(
+            self._emit(
+                live,
                 FinishEvent(
                     live.name, ev.reason.value, live.req.prompt_len, ev.generated, ev.loop_steps, tail, ev.error
-                )
+                ),
             )
+
+    @staticmethod
+    def _emit(live: _Live, event: Event) -> bool:
+        """Hand an event to the request's sink; a failing sink (its caller is gone) ends only that request."""
+        try:
+            live.sink(event)
+        except Exception as exc:
+            print(f"cdb: dropping request {live.name}: its event sink failed: {exc!r}", file=sys.stderr)
+            return False
+        return True
 
     # ----------------------------------------------------------------- APIs
     async def stream(

@@ -183,8 +183,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--public-api", action="store_true", help="also run the full deployment via the public API")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
+    exit_rule = "replay" if args.depth_mean is not None else "auto"
     cfg = EngineConfig(model=args.model, dtype=args.dtype, max_num_seqs=args.width, kv_policy=args.kv_policy,
-                       exit_rule="replay" if args.depth_mean is not None else "auto", num_threads=args.threads)  # fmt: skip
+                       exit_rule=exit_rule, num_threads=args.threads)  # fmt: skip
     probe = Engine(cfg)
     depth = (args.depth_mean, 1, probe.limits.max_depth) if args.depth_mean is not None else None
     work = make_workload(vocab=probe.model_config.vocab_size, num_requests=args.requests,

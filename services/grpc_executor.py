@@ -269,14 +269,14 @@ class GrpcExecutor:
 
         A stage marks its completion on the fence board before it replies, so the reply of an op can overtake
         the reply of an op it was fenced on. The engine sees results in the order the in-process executor
-        guarantees for dependencies: never before the results of the ops it was fenced on, and in ``seq``
-        order per stage.
+        guarantees for dependencies: never before the results of the ops it was fenced on (failed ops excepted:
+        their requests fail either way), and in ``seq`` order per stage.
         """
         progress = True
         while progress:
             progress = False
             for stage, held in self._held.items():
-                while held and all(self._delivered[f.stage] >= f.seq for f in held[0][1]):
+                while held and (held[0][0].error or all(self._delivered[f.stage] >= f.seq for f in held[0][1])):
                     result, _ = held.popleft()
                     self._delivered[stage] = result.seq
                     self._results.put(result)

@@ -239,8 +239,9 @@ class RequestTraces:
     """Scheduler-side map request id → ``RequestSpan``: which traceparents each stage still needs, and stage
     hops. Hop spans are kept for the prefill and the first ``detail_tokens`` decode tokens of each traced
     request (the per-token hops of a long generation would cost more than the 3 % budget; the stage batch spans
-    cover every op). Every method returns at once when no traced request is live. Not thread-safe: call it from
-    the thread that drives the executor."""
+    cover every op). Every method returns at once when no traced request is live. ``register``,
+    ``contexts_for*`` and ``on_*`` belong to the thread that drives the executor; ``RequestSpan.finish`` (which
+    unregisters) may run on another thread: the per-op paths tolerate a request ending under them."""
 
     def __init__(self, detail_tokens: int = 4) -> None:
         self.detail_tokens = detail_tokens
@@ -255,7 +256,7 @@ class RequestTraces:
         span._owner, span._detail_left = (self, request_id), self.detail_tokens
         self._spans[request_id] = span
         self._watch.add(request_id)
-        for unsent in self._unsent.values():
+        for unsent in list(self._unsent.values()):
             unsent.add(request_id)
 
     def get(self, request_id: int) -> RequestSpan | None:
@@ -268,7 +269,7 @@ class RequestTraces:
     def _forget(self, request_id: int) -> None:
         self._spans.pop(request_id, None)
         self._watch.discard(request_id)
-        for unsent in self._unsent.values():
+        for unsent in list(self._unsent.values()):
             unsent.discard(request_id)
 
     def contexts_for(self, stage: str, request_ids: Iterable[int], released: Iterable[int] = ()) -> dict[int, str]:
@@ -286,7 +287,8 @@ class RequestTraces:
         if not hits:
             return {}
         unsent.difference_update(hits)
-        return {rid: self._spans[rid].traceparent for rid in hits}
+        spans = self._spans
+        return {rid: span.traceparent for rid in hits if (span := spans.get(rid)) is not None}
 
     def contexts_for_op(self, op: StageOp) -> dict[int, str]:
         """``contexts_for`` of a plan op (stage name, its requests, its ``released`` ids)."""
@@ -306,8 +308,10 @@ class RequestTraces:
         """Stage op ``seq`` of ``stage`` (sent at ``start_ns``, result at ``end_ns``) served ``request_ids``."""
         if not self._watch:
             return
+        spans = self._spans
         for rid in self._watch.intersection(request_ids):
-            self._spans[rid].hop(stage, seq, start_ns, end_ns, compute_s, steps, error)
+            if (span := spans.get(rid)) is not None:  # it may have finished on another thread meanwhile
+                span.hop(stage, seq, start_ns, end_ns, compute_s, steps, error)
 
     def on_op_done(self, op: StageOp, result: StageResult, sent_ns: int, done_ns: int) -> None:
         """``on_hop`` of a plan op and its result."""

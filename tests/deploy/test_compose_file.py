@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 import yaml
-from compose_file import (
+
+from tests.deploy.compose_file import (
     CDB_SERVICES,
     COLLECTOR,
     GPU_OVERRIDE,

@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from compose_file import CDB_SERVICES, ROOT, command_argv, interpolate, load
+
+from tests.deploy.compose_file import CDB_SERVICES, ROOT, command_argv, interpolate, load
 
 pytestmark = [
     pytest.mark.slow,

@@ -36,12 +36,15 @@ def stage_servers(
     model_name: str = "ouro-tiny",
     dtype: str = "float64",
     settings: Settings = FAST,
+    observer_for: Callable[[Stage], Any] | None = None,
 ) -> Iterator[dict[Stage, RunningStage]]:
     """Three stage servers on ``unix:`` sockets under ``tmp_path``; stopped on exit."""
     running: dict[Stage, RunningStage] = {}
     try:
         for stage in Stage:
-            kw = {"worker_factory": worker_factory} if worker_factory is not None else {}
+            kw: dict[str, Any] = {"worker_factory": worker_factory} if worker_factory is not None else {}
+            if observer_for is not None:
+                kw["observer"] = observer_for(stage)
             service = StageService(stage, model_name, dtype, model_for(stage), settings, **kw)
             address = f"unix://{tmp_path}/{stage.name.lower()}.sock"
             server, _ = build_server(service, address)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import grpc
@@ -17,7 +18,7 @@ from cdb_api.v1 import stage_pb2_grpc
 from cdb_engine.config import EngineConfig, RequestParams
 from cdb_engine.engine import Engine
 from cdb_model.loader import load_model
-from cdb_scheduler.plan import Fence, HeadOp, LoopOp, PreludeOp, SamplingParams, Stage, StageResult
+from cdb_scheduler.plan import Fence, HeadOp, LoopOp, PreludeOp, SamplingParams, Stage, StageOp, StageResult
 from services.grpc_executor import GrpcExecutor, GrpcExecutorFactory
 from services.stage_server import require_loopback
 from tests.services.stage_harness import FAST, FakeWorker, fake_model, fake_setup, stage_servers
@@ -121,6 +122,41 @@ def test_stage_death_fails_every_outstanding_op_promptly(fake_stages: tuple[dict
     ex.submit(head_op(1, (0,)))  # later ops fail at once
     late = ex.poll(1.0)
     assert late is not None and late.seq == 1 and late.error == ex.broken
+
+
+class Recorder:
+    """Both observer protocols: what the executor sends and what a stage sees."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def contexts_for_op(self, op: StageOp) -> dict[int, str]:
+        return {rid: f"00-{rid:032x}-{op.seq + 1:016x}-01" for rid in op.request_ids}
+
+    def on_op_done(self, op: StageOp, result: StageResult, sent_ns: int, done_ns: int) -> None:
+        self.calls.append(("done", op.stage, op.seq, result.error, sent_ns <= done_ns))
+
+    def update(self, contexts: dict[int, str], released: tuple[int, ...] = ()) -> None:
+        self.calls.append(("update", dict(contexts), tuple(released)))
+
+    def record_op(self, op: StageOp, start_ns: int, end_ns: int, compute_s: float, error: str | None = None) -> None:
+        self.calls.append(("record", op.stage, op.seq, start_ns <= end_ns, error))
+
+
+def test_trace_contexts_travel_with_batches_to_observers(tmp_path: Path) -> None:
+    FakeWorker.reset()
+    stage_side, engine_side = Recorder(), Recorder()
+    with stage_servers(tmp_path, lambda s: fake_model(), worker_factory=FakeWorker,
+                       observer_for=lambda s: stage_side if s is Stage.LOOP else None) as running:  # fmt: skip
+        ex = GrpcExecutor(fake_setup(), {s: r.address for s, r in running.items()}, FAST, observer=engine_side)
+        try:
+            ex.submit(replace(loop_op(0, (3, 4)), released=(9,)))
+            assert ex.poll(10) is not None
+        finally:
+            ex.close()
+    contexts = {3: f"00-{3:032x}-{1:016x}-01", 4: f"00-{4:032x}-{1:016x}-01"}
+    assert stage_side.calls == [("update", contexts, (9,)), ("record", Stage.LOOP, 0, True, None)]
+    assert engine_side.calls == [("done", Stage.LOOP, 0, None, True)]
 
 
 def test_configure_is_checked_and_run_needs_it(tmp_path: Path) -> None:

@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from otlp_receiver import OtlpReceiver, otel_env
 
 from services import telemetry
+from tests.telemetry.otlp_receiver import OtlpReceiver, otel_env
 
 
 @pytest.fixture

@@ -14,11 +14,11 @@ from opentelemetry.proto.common.v1.common_pb2 import AnyValue, ArrayValue, KeyVa
 from opentelemetry.proto.trace.v1.trace_pb2 import Span as PbSpan
 from opentelemetry.proto.trace.v1.trace_pb2 import Status as PbStatus
 from opentelemetry.trace import SpanContext, SpanKind, TraceFlags
-from otlp_receiver import OtlpReceiver
 
 from cdb_scheduler.plan import LoopOp, StageResult
 from services import telemetry
 from services.telemetry.lean import link_field, span_bytes
+from tests.telemetry.otlp_receiver import OtlpReceiver
 
 
 def test_hand_encoding_matches_protobuf() -> None:

@@ -12,9 +12,17 @@ from pathlib import Path
 
 import pytest
 from opentelemetry import trace
-from otlp_receiver import OtlpReceiver, check_request_trace, format_trace, linked_to, one, otel_env, trace_of
 
 from services import telemetry
+from tests.telemetry.otlp_receiver import (
+    OtlpReceiver,
+    check_request_trace,
+    format_trace,
+    linked_to,
+    one,
+    otel_env,
+    trace_of,
+)
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]

@@ -9,9 +9,9 @@ import grpc
 import pytest
 from opentelemetry import trace
 from opentelemetry.trace import SpanContext, TraceFlags
-from otlp_receiver import KIND_SERVER, OtlpReceiver, one
 
 from services import telemetry
+from tests.telemetry.otlp_receiver import KIND_SERVER, OtlpReceiver, one
 
 
 def test_traceparent_round_trip() -> None:

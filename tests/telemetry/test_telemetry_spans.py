@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from opentelemetry.trace import SpanContext, TraceFlags
-from otlp_receiver import (
+
+from cdb_scheduler.plan import HeadOp, LoopOp, PreludeOp, SamplingParams, StageResult
+from services import telemetry
+from tests.telemetry.otlp_receiver import (
     KIND_CONSUMER,
     KIND_SERVER,
     STATUS_ERROR,
@@ -16,9 +19,6 @@ from otlp_receiver import (
     one,
     trace_of,
 )
-
-from cdb_scheduler.plan import HeadOp, LoopOp, PreludeOp, SamplingParams, StageResult
-from services import telemetry
 
 MS = 1_000_000
 

@@ -1,0 +1,142 @@
+"""The in-process engine's API: validation, stops, logprobs, streaming, cancellation, overload, stats."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import threading
+from dataclasses import replace
+
+import pytest
+
+from cdb_engine.config import EngineConfig, RequestParams
+from cdb_engine.engine import Engine, FinishEvent, TokenEvent
+from cdb_engine.errors import InvalidRequest, Overloaded
+from cdb_engine.requests import Detokenizer
+from cdb_model.tokenizer import ByteTokenizer
+from cdb_scheduler.plan import SamplingParams
+
+CFG = EngineConfig(model="ouro-tiny", max_num_seqs=4, num_kv_blocks=128, kv_block_size=8, max_waiting=2)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    with Engine(CFG) as eng:
+        yield eng
+
+
+def greedy(n: int, **kw) -> RequestParams:
+    return RequestParams(max_tokens=n, ignore_eos=True, **kw)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "params", "field"),
+    [
+        ("", greedy(4), "prompt"),
+        ([600], greedy(4), "prompt"),
+        ("x" * 1100, greedy(4), "prompt"),
+        ("hi", greedy(0), "max_tokens"),
+        ("hi", greedy(1023), "max_tokens"),
+        ("hi", greedy(4, sampling=SamplingParams(temperature=-1.0)), "temperature"),
+        ("hi", greedy(4, sampling=SamplingParams(temperature=math.nan)), "temperature"),
+        ("hi", greedy(4, sampling=SamplingParams(top_p=0.0)), "top_p"),
+        ("hi", greedy(4, sampling=SamplingParams(top_p=1.5)), "top_p"),
+        ("hi", greedy(4, sampling=SamplingParams(top_k=-2)), "top_k"),
+        ("hi", greedy(4, sampling=SamplingParams(logprobs=99)), "logprobs"),
+        ("hi", greedy(4, exit_threshold=0.0), "exit_threshold"),
+        ("hi", greedy(4, exit_threshold=1.5), "exit_threshold"),
+        ("hi", greedy(4, stop_token_ids=(9999,)), "stop_token_ids"),
+        ("hi", greedy(4, stop_strings=("",)), "stop_strings"),
+    ],
+)
+def test_bad_input_is_rejected_naming_the_field(engine: Engine, prompt, params, field) -> None:
+    with pytest.raises(InvalidRequest) as info:
+        engine.validate(prompt, params)
+    assert info.value.field == field
+
+
+def test_max_tokens_and_stop_ids_end_requests(engine: Engine) -> None:
+    (full,) = engine.generate(["abc"], greedy(12))
+    assert full.finish_reason == "length" and len(full.token_ids) == 12
+    stop = full.token_ids[5]
+    first = full.token_ids.index(stop)
+    (cut,) = engine.generate(["abc"], greedy(12, stop_token_ids=(stop,)))
+    assert cut.finish_reason == "stop"
+    assert cut.token_ids == full.token_ids[: first + 1], "the stop id is the last token"
+
+
+def test_stop_string_truncates_text_and_finishes(engine: Engine) -> None:
+    (full,) = engine.generate([[10, 11, 12]], greedy(16))
+    text = full.text
+    assert len(text) > 4
+    stop = text[3:5]
+    (cut,) = engine.generate([[10, 11, 12]], greedy(16, stop_strings=(stop,)))
+    assert cut.finish_reason == "stop"
+    assert cut.text == text[: text.index(stop)]
+
+
+def test_seeded_sampling_is_reproducible_and_logprobs_are_returned(engine: Engine) -> None:
+    p = greedy(10, sampling=SamplingParams(temperature=1.0, seed=42, logprobs=3, return_logprob=True))
+    a, b = engine.generate(["hello", "hello"], p)
+    assert a.token_ids == b.token_ids
+    other = engine.generate(["hello"], replace(p, sampling=replace(p.sampling, seed=43)))[0]
+    assert other.token_ids != a.token_ids
+    for tok, lp in zip(a.token_ids, a.logprobs):
+        assert lp is not None and lp.logprob <= 0 and len(lp.top_ids) == 3
+        assert lp.logprob <= lp.top_logprobs[0] + 1e-6
+
+
+def test_stream_yields_tokens_then_one_finish(engine: Engine) -> None:
+    async def collect():
+        return [ev async for ev in engine.stream("stream me", greedy(6))]
+
+    events = asyncio.run(collect())
+    assert [type(e) for e in events] == [TokenEvent] * 6 + [FinishEvent]
+    assert events[-1].generated_tokens == 6 and events[-1].total_loop_steps == sum(e.depth for e in events[:-1])
+
+
+def test_leaving_the_stream_early_aborts_and_frees_resources(engine: Engine) -> None:
+    async def take_two():
+        got = []
+        async for ev in engine.stream("cancel me", greedy(200)):
+            got.append(ev)
+            if len(got) == 2:
+                break
+        return got
+
+    assert len(asyncio.run(take_two())) == 2
+    done = threading.Event()
+    engine.submit([5], greedy(1), lambda ev: done.set() if isinstance(ev, FinishEvent) else None)
+    assert done.wait(30)  # the engine kept serving; the aborted request's resources are back:
+    st = engine.stats()
+    assert st.held_rows == 0 and st.used_kv_blocks == 0 and st.running == 0
+
+
+def test_overload_is_refused_at_once() -> None:
+    with Engine(replace(CFG, max_num_seqs=1, max_waiting=1)) as eng:
+        gate = threading.Event()
+        names = [eng.submit([5, 6], greedy(50), lambda ev: gate.set() if isinstance(ev, FinishEvent) else None)
+                 for _ in range(2)]  # fmt: skip
+        with pytest.raises(Overloaded):
+            eng.submit([5, 6], greedy(5), lambda ev: None)
+        for n in names:
+            eng.abort(n)
+
+
+def test_depth_indexed_with_early_exit_is_refused() -> None:
+    with pytest.raises(ValueError, match="depth_indexed"):
+        Engine(replace(CFG, kv_policy="depth_indexed", exit_threshold=0.5))
+    Engine(replace(CFG, kv_policy="depth_indexed", mode="full-depth"))
+
+
+def test_detokenizer_holds_back_a_possible_stop_string_prefix() -> None:
+    tok = ByteTokenizer()
+    d = Detokenizer(tok, ("END",))
+    out = []
+    for ch in "abcEN":
+        delta, stopped = d.push(tok.encode(ch)[0])
+        out.append(delta)
+        assert not stopped
+    assert "".join(out) == "abc"
+    delta, stopped = d.push(tok.encode("D")[0])
+    assert stopped and delta == ""

@@ -1,0 +1,72 @@
+"""Settings from ``CDB_*`` variables and the launcher's configuration plumbing (no processes)."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cdb_engine.config import EngineConfig
+from cdb_scheduler.plan import Stage
+from services.launcher import (
+    add_engine_args,
+    engine_config_from_args,
+    engine_config_to_argv,
+    parse_stage_addrs,
+    wait_ready_file,
+    write_ready_file,
+)
+from services.settings import Settings, SettingsError, load_settings
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def test_settings_defaults_and_overrides() -> None:
+    assert load_settings({}) == Settings()
+    s = load_settings({"CDB_DRAIN_TIMEOUT_S": "2.5", "CDB_STAGE_THREADS": "2", "CDB_UVLOOP": "off", "OTHER": "x"})
+    assert (s.drain_timeout_s, s.stage_threads, s.uvloop) == (2.5, 2, False)
+
+
+@pytest.mark.parametrize(
+    "env,match",
+    [({"CDB_STAGE_THREADS": "two"}, "CDB_STAGE_THREADS"), ({"CDB_UVLOOP": "maybe"}, "CDB_UVLOOP"),
+     ({"CDB_DRAIN_TIMEOUT_S": "0"}, "CDB_DRAIN_TIMEOUT_S"), ({"CDB_MAX_CONCURRENT_RPCS": "-1"}, "MAX_CONCURRENT")],
+)  # fmt: skip
+def test_bad_settings_name_the_variable(env: dict[str, str], match: str) -> None:
+    with pytest.raises(SettingsError, match=match):
+        load_settings(env)
+
+
+def test_engine_config_round_trips_through_command_line_options() -> None:
+    config = EngineConfig(model="huginn-tiny", dtype="float64", max_num_seqs=5, kv_policy="single",
+                          exit_threshold=0.25, max_input_tokens=100, init_seed=3)  # fmt: skip
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert engine_config_from_args(parser.parse_args(engine_config_to_argv(config))) == config
+    assert engine_config_from_args(parser.parse_args([])) == EngineConfig()
+
+
+def test_stage_addresses() -> None:
+    addrs = parse_stage_addrs(["prelude=unix:///a", "loop=127.0.0.1:1", "head=127.0.0.1:2"])
+    assert addrs == {Stage.PRELUDE: "unix:///a", Stage.LOOP: "127.0.0.1:1", Stage.HEAD: "127.0.0.1:2"}
+    with pytest.raises(ValueError, match="missing --stage for head"):
+        parse_stage_addrs(["prelude=a:1", "loop=b:2"])
+    with pytest.raises(ValueError, match="ROLE=ADDRESS"):
+        parse_stage_addrs(["coda=a:1"])
+
+
+def test_ready_files(tmp_path: Path) -> None:
+    path = str(tmp_path / "x.ready")
+    write_ready_file(path, "127.0.0.1:5")
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        assert wait_ready_file(path, alive, 5, "x") == "127.0.0.1:5"
+    finally:
+        alive.kill()
+        alive.wait()
+    dead = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    with pytest.raises(RuntimeError, match="exited with code 3"):
+        wait_ready_file(str(tmp_path / "never"), dead, 20, "child")
