@@ -132,6 +132,7 @@ class SharedBank:
             if spec.cuda is None:
                 raise ValueError("cuda_ipc bank spec without a CUDA IPC handle")
             h = spec.cuda
+            torch.cuda._lazy_init()  # as torch.multiprocessing does before opening a handle
             storage = torch.UntypedStorage._new_shared_cuda(
                 h.device,
                 h.handle,

@@ -27,6 +27,7 @@ class _State:
     """This process's tracing setup (module-level: one per process)."""
 
     enabled = False
+    global_set = False  # the OTel API's global provider may be set once per process
     tracer: Tracer = trace.NoOpTracer()
     provider: TracerProvider | None = None
     lean: LeanRecorder | None = None
@@ -95,8 +96,9 @@ def init_tracing(default_service_name: str, *, exporter: SpanExporter | None = N
     nowhere); ``OTEL_SERVICE_NAME`` (else ``default_service_name``) and ``OTEL_RESOURCE_ATTRIBUTES``;
     ``OTEL_TRACES_SAMPLER``/``_ARG``; ``OTEL_BSP_*``; and, through the SDK exporter,
     ``OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT``/``HEADERS``/``INSECURE``/``CERTIFICATE``/``TIMEOUT``/``COMPRESSION``
-    (OTLP over gRPC). ``exporter`` replaces the configured exporters (tests, benchmarks). A second call replaces
-    the first setup (after flushing it). Returns a no-op tracer when tracing is off.
+    (OTLP over gRPC). ``exporter`` replaces the configured exporters (tests, benchmarks). The first enabled setup
+    also becomes the OTel API's global tracer provider (for third-party instrumentation); a second call replaces
+    this module's setup after flushing the first. Returns a no-op tracer when tracing is off.
     """
     shutdown_tracing()
     pairs = [(exporter, exporter)] if exporter is not None else _exporters_from_env()
@@ -110,6 +112,9 @@ def init_tracing(default_service_name: str, *, exporter: SpanExporter | None = N
         provider.add_span_processor(BatchSpanProcessor(sdk_exporter))
     STATE.lean = LeanRecorder(resource, [lean for _, lean in pairs], round(rate * (1 << 64)))
     STATE.provider, STATE.tracer, STATE.enabled = provider, provider.get_tracer(SCOPE), True
+    if not STATE.global_set:
+        trace.set_tracer_provider(provider)
+        STATE.global_set = True
     return STATE.tracer
 
 

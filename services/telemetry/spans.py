@@ -1,8 +1,9 @@
 """Request spans (scheduler side) and batch spans (stage side), fed with plain data.
 
 Scheduler server, per request: ``start_request_span`` when the RPC arrives, ``phase`` for validation and
-tokenization, ``RequestTraces.register`` once the scheduler gave it an id, ``enqueued``, ``first_token``,
-``cancelled``/``failed`` when that happens, and ``finish`` exactly once at the end.
+tokenization, ``RequestTraces.register`` and ``enqueued`` once the engine gave it an id and queued it,
+``cancelled``/``failed`` when that happens, and ``finish`` exactly once at the end (``first_token`` is only a
+fallback: the head op that samples the first token closes ``prefill``).
 gRPC executor, per stage op: ``RequestTraces.contexts_for_op`` when building the message (traceparents of requests
 new to that stage), ``RequestTraces.on_op_done`` when its result comes back.
 Stage server, per op: ``StageTracer.update`` with the message's contexts and released ids, then ``record_op``.
@@ -18,7 +19,7 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace import Span, SpanContext, SpanKind, Status, StatusCode
 
-from cdb_scheduler.plan import LoopOp, StageOp, StageResult
+from cdb_scheduler.plan import HeadOp, LoopOp, StageOp, StageResult
 from services.telemetry.lean import link_field
 from services.telemetry.setup import STATE, extract_metadata, format_traceparent, now_ns, parse_traceparent
 
@@ -91,11 +92,13 @@ class RequestSpan:
         compute_s: float,
         steps: int = 1,
         error: str | None = None,
+        sampled: bool = False,
     ) -> None:
         """One stage op that served this request: sent at ``start_ns``, result back at ``end_ns``.
 
-        The first hop ends ``queue`` and opens ``prefill``. Consecutive loop ops merge into one ``hop loop``
-        span (``cdb.loop.steps``, summed ``cdb.stage.compute_s``, ``cdb.op.seq`` of the first op).
+        The first hop ends ``queue`` and opens ``prefill``; the first head hop that ``sampled`` a token of this
+        request ends ``prefill`` and opens ``decode``. Consecutive loop ops merge into one ``hop loop`` span
+        (``cdb.loop.steps``, summed ``cdb.stage.compute_s``, ``cdb.op.seq`` of the first op).
         """
         if not self.recording or self._ended:
             return
@@ -113,7 +116,12 @@ class RequestSpan:
         self._flush_loop()
         attrs = {"cdb.stage": stage, "cdb.op.seq": seq, "cdb.stage.compute_s": compute_s}
         self._child(f"hop {stage}", parent, start_ns, end_ns, attrs, error)
-        if stage == "head" and self._decode is not None:
+        if stage != "head":
+            return
+        if self._decode is None:
+            if sampled:
+                self._open_decode(end_ns)
+        else:
             self._detail_left -= 1
             if self._detail_left <= 0:
                 self._unwatch()
@@ -126,10 +134,12 @@ class RequestSpan:
             self._child("hop loop", parent, start, end, attrs, error)
 
     def first_token(self, t_ns: int | None = None) -> None:
-        """The first generated token was streamed: ends ``prefill``, opens ``decode``."""
-        if not self.recording or self._ended or self._decode is not None:
-            return
-        t = t_ns or now_ns()
+        """The first token is out: ends ``prefill``, opens ``decode``, unless the head hop that sampled it did
+        already (with ``RequestTraces.on_op_done``, this call is only a fallback)."""
+        if self.recording and not self._ended and self._decode is None:
+            self._open_decode(t_ns or now_ns())
+
+    def _open_decode(self, t: int) -> None:
         self._flush_loop()
         self._end_queue(t)
         if self._prefill is not None:
@@ -304,21 +314,24 @@ class RequestTraces:
         compute_s: float,
         steps: int = 1,
         error: str | None = None,
+        sampled: Iterable[int] = (),
     ) -> None:
-        """Stage op ``seq`` of ``stage`` (sent at ``start_ns``, result at ``end_ns``) served ``request_ids``."""
+        """Stage op ``seq`` of ``stage`` (sent at ``start_ns``, result at ``end_ns``) served ``request_ids``;
+        for a head op, ``sampled`` are the requests it sampled a token for."""
         if not self._watch:
             return
-        spans = self._spans
+        spans, got = self._spans, set(sampled)
         for rid in self._watch.intersection(request_ids):
             if (span := spans.get(rid)) is not None:  # it may have finished on another thread meanwhile
-                span.hop(stage, seq, start_ns, end_ns, compute_s, steps, error)
+                span.hop(stage, seq, start_ns, end_ns, compute_s, steps, error, rid in got)
 
     def on_op_done(self, op: StageOp, result: StageResult, sent_ns: int, done_ns: int) -> None:
         """``on_hop`` of a plan op and its result."""
         if self._watch:
             steps = op.num_steps if isinstance(op, LoopOp) and op.prefill else 1
+            sampled = [r for r, s in zip(op.request_ids, op.sample) if s] if isinstance(op, HeadOp) else ()
             stage = op.stage.name.lower()
-            self.on_hop(stage, op.seq, op.request_ids, sent_ns, done_ns, result.compute_s, steps, result.error)
+            self.on_hop(stage, op.seq, op.request_ids, sent_ns, done_ns, result.compute_s, steps, result.error, sampled)
 
 
 class StageTracer:

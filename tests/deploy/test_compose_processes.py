@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -67,9 +68,14 @@ class Tree:
                                                     stderr=subprocess.STDOUT)  # fmt: skip
 
     def probe(self, name: str, wait: float) -> subprocess.CompletedProcess[str]:
-        """The compose healthcheck command of ``name``, with ``--wait`` to poll until SERVING."""
-        cmd = [sys.executable, "-m", "services.healthcheck", self.addr[name], "--wait", str(wait)]
-        return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=wait + 30)
+        """The compose healthcheck command of ``name``, repeated (``--wait 5`` each) until SERVING, the process
+        exits, or ``wait`` seconds pass."""
+        cmd = [sys.executable, "-m", "services.healthcheck", self.addr[name], "--wait", "5"]
+        deadline = time.monotonic() + wait
+        while True:
+            run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
+            if run.returncode == 0 or self.procs[name].poll() is not None or time.monotonic() > deadline:
+                return run
 
     def tail(self, name: str) -> str:
         return self.logs[name].read_text(errors="replace")[-3000:]

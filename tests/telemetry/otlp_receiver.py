@@ -5,10 +5,15 @@ process at it with ``otel_env(receiver.endpoint, service_name)``. Spans arrive a
 attributes as plain Python values). ``check_request_trace`` asserts the layout of one request's trace (parentage
 of phases and stage hops, batch spans linked from the stage processes); ``format_trace`` prints a trace as an
 indented tree with durations, for notes and failure messages.
+
+``python -m tests.telemetry.otlp_receiver [--port 4317]`` runs a sink that only counts spans (no decoding), as
+the endpoint of the tracing-on throughput benchmark.
 """
 
 from __future__ import annotations
 
+import argparse
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -60,13 +65,14 @@ class CollectedSpan:
 class OtlpReceiver(pb_grpc.TraceServiceServicer):
     """Collects every exported span in memory. Use as a context manager, or ``start()``/``stop()``."""
 
-    def __init__(self) -> None:
+    def __init__(self, port: int = 0, count_only: bool = False) -> None:
+        self.count_only, self.count = count_only, 0
         self._spans: list[CollectedSpan] = []
         self._cond = threading.Condition()
         self.requests = 0
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
         pb_grpc.add_TraceServiceServicer_to_server(self, self._server)
-        self.port = self._server.add_insecure_port("127.0.0.1:0")
+        self.port = self._server.add_insecure_port(f"127.0.0.1:{port}")
 
     @property
     def endpoint(self) -> str:
@@ -87,6 +93,11 @@ class OtlpReceiver(pb_grpc.TraceServiceServicer):
         self.stop()
 
     def Export(self, request: pb.ExportTraceServiceRequest, context: Any) -> pb.ExportTraceServiceResponse:
+        if self.count_only:
+            with self._cond:
+                self.count += sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
+                self.requests += 1
+            return pb.ExportTraceServiceResponse()
         got = []
         for rs in request.resource_spans:
             resource = {kv.key: _value(kv.value) for kv in rs.resource.attributes}
@@ -234,3 +245,21 @@ def check_request_trace(
             assert b.kind == KIND_CONSUMER and b.attributes.get("cdb.stage") == stage, b
             if stage_services:
                 assert b.service == stage_services[stage], b
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="OTLP/gRPC trace sink on loopback that counts spans.")
+    parser.add_argument("--port", type=int, default=4317)
+    args = parser.parse_args()
+    receiver = OtlpReceiver(args.port, count_only=True).start()
+    print(f"OTLP sink on {receiver.endpoint}; Ctrl-C to stop", flush=True)
+    done = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: done.set())
+    done.wait()
+    receiver.stop()
+    print(f"received {receiver.count} spans in {receiver.requests} export requests", flush=True)
+
+
+if __name__ == "__main__":
+    main()

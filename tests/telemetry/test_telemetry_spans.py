@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from opentelemetry.trace import SpanContext, TraceFlags
 
 from cdb_scheduler.plan import HeadOp, LoopOp, PreludeOp, SamplingParams, StageResult
@@ -184,18 +186,21 @@ def test_plan_op_helpers(tracing: OtlpReceiver) -> None:
             token_index=(0,),
         ),
     ]
-    for i, op in enumerate(ops):
-        assert traces.contexts_for_op(op) == {9: span.traceparent}
+    decode_prelude = dataclasses.replace(ops[0], seq=1, positions=(1,))
+    for i, op in enumerate([*ops, decode_prelude]):
+        assert traces.contexts_for_op(op) == ({9: span.traceparent} if i < 3 else {})
         traces.on_op_done(op, StageResult(stage=op.stage, seq=0, compute_s=0.001), t + i * MS, t + (i + 1) * MS)
-    span.first_token(t + 3 * MS)
-    span.finish("stop", output_tokens=1, depths=[4], t_ns=t + 4 * MS)
+    span.first_token(t + 5 * MS)  # the server streamed it late: no effect, the sampling head hop closed prefill
+    span.finish("stop", output_tokens=1, depths=[4], t_ns=t + 6 * MS)
     telemetry.force_flush()
-    spans = tracing.wait_for(lambda s: len(s) >= 7)
+    spans = tracing.wait_for(lambda s: len(s) >= 8)
     req = one(spans, "text_completion m")
-    prefill = one(spans, "prefill")
+    prefill, decode = one(spans, "prefill"), one(spans, "decode")
     assert [c.name for c in children(spans, prefill)] == ["hop prelude", "hop loop", "hop head"]
     assert children(spans, prefill)[1].attributes["cdb.loop.steps"] == 4
-    assert prefill.parent_span_id == req.span_id
+    assert prefill.parent_span_id == decode.parent_span_id == req.span_id
+    assert (prefill.duration_ms, decode.start_ns) == (3.0, t + 3 * MS)
+    assert [c.name for c in children(spans, decode)] == ["hop prelude"]
 
 
 def test_cancelled_request(tracing: OtlpReceiver) -> None:

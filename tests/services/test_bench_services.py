@@ -1,0 +1,20 @@
+"""``python -m services.bench_services`` runs end to end on a tiny workload and reports its figures."""
+
+from __future__ import annotations
+
+import pytest
+
+from cdb_engine.config import EngineConfig, RequestParams
+from services.bench_services import bench_services
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+
+
+def test_bench_services_reports_ratio_idle_fraction_and_rtt() -> None:
+    cfg = EngineConfig(model="ouro-tiny", max_num_seqs=4, num_kv_blocks=128)
+    requests = [([5 + i, 6, 7], RequestParams(max_tokens=8, ignore_eos=True)) for i in range(6)]
+    out = bench_services(cfg, requests, public_api=True, pings=10, repeats=1)
+    assert out["in_process"]["tokens"] == out["stages"]["tokens"] == out["public_api"]["tokens"] == 48
+    assert out["throughput_ratio_stages_over_in_process"] > 0
+    assert 0.0 <= out["loop_idle_fraction_stages"] <= 1.0
+    assert out["loop_stream_rtt"]["p50_ms"] > 0 and out["stages"]["loop_ops"] > 0
