@@ -66,7 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    # Subcommands that own their options (serve, generate, ...) get every word after their name.
+    args, extra = build_parser().parse_known_args(argv)
+    if hasattr(args, "rest"):
+        args.rest = [*extra, *args.rest]
+    elif extra:
+        build_parser().error(f"unrecognized arguments: {' '.join(extra)}")
     return int(args.func(args))
 
 

@@ -49,6 +49,7 @@ def channel_options(settings: Settings) -> list[tuple[str, int]]:
         ("grpc.keepalive_timeout_ms", keepalive_ms),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.http2.ping_timeout_ms", keepalive_ms),  # other pings in flight would wait 60 s by default
         ("grpc.max_receive_message_length", 64 << 20),
         ("grpc.max_send_message_length", 64 << 20),
     ]

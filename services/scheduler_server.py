@@ -95,6 +95,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         self.idle = asyncio.Event()
         self.idle.set()
         self.draining = False
+        self.not_ready: str | None = "starting"  # the readiness check's last verdict (None: ready)
         self.cut = False  # drain deadline passed: remaining requests end with UNAVAILABLE
 
     @property
@@ -164,7 +165,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
 
     @mapped_errors
     async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.InfoResponse:
-        return public_api.info_to_pb(self.engine, self.deployment, self.settings.max_concurrent_rpcs, self.broken)
+        problem = self.broken or self.not_ready
+        return public_api.info_to_pb(self.engine, self.deployment, self.settings.max_concurrent_rpcs, problem)
 
     def abort_all(self) -> None:
         for rid in list(self.live):
@@ -220,7 +222,7 @@ class Readiness:
                 log.info("readiness: %s", "SERVING" if reason is None else f"NOT_SERVING ({reason})")
                 for name in ("", SERVICE_NAME):
                     await self.health.set(name, _SERVING if reason is None else _NOT_SERVING)
-                self.reason = reason
+                self.reason = self.service.not_ready = reason
             if reason is None:
                 self.first_ready.set()
             await asyncio.sleep(self.settings.health_interval_s)  # a period, not a synchronisation

@@ -53,6 +53,17 @@ ROLES = {"prelude": Stage.PRELUDE, "loop": Stage.LOOP, "head": Stage.HEAD}
 _END = object()
 
 
+# The scheduler's channels send keepalive pings to detect a frozen stage, also while a stream carries no data;
+# by default a server answers such pings with GOAWAY "too many pings", which would break an idle Run stream.
+SERVER_OPTIONS = [
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 500),
+    ("grpc.http2.max_ping_strikes", 0),
+    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.max_send_message_length", 64 << 20),
+]
+
+
 def require_loopback(listen: str) -> str:
     """Return ``listen`` if it is a Unix socket or a loopback host:port; raise ValueError otherwise."""
     if listen.startswith("unix:"):
@@ -237,7 +248,8 @@ class StageService(stage_pb2_grpc.StageServicer):
 
 def build_server(service: StageService, listen: str, max_workers: int = 8) -> tuple[grpc.Server, int]:
     """A sync gRPC server with the stage, health and reflection services; returns (server, bound port)."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="cdb-stage-rpc"))
+    pool = futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="cdb-stage-rpc")
+    server = grpc.server(pool, options=SERVER_OPTIONS)
     stage_pb2_grpc.add_StageServicer_to_server(service, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
