@@ -50,6 +50,7 @@ class FinishEvent:
     total_loop_steps: int
     text: str = ""  # held-back text released at the end
     error: str | None = None
+    queue_s: float = 0.0  # submission to first admission (prefill start); 0 if never admitted
 
 
 Event = TokenEvent | FinishEvent
@@ -198,10 +199,12 @@ class Engine:
         request_id: str | None = None,
         *,
         force: bool = False,
+        on_queued: Callable[[int], None] | None = None,
     ) -> str:
         """Queue a validated request; ``sink`` receives its events on the engine thread.
 
-        ``force`` skips the admission cap (offline batch jobs queue everything at once)."""
+        ``force`` skips the admission cap (offline batch jobs queue everything at once). ``on_queued(internal_id)``
+        runs on the engine thread when the scheduler takes the request (tracing keys its stage ops by that id)."""
         if not self._accepting or self._thread is None or self.error:
             raise EngineStopped(self.error or "the engine is not accepting requests")
         with self._lock:
@@ -233,6 +236,8 @@ class Engine:
             self._live[rid] = live
             self._by_name[name] = rid
             self.scheduler.add(req)
+            if on_queued is not None:
+                on_queued(rid)
 
         self._command(add)
         return name
@@ -296,8 +301,9 @@ class Engine:
             self._emit(
                 live,
                 FinishEvent(
-                    live.name, ev.reason.value, live.req.prompt_len, ev.generated, ev.loop_steps, tail, ev.error
-                ),
+                    live.name, ev.reason.value, live.req.prompt_len, ev.generated, ev.loop_steps, tail, ev.error,
+                    live.req.admitted - live.req.arrival if live.req.admitted else 0.0,
+                ),  # fmt: skip
             )
 
     @staticmethod

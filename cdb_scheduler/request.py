@@ -44,7 +44,8 @@ class Request:
     stop_token_ids: frozenset[int] = frozenset()
     init_seed: int = -1  # Huginn initial state: < 0 zero, else seeded per position
     replay_depths: list[int] | None = None  # benchmark replay: depth of generated token k at [k-1]
-    arrival: float = 0.0
+    arrival: float = 0.0  # time.monotonic() at submission (set by the engine)
+    admitted: float = 0.0  # time.monotonic() at first admission to prefill (0: never admitted)
     status: Status = Status.WAITING
     finish_reason: FinishReason | None = None
     error: str | None = None

@@ -252,6 +252,7 @@ class Scheduler:
                         self.rows.free(req.id, row)
                     break
                 self.waiting.popleft()
+                req.admitted = req.admitted or time.monotonic()
                 req.row = row[0]
                 req.status = Status.RUNNING
                 self.running[req.id] = req

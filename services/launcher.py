@@ -300,12 +300,16 @@ def demo_main(argv: list[str] | None = None) -> int:
     parser.set_defaults(listen="127.0.0.1:0")
     parser.add_argument("--prompt", default="Looped models think deeper on harder tokens.")
     parser.add_argument("--max-tokens", dest="demo_max_tokens", type=int, default=32)
+    parser.add_argument("--temperature", dest="demo_temperature", type=float, default=0.8)
+    parser.add_argument("--seed", dest="demo_seed", type=int, default=7)
     args = parser.parse_args(argv)
     config = engine_config_from_args(args)
     print(f"starting the prelude, loop and head stages and the scheduler for {config.model} ...", flush=True)
     with serve_all(config, args.listen) as handle, Client(handle.address) as client:
-        print(f"serving on {handle.address}; streaming one generation (token[depth]):", flush=True)
-        for item in client.stream(args.prompt, max_tokens=args.demo_max_tokens):
+        print(f"serving on {handle.address}; streaming one generation (token[served loop depth]; a tiny random "
+              "model: the text is noise, the depths are real):", flush=True)  # fmt: skip
+        options = {"max_tokens": args.demo_max_tokens, "temperature": args.demo_temperature, "seed": args.demo_seed}
+        for item in client.stream(args.prompt, ignore_eos=True, **options):
             if isinstance(item, StreamToken):
                 print(f"{item.text or f'<{item.id}>'}[{item.depth}]", end=" ", flush=True)
             else:
