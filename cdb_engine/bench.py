@@ -151,7 +151,7 @@ def bench_offline(
     if "full-depth" in results:
         ref = results["full-depth"]["tokens_per_s"]
         steady_ref = results["full-depth"]["steady_tokens_per_s"]
-        for mode, fig in results.items():
+        for fig in results.values():
             fig["ratio_to_full_depth"] = fig["tokens_per_s"] / ref
             fig["realized_fraction_of_S"] = fig["ratio_to_full_depth"] / bound
             fig["steady_ratio_to_full_depth"] = fig["steady_tokens_per_s"] / steady_ref

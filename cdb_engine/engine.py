@@ -10,8 +10,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import queue
-import threading
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
@@ -20,6 +20,7 @@ from cdb_engine.config import EngineConfig, RequestParams
 from cdb_engine.errors import EngineStopped, Overloaded
 from cdb_engine.requests import Detokenizer, Limits, build_policy, resolve_limits, validate
 from cdb_engine.setup import StageSetup
+from cdb_model.config import ModelConfig
 from cdb_model.loader import load_config, load_tokenizer
 from cdb_model.presets import preset_config, preset_names
 from cdb_scheduler.config import Mode, SchedulerConfig
@@ -93,7 +94,7 @@ class _Live:
     detok: Detokenizer
 
 
-def load_model_config(source: str):  # type: ignore[no-untyped-def]
+def load_model_config(source: str) -> ModelConfig:
     return preset_config(source) if source in preset_names() else load_config(source)
 
 
@@ -301,9 +302,15 @@ class Engine:
             self._emit(
                 live,
                 FinishEvent(
-                    live.name, ev.reason.value, live.req.prompt_len, ev.generated, ev.loop_steps, tail, ev.error,
+                    live.name,
+                    ev.reason.value,
+                    live.req.prompt_len,
+                    ev.generated,
+                    ev.loop_steps,
+                    tail,
+                    ev.error,
                     live.req.admitted - live.req.arrival if live.req.admitted else 0.0,
-                ),  # fmt: skip
+                ),
             )
 
     @staticmethod
@@ -324,7 +331,11 @@ class Engine:
         ids = self.validate(prompt, params)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[Event] = asyncio.Queue()
-        name = self.submit(ids, params, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev), request_id)
+
+        def sink(ev: Event) -> None:
+            loop.call_soon_threadsafe(events.put_nowait, ev)
+
+        name = self.submit(ids, params, sink, request_id)
         finished = False
         try:
             while not finished:

@@ -51,8 +51,7 @@ def resolve_limits(cfg: EngineConfig, mc: ModelConfig) -> Limits:
         max_input_tokens=max_input,
         max_total_tokens=max_total,
         vocab_size=mc.vocab_size,
-        min_coda_batch_size=cfg.min_coda_batch_size
-        or (1 if mc.arch == "ouro" else max(1, cfg.max_num_seqs // 4)),
+        min_coda_batch_size=cfg.min_coda_batch_size or (1 if mc.arch == "ouro" else max(1, cfg.max_num_seqs // 4)),
     )
     build_policy(limits, None)  # validates threshold and depths once
     if cfg.kv_policy == "depth_indexed" and cfg.mode != "full-depth" and not _full_depth(limits):

@@ -266,6 +266,10 @@ def serve_metrics(metrics: Metrics, address: str) -> MetricsServer:
     return MetricsServer(metrics, host or "0.0.0.0", int(port))
 
 
-def metrics_address_from_env(environ: Mapping[str, str] = os.environ) -> str | None:
-    """``CDB_METRICS_ADDR`` (e.g. ``0.0.0.0:9464``); None when unset or empty (no endpoint)."""
-    return environ.get("CDB_METRICS_ADDR") or None
+def metrics_address_from_env(environ: Mapping[str, str] | None = None) -> str | None:
+    """``CDB_METRICS_ADDR`` (e.g. ``0.0.0.0:9464``) as read by ``services.settings``; None when unset or empty (no
+    endpoint). Raises ``SettingsError`` when it is not ``HOST:PORT``."""
+    from services.settings import load_settings
+
+    env = os.environ if environ is None else environ
+    return load_settings({k: v for k, v in env.items() if k == "CDB_METRICS_ADDR"}).metrics_addr or None

@@ -14,6 +14,7 @@
 | ``CDB_MAX_CONCURRENT_RPCS`` | 1024 | hard cap of concurrent RPCs of the public server (RESOURCE_EXHAUSTED beyond) |
 | ``CDB_READY_TIMEOUT_S`` | 180 | ``serve_all``: how long to wait for every child to become ready |
 | ``CDB_UVLOOP`` | 1 | run the public server's event loop on uvloop when installed |
+| ``CDB_METRICS_ADDR`` | (unset) | ``HOST:PORT`` of the scheduler's Prometheus endpoint (``:9464``: all interfaces); unset: none |
 """
 
 from __future__ import annotations
@@ -43,10 +44,15 @@ class Settings:
     max_concurrent_rpcs: int = 1024
     ready_timeout_s: float = 180.0
     uvloop: bool = True
+    metrics_addr: str = ""
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
+            if isinstance(value, str):
+                if value and not is_host_port(value):
+                    raise SettingsError(f"CDB_{f.name.upper()} must be HOST:PORT (or :PORT), got {value!r}")
+                continue
             if f.name == "fence_spin_s":
                 ok = value >= 0
             elif isinstance(value, bool):
@@ -57,8 +63,16 @@ class Settings:
                 raise SettingsError(f"CDB_{f.name.upper()} must be positive, got {value}")
 
 
-def _parse(name: str, raw: str, kind: type) -> int | float | bool:
+def is_host_port(address: str) -> bool:
+    """``HOST:PORT`` or ``:PORT`` with a port in 0..65535 (HOST may be empty: all interfaces)."""
+    port = address.rpartition(":")[2]
+    return ":" in address and port.isdigit() and int(port) < 65536
+
+
+def _parse(name: str, raw: str, kind: type) -> int | float | bool | str:
     try:
+        if kind is str:
+            return raw.strip()
         if kind is bool:
             lowered = raw.strip().lower()
             if lowered in ("1", "true", "yes", "on"):
@@ -75,7 +89,7 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
     """Read ``CDB_*`` variables (default: ``os.environ``) over the defaults; raises SettingsError."""
     env = os.environ if environ is None else environ
     defaults = Settings()
-    values: dict[str, int | float | bool] = {}
+    values: dict[str, int | float | bool | str] = {}
     for f in fields(Settings):
         name = f"CDB_{f.name.upper()}"
         if name in env:

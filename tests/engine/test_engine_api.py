@@ -81,7 +81,7 @@ def test_seeded_sampling_is_reproducible_and_logprobs_are_returned(engine: Engin
     assert a.token_ids == b.token_ids
     other = engine.generate(["hello"], replace(p, sampling=replace(p.sampling, seed=43)))[0]
     assert other.token_ids != a.token_ids
-    for tok, lp in zip(a.token_ids, a.logprobs):
+    for lp in a.logprobs:
         assert lp is not None and lp.logprob <= 0 and len(lp.top_ids) == 3
         assert lp.logprob <= lp.top_logprobs[0] + 1e-6
 

@@ -56,8 +56,15 @@ def drive(sched: Scheduler, ex: FakeExecutor, reqs: list[Request], arrivals: int
 
 
 def config(**kw) -> SchedulerConfig:
-    base = dict(max_depth=MAX_DEPTH, max_num_seqs=8, num_kv_blocks=256, kv_block_size=4, prefill_chunk_size=16,
-                prefill_token_budget=32, copy_on_exit=True)
+    base = dict(
+        max_depth=MAX_DEPTH,
+        max_num_seqs=8,
+        num_kv_blocks=256,
+        kv_block_size=4,
+        prefill_chunk_size=16,
+        prefill_token_budget=32,
+        copy_on_exit=True,
+    )
     base.update(kw)
     return SchedulerConfig(**base)
 
