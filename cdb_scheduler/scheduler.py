@@ -12,13 +12,14 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from cdb_scheduler.allocators import BlockAllocator, RowAllocator
 from cdb_scheduler.config import Mode, SchedulerConfig
 from cdb_scheduler.exit_policy import FixedDepth, Horizon
 from cdb_scheduler.ops import OpBuilder
 from cdb_scheduler.plan import KVCopy, Stage, StageOp, StageResult, TokenLogprobs
+from cdb_scheduler.prefill import PrefillFlight, grow_blocks, pick_chunks, prefill_chain
 from cdb_scheduler.request import Event, Finished, FinishReason, Item, Request, Status, TokenOut
 from cdb_scheduler.stats import SchedulerStats
 
@@ -27,16 +28,6 @@ from cdb_scheduler.stats import SchedulerStats
 class _LoopFlight:
     items: list[Item]
     steps: list[int]
-
-
-@dataclass(slots=True)
-class _PrefillFlight:
-    """One prefill chain (prelude, loop at full depth, head) over prompt chunks of several requests."""
-
-    reqs: list[Request]
-    epochs: list[int]
-    final: list[bool]  # whether the chunk is the request's last one (its head samples token 0)
-    seqs: dict[Stage, int] = field(default_factory=dict)
 
 
 class Scheduler:
@@ -58,7 +49,7 @@ class Scheduler:
         self._loop: dict[int, _LoopFlight] = {}
         self._head: dict[int, list[Item]] = {}
         self._prelude: dict[int, list[Item]] = {}
-        self._prefill: _PrefillFlight | None = None
+        self._prefill: PrefillFlight | None = None
         self._prefill_starved = False
 
     # ----------------------------------------------------------------- requests
@@ -224,89 +215,14 @@ class Scheduler:
     def _issue_prefill(self, ops: list[StageOp]) -> None:
         if self._prefill is not None:
             return
-        cfg = self.cfg
-        budget = cfg.prefill_token_budget
-        picked: list[tuple[Request, int, int]] = []  # request, chunk start, chunk end
-        partial = [r for r in self.running.values() if r.prefilled < r.prompt_len]
-        for req in partial:
-            start = req.prefilled
-            end = min(start + cfg.prefill_chunk_size, req.prompt_len)
-            if end - start > budget:
-                break
-            if not self._grow_blocks(req, end, admit=False):
-                self._prefill_starved = True
-                break
-            budget -= end - start
-            picked.append((req, start, end))
-        if not partial:
-            # Admit only when enough slots are free (admissions come in batches), then fill every free slot.
-            admit = self.rows.num_free >= cfg.admit_min_free_rows or not self.running
-            while admit and self.waiting and self.rows.num_free > 0:
-                req = self.waiting[0]
-                end = min(cfg.prefill_chunk_size, req.prompt_len)
-                if end > budget:
-                    break
-                row = self.rows.allocate(req.id)
-                if row is None or not self._grow_blocks(req, end, admit=True):
-                    if row is not None:
-                        self.rows.free(req.id, row)
-                    break
-                self.waiting.popleft()
-                req.admitted = req.admitted or time.monotonic()
-                req.row = row[0]
-                req.status = Status.RUNNING
-                self.running[req.id] = req
-                budget -= end
-                picked.append((req, 0, end))
+        picked, self._prefill_starved = pick_chunks(self.cfg, self.waiting, self.running, self.rows, self.blocks)
         if picked:
-            ops.extend(self._prefill_chain(picked))
+            chain, self._prefill = prefill_chain(self.cfg, self.ops, picked)
+            self.stats.prefill_tokens += sum(end - start for _, start, end in picked)
+            ops.extend(chain)
 
-    def _grow_blocks(self, req: Request, num_tokens: int, *, admit: bool) -> bool:
-        need = self.blocks.blocks_for(num_tokens) - len(req.blocks)
-        if need <= 0:
-            return True
-        if admit and self.running:
-            margin = self.cfg.kv_margin * self.blocks.total
-            if self.blocks.num_free - need <= margin:
-                return False
-        got = self.blocks.allocate(req.id, need)
-        if got is None:
-            return False
-        req.blocks.extend(got)
-        return True
-
-    def _prefill_chain(self, picked: list[tuple[Request, int, int]]) -> list[StageOp]:
-        reqs, positions, tokens, rows, sample, index = [], [], [], [], [], []
-        row = self.cfg.max_num_seqs
-        flight = _PrefillFlight([], [], [])
-        for req, start, end in picked:
-            final = end == req.prompt_len
-            flight.reqs.append(req)
-            flight.epochs.append(req.epoch)
-            flight.final.append(final)
-            req.prefilled = end
-            for p in range(start, end):
-                reqs.append(req)
-                positions.append(p)
-                tokens.append(req.prompt[p])
-                rows.append(row)
-                row += 1
-                sample.append(final and p == end - 1)
-                index.append(0)
-        self.stats.prefill_tokens += len(tokens)
-        pre = self.ops.prelude(reqs, tokens, positions, rows)
-        loop = self.ops.loop(reqs, positions, rows, [0] * len(rows), prefill=True, num_steps=self.cfg.max_depth)
-        flight.seqs = {Stage.PRELUDE: pre.seq, Stage.LOOP: loop.seq}
-        self._prefill = flight
-        keep = [i for i, s in enumerate(sample) if s or self.cfg.coda_has_kv]
-        if not keep:  # an inner chunk of a model without coda KV: nothing for the head to do
-            return [pre, loop]
-        head = self.ops.head(
-            [reqs[i] for i in keep], [positions[i] for i in keep], [rows[i] for i in keep],
-            [sample[i] for i in keep], [index[i] for i in keep],
-        )  # fmt: skip
-        flight.seqs[Stage.HEAD] = head.seq
-        return [pre, loop, head]
+    def _grow_blocks(self, req: Request, num_tokens: int) -> bool:
+        return grow_blocks(self.cfg, self.blocks, req, num_tokens, margin=False)
 
     # ----------------------------------------------------------------- results
     def on_result(self, res: StageResult) -> list[Event]:
@@ -357,7 +273,7 @@ class Scheduler:
             lp = res.logprobs[i] if res.logprobs else None
             self._accept(it.req, it.index, res.token_ids[i], it.depth, lp, events, replay=it.replay)
 
-    def _on_prefill(self, pf: _PrefillFlight, res: StageResult, events: list[Event]) -> None:
+    def _on_prefill(self, pf: PrefillFlight, res: StageResult, events: list[Event]) -> None:
         del pf.seqs[res.stage]
         if res.error:
             self._fail([r for r, e in zip(pf.reqs, pf.epochs) if r.alive and r.epoch == e], res.error, events)
@@ -413,7 +329,7 @@ class Scheduler:
         self._place_successor(it)
 
     def _place_successor(self, it: Item) -> None:
-        if self._grow_blocks(it.req, it.position + 1, admit=False):
+        if self._grow_blocks(it.req, it.position + 1):
             self.refills.append(it)
         else:
             self.stalled.append(it)

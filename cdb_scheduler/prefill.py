@@ -1,0 +1,124 @@
+"""Admission and prefill: which prompt chunks run next, and the prelude -> loop -> head chain that runs them.
+
+Admission (the method's rule): a prefill starts only if at least ``max(1, width/8)`` resident slots are free
+(admissions come in batches, then every free slot is filled), the free KV blocks stay above the margin after
+taking the chunk's blocks (or nothing else is running), and the chunk fits the token budget. Chunk boundaries
+depend only on the prompt (multiples of ``prefill_chunk_size``), so batching never changes a result. A request
+whose prompt is only partly prefilled gets its next chunk before anyone new is admitted.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from cdb_scheduler.allocators import BlockAllocator, RowAllocator
+from cdb_scheduler.config import SchedulerConfig
+from cdb_scheduler.ops import OpBuilder
+from cdb_scheduler.plan import Stage, StageOp
+from cdb_scheduler.request import Request, Status
+
+Chunk = tuple[Request, int, int]  # request, first position, end position (exclusive)
+
+
+@dataclass(slots=True)
+class PrefillFlight:
+    """One prefill chain in flight over prompt chunks of several requests."""
+
+    reqs: list[Request]
+    epochs: list[int]
+    final: list[bool]  # the chunk is the request's last: its head samples token 0
+    seqs: dict[Stage, int] = field(default_factory=dict)  # stage -> seq of the chain's op still to complete
+
+
+def grow_blocks(cfg: SchedulerConfig, blocks: BlockAllocator, req: Request, num_tokens: int, *, margin: bool) -> bool:
+    """Give ``req`` the blocks for ``num_tokens`` tokens; with ``margin``, only if the KV headroom stays."""
+    need = blocks.blocks_for(num_tokens) - len(req.blocks)
+    if need <= 0:
+        return True
+    if margin and blocks.num_free - need <= cfg.kv_margin * blocks.total:
+        return False
+    got = blocks.allocate(req.id, need)
+    if got is None:
+        return False
+    req.blocks.extend(got)
+    return True
+
+
+def pick_chunks(
+    cfg: SchedulerConfig,
+    waiting: deque[Request],
+    running: dict[int, Request],
+    rows: RowAllocator,
+    blocks: BlockAllocator,
+) -> tuple[list[Chunk], bool]:
+    """The chunks of the next prefill op, admitting waiting requests as needed; also whether a partly
+    prefilled request is starved of KV blocks (the scheduler may then preempt)."""
+    budget = cfg.prefill_token_budget
+    picked: list[Chunk] = []
+    partial = [r for r in running.values() if r.prefilled < r.prompt_len]
+    for req in partial:
+        start = req.prefilled
+        end = min(start + cfg.prefill_chunk_size, req.prompt_len)
+        if end - start > budget:
+            break
+        if not grow_blocks(cfg, blocks, req, end, margin=False):
+            return picked, True
+        budget -= end - start
+        picked.append((req, start, end))
+    if partial:
+        return picked, False
+    admit = rows.num_free >= cfg.admit_min_free_rows or not running
+    while admit and waiting and rows.num_free > 0:
+        req = waiting[0]
+        end = min(cfg.prefill_chunk_size, req.prompt_len)
+        if end > budget:
+            break
+        row = rows.allocate(req.id)
+        assert row is not None
+        if not grow_blocks(cfg, blocks, req, end, margin=bool(running)):
+            rows.free(req.id, row)
+            break
+        waiting.popleft()
+        req.admitted = req.admitted or time.monotonic()
+        req.row = row[0]
+        req.status = Status.RUNNING
+        running[req.id] = req
+        budget -= end
+        picked.append((req, 0, end))
+    return picked, False
+
+
+def prefill_chain(cfg: SchedulerConfig, ops: OpBuilder, picked: list[Chunk]) -> tuple[list[StageOp], PrefillFlight]:
+    """Prelude over the chunks' tokens, one loop op running all ``max_depth`` steps, head over the positions that
+    need it (every position for Huginn's coda KV; the last prompt position of each final chunk is sampled)."""
+    reqs: list[Request] = []
+    positions: list[int] = []
+    tokens: list[int] = []
+    sample: list[bool] = []
+    flight = PrefillFlight([], [], [])
+    for req, start, end in picked:
+        final = end == req.prompt_len
+        flight.reqs.append(req)
+        flight.epochs.append(req.epoch)
+        flight.final.append(final)
+        req.prefilled = end
+        for p in range(start, end):
+            reqs.append(req)
+            positions.append(p)
+            tokens.append(req.prompt[p])
+            sample.append(final and p == end - 1)
+    rows = list(range(cfg.max_num_seqs, cfg.max_num_seqs + len(tokens)))  # the bank's prefill rows
+    pre = ops.prelude(reqs, tokens, positions, rows)
+    loop = ops.loop(reqs, positions, rows, [0] * len(rows), prefill=True, num_steps=cfg.max_depth)
+    flight.seqs = {Stage.PRELUDE: pre.seq, Stage.LOOP: loop.seq}
+    keep = [i for i, s in enumerate(sample) if s or cfg.coda_has_kv]
+    if not keep:  # an inner chunk of a model without coda KV: nothing for the head to do
+        return [pre, loop], flight
+    head = ops.head(
+        [reqs[i] for i in keep], [positions[i] for i in keep], [rows[i] for i in keep],
+        [sample[i] for i in keep], [0] * len(keep),
+    )  # fmt: skip
+    flight.seqs[Stage.HEAD] = head.seq
+    return [pre, loop, head], flight
