@@ -123,3 +123,40 @@ def test_tiny_pool_preempts_and_still_matches_reference() -> None:
     got, eng = run_engine(model, cfg, work)
     assert eng.sched_stats.preemptions > 0, "the pool should be too small to hold every request at once"
     assert got == run_reference(model, eng, work, cfg)
+
+
+def test_staggered_arrivals_match_reference() -> None:
+    """Requests arrive while others decode (each is submitted when its predecessor reports its 2nd token)."""
+    import threading
+
+    from cdb_engine.engine import FinishEvent, TokenEvent
+
+    model = model64("huginn-tiny")
+    cfg = EngineConfig(model="huginn-tiny", dtype="float64", kv_policy="last_exited", max_num_seqs=4,
+                       num_kv_blocks=256, kv_block_size=4, prefill_chunk_size=16, prefill_token_budget=32)  # fmt: skip
+    work = workload(random.Random(5), 8)
+    outs: list[list[int]] = [[] for _ in work]
+    depths: list[list[int]] = [[] for _ in work]
+    done = threading.Semaphore(0)
+    with Engine(cfg, shared_model_factory(model)) as eng:
+
+        def submit(i: int) -> None:
+            started = [False]
+
+            def sink(ev) -> None:
+                if isinstance(ev, TokenEvent):
+                    outs[i].append(ev.token_id)
+                    depths[i].append(ev.depth)
+                if i + 1 < len(work) and not started[0] and (len(outs[i]) == 2 or isinstance(ev, FinishEvent)):
+                    started[0] = True
+                    submit(i + 1)
+                if isinstance(ev, FinishEvent):
+                    done.release()
+
+            eng.submit(work[i][0], work[i][1], sink)
+
+        submit(0)
+        for _ in work:
+            assert done.acquire(timeout=120)
+        want = run_reference(model, eng, work, cfg)
+    assert list(zip(outs, depths)) == [tuple(w) for w in want]
