@@ -7,6 +7,7 @@ are genuinely in flight when the scheduler plans. Every op's fences are checked 
 from __future__ import annotations
 
 import hashlib
+import random
 from collections import deque
 
 from cdb_scheduler.exit_policy import ExitPolicy, Horizon
@@ -31,7 +32,11 @@ def token(rid: int, position: int) -> int:
 
 
 class FakeExecutor:
-    def __init__(self) -> None:
+    """With ``rng``, the three stages run concurrently: each poll runs the next op of a random stage whose fences
+    are satisfied (like separate stage processes), so results of different stages arrive in varying order."""
+
+    def __init__(self, rng: random.Random | None = None) -> None:
+        self.rng = rng
         self.queue: deque[StageOp] = deque()
         self.done = [-1, -1, -1]
         self.submitted: list[StageOp] = []
@@ -46,10 +51,21 @@ class FakeExecutor:
         loops = sum(1 for o in self.queue if isinstance(o, LoopOp) and not o.prefill)
         self.max_loop_in_flight = max(self.max_loop_in_flight, loops)
 
+    def _next(self) -> StageOp:
+        if self.rng is None:
+            return self.queue.popleft()
+        heads: dict[Stage, StageOp] = {}
+        for o in self.queue:
+            heads.setdefault(o.stage, o)
+        runnable = [o for o in heads.values() if all(self.done[f.stage] >= f.seq for f in o.fences)]
+        op = self.rng.choice(runnable)
+        self.queue.remove(op)
+        return op
+
     def poll(self, timeout: float | None) -> StageResult | None:
         if not self.queue:
             return None
-        op = self.queue.popleft()
+        op = self._next()
         for f in op.fences:
             assert self.done[f.stage] >= f.seq, f"fence {f} unsatisfied"
         self.done[op.stage] = op.seq

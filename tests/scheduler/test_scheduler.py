@@ -182,3 +182,14 @@ def test_fixed_depth_tokens_may_run_in_consecutive_ops_without_waiting() -> None
     ex = FakeExecutor()
     drive(Scheduler(config()), ex, reqs, arrivals=3)
     assert ex.max_loop_in_flight == 2
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_concurrent_stages_deliver_results_out_of_submission_order(seed: int) -> None:
+    """Stages as separate processes: results of different stages overtake each other; nothing changes."""
+    rng = random.Random(seed)
+    for mode in (Mode.CDB, Mode.NO_REFILL):
+        reqs = make_requests(rng, 24, Horizon.ONE_AHEAD)
+        sched = Scheduler(config(mode=mode, num_kv_blocks=40, kv_margin=0.0))
+        events = drive(sched, FakeExecutor(random.Random(seed)), reqs, arrivals=3)
+        check_against_expected(reqs, events)
