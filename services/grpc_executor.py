@@ -67,7 +67,8 @@ class StageCounters:
 
 
 class OpObserver(Protocol):
-    """Optional per-op hooks, both called on the engine thread (``services.telemetry.RequestTraces`` fits)."""
+    """Optional per-op hooks, both called on the engine thread (``services.observability.OpRecorder``: metrics, and
+    ``services.telemetry.RequestTraces`` when tracing is on)."""
 
     def contexts_for_op(self, op: StageOp) -> Mapping[int, str]:
         """Request id -> W3C traceparent to send with ``op`` (``StageBatch.trace_contexts``)."""

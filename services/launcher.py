@@ -32,7 +32,7 @@ from typing import Any
 
 from cdb_engine.config import EngineConfig
 from cdb_scheduler.plan import Stage
-from services.settings import Settings, load_settings
+from services.settings import Settings, is_host_port, load_settings
 
 ROLE_NAMES = {Stage.PRELUDE: "prelude", Stage.LOOP: "loop", Stage.HEAD: "head"}
 
@@ -210,9 +210,10 @@ def _terminate(procs: list[subprocess.Popen[bytes]], timeout: float) -> None:
 
 
 def serve_all(config: EngineConfig, listen: str = "127.0.0.1:50051", *, settings: Settings | None = None,
-              env: Mapping[str, str] | None = None) -> ServeHandle:  # fmt: skip
-    """Start three stage servers and the scheduler service; return once all are ready."""
-    return _start_tree(config, listen, settings, env)
+              env: Mapping[str, str] | None = None, metrics_listen: str | None = None) -> ServeHandle:  # fmt: skip
+    """Start three stage servers and the scheduler service; return once all are ready. ``metrics_listen``: the
+    scheduler's ``--metrics-listen`` (None: it reads ``CDB_METRICS_ADDR`` from its environment)."""
+    return _start_tree(config, listen, settings, env, metrics_listen)
 
 
 def start_stages(config: EngineConfig, *, settings: Settings | None = None,
@@ -223,7 +224,7 @@ def start_stages(config: EngineConfig, *, settings: Settings | None = None,
 
 
 def _start_tree(config: EngineConfig, listen: str | None, settings: Settings | None,
-                env: Mapping[str, str] | None) -> ServeHandle:  # fmt: skip
+                env: Mapping[str, str] | None, metrics_listen: str | None = None) -> ServeHandle:  # fmt: skip
     settings = settings or load_settings()
     handle = ServeHandle(tempfile.mkdtemp(prefix="cdb-serve-"), settings)
     try:
@@ -240,6 +241,8 @@ def _start_tree(config: EngineConfig, listen: str | None, settings: Settings | N
         if listen is not None:
             argv = ["-m", "services.scheduler_server", "--listen", listen, "--ready-file", sched_ready]
             argv += [f"--stage={ROLE_NAMES[s]}={a}" for s, a in sockets.items()]
+            if metrics_listen is not None:
+                argv.append(f"--metrics-listen={metrics_listen}")
             argv += engine_config_to_argv(config)
             handle.scheduler = handle._spawn(argv, "scheduler.log", env)
         for stage, role in ROLE_NAMES.items():
@@ -256,10 +259,12 @@ def _start_tree(config: EngineConfig, listen: str | None, settings: Settings | N
     return handle
 
 
-def serve_forever(config: EngineConfig, listen: str = "127.0.0.1:50051") -> int:
+def serve_forever(config: EngineConfig, listen: str = "127.0.0.1:50051", metrics_listen: str | None = None) -> int:
     """Run the tree in the foreground until Ctrl-C / SIGTERM (exit 0) or a child's death (exit 1)."""
-    handle = serve_all(config, listen)
+    handle = serve_all(config, listen, metrics_listen=metrics_listen)
     print(f"cdb serving {config.model} on {handle.address} (stages: prelude, loop, head)", flush=True)
+    if metrics_listen:
+        print(f"Prometheus metrics on http://{metrics_listen}/metrics", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -280,15 +285,24 @@ def _serve_parser(prog: str, description: str) -> argparse.ArgumentParser:
     return parser
 
 
+def _add_metrics_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--metrics-listen", metavar="HOST:PORT", default=load_settings().metrics_addr,
+                        help="the scheduler's Prometheus endpoint, http://HOST:PORT/metrics (default: "
+                        "$CDB_METRICS_ADDR; empty: none)")  # fmt: skip
+
+
 def serve_main(argv: list[str] | None = None) -> int:
     """``cdb serve``: the scheduler and the three stages on this machine, until Ctrl-C / SIGTERM."""
     parser = _serve_parser("cdb serve", serve_main.__doc__ or "")
+    _add_metrics_arg(parser)
     args = parser.parse_args(argv)
     try:
         config = engine_config_from_args(args)
+        if args.metrics_listen and not is_host_port(args.metrics_listen):
+            raise ValueError(f"--metrics-listen must be HOST:PORT, got {args.metrics_listen!r}")
     except ValueError as exc:
         parser.error(str(exc))
-    return serve_forever(config, args.listen)
+    return serve_forever(config, args.listen, args.metrics_listen)
 
 
 def demo_main(argv: list[str] | None = None) -> int:

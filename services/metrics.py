@@ -9,12 +9,14 @@ Names follow Prometheus conventions (base units: seconds; ``_total`` for counter
 from __future__ import annotations
 
 import bisect
+import logging
 import math
 import os
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+log = logging.getLogger(__name__)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # Latency buckets (s): 1 ms to 60 s, dense where tiny models on CPU and GPUs live.
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 10, 30, 60)
@@ -152,6 +154,12 @@ class Metrics:
         self.info = g("cdb_model_info", "The served model (value always 1).", ["model"])
         self.info.set(1, model)
         self.families = [v for v in vars(self).values() if isinstance(v, _Metric)]
+        self._collectors: list[Callable[[Metrics], None]] = []
+
+    def add_collector(self, collect: Callable[[Metrics], None]) -> None:
+        """Run ``collect(self)`` before every ``render`` (each scrape): sample gauges and counters that other
+        components keep (queue sizes, KV and bank usage, refill counters) off the serving hot path."""
+        self._collectors.append(collect)
 
     # --- per request (scheduler server) -------------------------------------------------------------------
     def observe_queue_time(self, seconds: float) -> None:
@@ -215,7 +223,12 @@ class Metrics:
         self.bank_total.set(total)
 
     def render(self) -> str:
-        """The Prometheus text exposition of every metric."""
+        """The Prometheus text exposition of every metric (after running the collectors)."""
+        for collect in self._collectors:
+            try:
+                collect(self)
+            except Exception:  # a failing collector leaves its metrics stale; the scrape still answers
+                log.exception("metrics collector failed")
         lines: list[str] = []
         for family in self.families:
             lines += family.header() + family.render()

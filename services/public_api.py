@@ -52,6 +52,11 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
 
 
+def requested_max_tokens(req: pb.GenerateRequest) -> int:
+    """The request's ``max_tokens`` as the engine will read it (before validation)."""
+    return req.max_tokens if req.HasField("max_tokens") else _DEFAULT_MAX_TOKENS
+
+
 def request_to_engine(req: pb.GenerateRequest) -> tuple[str | list[int], RequestParams]:
     """The prompt (text or ids) and the engine's parameters of a request; values are validated by the engine."""
     prompt: str | list[int] = list(req.token_ids.ids) if req.WhichOneof("prompt") == "token_ids" else req.text
@@ -65,7 +70,7 @@ def request_to_engine(req: pb.GenerateRequest) -> tuple[str | list[int], Request
         return_logprob=s.return_logprobs,
     )
     params = RequestParams(
-        max_tokens=req.max_tokens if req.HasField("max_tokens") else _DEFAULT_MAX_TOKENS,
+        max_tokens=requested_max_tokens(req),
         sampling=sampling,
         stop_token_ids=tuple(req.stop_token_ids),
         stop_strings=tuple(req.stop_strings),

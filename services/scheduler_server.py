@@ -4,7 +4,9 @@ Run: ``python -m services.scheduler_server --listen 0.0.0.0:50051 --stage prelud
 --stage loop=127.0.0.1:50062 --stage head=127.0.0.1:50063 --model ouro-tiny`` (``--in-process``: no stages).
 
 - Handlers: protobuf -> engine -> protobuf; every exception goes through ``public_api.status_for``.
-- Client cancel, disconnect or deadline cancels the handler, which aborts the request (``Engine.stream``).
+- Client cancel, disconnect or deadline cancels the handler, which aborts the request (``GenerationService._serve``).
+- Observability: one SERVER span per request (``services.telemetry``, configured by ``OTEL_*``; off by default)
+  and Prometheus metrics on ``--metrics-listen`` (default ``CDB_METRICS_ADDR``, via ``services.settings``).
 - ``grpc.health.v1``: SERVING only while the engine is healthy and either idle or making progress, the executor
   is not broken and every stage answers its own health check. Reflection is on.
 - SIGTERM/SIGINT: NOT_SERVING, new work refused (UNAVAILABLE), in-flight streams finish up to the drain timeout,
@@ -22,7 +24,7 @@ import logging
 import signal
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from typing import Any
 
 import grpc
@@ -34,12 +36,15 @@ from cdb_api.v1 import generation_pb2_grpc
 from cdb_engine.config import EngineConfig
 from cdb_engine.engine import Engine, FinishEvent, TokenEvent
 from cdb_engine.errors import EngineStopped, InvalidRequest
-from cdb_scheduler.plan import Stage
-from services import public_api
+from cdb_engine.setup import StageSetup
+from cdb_scheduler.plan import Executor, Stage
+from services import public_api, telemetry
 from services.grpc_executor import GrpcExecutorFactory
 from services.launcher import add_engine_args, engine_config_from_args, parse_stage_addrs, write_ready_file
+from services.metrics import Metrics, MetricsServer, serve_metrics
+from services.observability import EngineGauges, ObservedExecutor, OpRecorder
 from services.public_api import ServerDraining, StageFailed
-from services.settings import Settings, load_settings
+from services.settings import Settings, is_host_port, load_settings
 
 log = logging.getLogger("cdb.scheduler")
 
@@ -84,14 +89,23 @@ def mapped_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 class GenerationService(generation_pb2_grpc.GenerationServicer):
-    """``cdb.v1.Generation`` over one started engine."""
+    """``cdb.v1.Generation`` over one started engine, with each request's metrics and trace."""
 
-    def __init__(self, engine: Engine, factory: GrpcExecutorFactory | None, settings: Settings) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        factory: GrpcExecutorFactory | None,
+        settings: Settings,
+        metrics: Metrics | None = None,
+        traces: telemetry.RequestTraces | None = None,
+    ) -> None:
         self.engine = engine
         self.factory = factory
         self.settings = settings
+        self.metrics = metrics or Metrics(engine.config.model, engine.limits.max_depth)
+        self.traces = traces  # the executor's observer feeds it; None when tracing is off
         self.deployment = "microservices" if factory is not None else "in_process"
-        self.live: set[str] = set()  # request ids of in-flight Generate/GenerateStream calls
+        self.live: dict[str, telemetry.RequestSpan] = {}  # request id -> span, of in-flight Generate* calls
         self.idle = asyncio.Event()
         self.idle.set()
         self.draining = False
@@ -104,20 +118,18 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         executor = self.factory.executor if self.factory is not None else None
         return executor.broken if executor is not None else None
 
-    def _admit(self, request_id: str) -> str:
+    def _admit(self, rid: str, span: telemetry.RequestSpan) -> None:
         if self.draining:
             raise ServerDraining("server is shutting down")
         if self.broken:
             raise StageFailed(self.broken)
-        rid = request_id or uuid.uuid4().hex
         if rid in self.live:
             raise InvalidRequest("request_id", f"{rid!r} is already used by a live request")
-        self.live.add(rid)
+        self.live[rid] = span
         self.idle.clear()
-        return rid
 
     def _release(self, rid: str) -> None:
-        self.live.discard(rid)
+        self.live.pop(rid, None)
         if not self.live:
             self.idle.set()
 
@@ -127,41 +139,143 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         if ev.finish_reason == "cancelled" and self.cut:
             raise ServerDraining("server shut down before the request finished")
 
+    def _on_queued(self, span: telemetry.RequestSpan) -> Callable[[int], None]:
+        """``Engine.submit``'s hook (engine thread): key the span by the engine's id for the executor's ops."""
+        traces = self.traces
+        assert traces is not None
+
+        def queued(internal_id: int) -> None:
+            traces.register(internal_id, span)
+            span.enqueued()
+
+        return queued
+
+    async def _serve(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncGenerator[TokenEvent | FinishEvent, None]:
+        """One request: validate, submit, yield its engine events; records its metrics and trace. Raises what
+        the caller should map to a status (``_check_finish``). Use with ``contextlib.aclosing``: leaving early
+        (client cancel, disconnect, deadline) aborts the request."""
+        arrival, start_ns, m = time.perf_counter(), telemetry.now_ns(), self.metrics
+        rid = request.request_id or uuid.uuid4().hex
+        span = telemetry.NOOP_REQUEST_SPAN
+        if telemetry.enabled():
+            span = telemetry.start_request_span(
+                model=self.engine.config.model,
+                max_tokens=public_api.requested_max_tokens(request),
+                metadata=context.invocation_metadata(),
+                request_id=rid,
+                start_ns=start_ns,
+            )
+        try:
+            prompt, params = public_api.request_to_engine(request)
+            ids = self.engine.validate(prompt, params)
+            span.phase("validate", start_ns, telemetry.now_ns())
+            span.set_attribute("gen_ai.usage.input_tokens", len(ids))
+            self._admit(rid, span)
+        except Exception as exc:
+            self._reject(span, exc)
+            raise
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[TokenEvent | FinishEvent] = asyncio.Queue()
+
+        def sink(ev: TokenEvent | FinishEvent) -> None:
+            loop.call_soon_threadsafe(events.put_nowait, ev)
+
+        try:
+            on_queued = self._on_queued(span) if span.recording else None
+            try:
+                name = self.engine.submit(ids, params, sink, rid, on_queued=on_queued)
+            except Exception as exc:
+                self._reject(span, exc)
+                raise
+            m.observe_admitted(len(ids))
+            depths: list[int] = []
+            last = 0.0
+            finish: FinishEvent | None = None
+            try:
+                while finish is None:
+                    ev = await events.get()
+                    if isinstance(ev, TokenEvent):
+                        now = time.perf_counter()
+                        if last:
+                            m.observe_itl(now - last)
+                        else:
+                            m.observe_ttft(now - arrival)
+                        last = now
+                        m.observe_token_depth(ev.depth)
+                        depths.append(ev.depth)
+                    else:
+                        finish = ev
+                        self._record_finish(span, ev, depths, arrival)
+                        self._check_finish(ev)
+                    yield ev
+            except BaseException as exc:
+                if finish is None:  # the caller left (cancel, disconnect, deadline) or the handler failed
+                    self.engine.abort(name)
+                    self._record_gone(span, exc, context, depths, arrival)
+                raise
+        finally:
+            self._release(rid)
+
+    def _reject(self, span: telemetry.RequestSpan, exc: Exception) -> None:
+        code = public_api.status_for(exc)[0].name
+        self.metrics.observe_rejected(code)
+        span.failed(exc, code)
+        span.finish("error", 0)
+
+    def _record_finish(self, span: telemetry.RequestSpan, ev: FinishEvent, depths: list[int], arrival: float) -> None:
+        reason = ev.finish_reason
+        if ev.queue_s > 0:
+            self.metrics.observe_queue_time(ev.queue_s)
+        self.metrics.observe_request_end(time.perf_counter() - arrival, reason)
+        if span.recording:
+            if reason == "error":
+                span.failed(ev.error or "the engine failed the request", "UNAVAILABLE")
+            elif reason == "cancelled" and self.cut:
+                span.cancelled("server shut down before the request finished")
+            span.finish(reason, ev.generated_tokens, depths, ev.total_loop_steps)
+
+    def _record_gone(self, span: telemetry.RequestSpan, exc: BaseException, context: grpc.aio.ServicerContext,
+                     depths: list[int], arrival: float) -> None:  # fmt: skip
+        if isinstance(exc, asyncio.CancelledError | GeneratorExit):
+            remaining = context.time_remaining()
+            reason = "cancelled"
+            span.cancelled("deadline exceeded" if remaining is not None and remaining <= 0 else "client cancelled")
+        else:
+            reason = "error"
+            span.failed(exc, public_api.status_for(exc)[0].name if isinstance(exc, Exception) else None)
+        self.metrics.observe_request_end(time.perf_counter() - arrival, reason)
+        span.finish(reason, len(depths), depths)
+
     @mapped_errors
     async def GenerateStream(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateStreamResponse]:
-        prompt, params = public_api.request_to_engine(request)
-        rid = self._admit(request.request_id)
-        try:
-            async for ev in self.engine.stream(prompt, params, rid):
-                if isinstance(ev, FinishEvent):
-                    self._check_finish(ev)
+        async with contextlib.aclosing(self._serve(request, context)) as events:
+            async for ev in events:
                 yield public_api.event_to_pb(ev)
-        finally:
-            self._release(rid)
 
     @mapped_errors
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
-        prompt, params = public_api.request_to_engine(request)
-        rid = self._admit(request.request_id)
-        out = pb.GenerateResponse(request_id=rid)
-        try:
-            async for ev in self.engine.stream(prompt, params, rid):
+        out = pb.GenerateResponse()
+        async with contextlib.aclosing(self._serve(request, context)) as events:
+            async for ev in events:
+                out.request_id = ev.request_id
                 if isinstance(ev, TokenEvent):
                     out.tokens.append(public_api.token_to_pb(ev))
                     out.text += ev.text
                 else:
-                    self._check_finish(ev)
                     out.text += ev.text
                     out.finish.CopyFrom(public_api.finish_to_pb(ev))
-        finally:
-            self._release(rid)
         return out
 
     @mapped_errors
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
-        return pb.AbortResponse(found=self.engine.abort(request.request_id))
+        found = self.engine.abort(request.request_id)
+        if found and (span := self.live.get(request.request_id)) is not None:
+            span.cancelled("Abort")
+        return pb.AbortResponse(found=found)
 
     @mapped_errors
     async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.InfoResponse:
@@ -233,9 +347,10 @@ class Readiness:
 
 
 async def serve(engine: Engine, factory: GrpcExecutorFactory | None, stage_addrs: Mapping[Stage, str] | None,
-                listen: str, settings: Settings, ready_file: str | None = None) -> None:  # fmt: skip
+                listen: str, settings: Settings, ready_file: str | None = None, *, metrics: Metrics | None = None,
+                traces: telemetry.RequestTraces | None = None) -> None:  # fmt: skip
     """Serve the started ``engine`` on ``listen`` until SIGTERM/SIGINT, then drain and return."""
-    service = GenerationService(engine, factory, settings)
+    service = GenerationService(engine, factory, settings, metrics, traces)
     readiness = Readiness(service, stage_addrs, settings)
     server = grpc.aio.server(maximum_concurrent_rpcs=settings.max_concurrent_rpcs)
     generation_pb2_grpc.add_GenerationServicer_to_server(service, server)
@@ -274,12 +389,38 @@ async def serve(engine: Engine, factory: GrpcExecutorFactory | None, stage_addrs
 
 
 def run_scheduler(config: EngineConfig, listen: str, stage_addrs: Mapping[Stage, str] | None, *,
-                  ready_file: str | None = None, settings: Settings | None = None) -> None:  # fmt: skip
-    """Start the engine (connecting the stages; ``stage_addrs=None``: in-process) and serve until signalled."""
+                  ready_file: str | None = None, settings: Settings | None = None,
+                  metrics_listen: str | None = None) -> None:  # fmt: skip
+    """Start the engine (connecting the stages; ``stage_addrs=None``: in-process) and serve until signalled.
+
+    Tracing follows the ``OTEL_*`` environment (service ``cdb-scheduler``); metrics are always kept and served
+    on ``metrics_listen`` (default: ``settings.metrics_addr``, i.e. ``CDB_METRICS_ADDR``; empty: no endpoint)."""
     settings = settings or load_settings()
-    factory = GrpcExecutorFactory(stage_addrs, settings) if stage_addrs is not None else None
-    engine = Engine(config, executor_factory=factory).start()
+    telemetry.init_tracing("cdb-scheduler")
+    metrics_server: MetricsServer | None = None
+    engine: Engine | None = None
     try:
+        traces = telemetry.RequestTraces() if telemetry.enabled() else None
+        factory = GrpcExecutorFactory(stage_addrs, settings) if stage_addrs is not None else None
+        observer: OpRecorder | None = None
+
+        def in_process(setup: StageSetup) -> Executor:
+            from cdb_engine.inprocess import InProcessExecutor
+
+            inner = InProcessExecutor(setup, num_threads=config.num_threads)
+            return ObservedExecutor(inner, observer) if observer is not None else inner
+
+        engine = Engine(config, executor_factory=factory or in_process)
+        metrics = Metrics(config.model, engine.limits.max_depth)
+        metrics.add_collector(EngineGauges(engine))
+        observer = OpRecorder(metrics, config.max_num_seqs, traces)
+        if factory is not None:
+            factory.observer = observer
+        engine.start()
+        address = settings.metrics_addr if metrics_listen is None else metrics_listen
+        if address:
+            metrics_server = serve_metrics(metrics, address)
+            log.info("Prometheus metrics on http://%s:%d/metrics", metrics_server.host, metrics_server.port)
         runner_kw: dict[str, Any] = {}
         if settings.uvloop:
             try:
@@ -289,10 +430,15 @@ def run_scheduler(config: EngineConfig, listen: str, stage_addrs: Mapping[Stage,
             except ImportError:
                 pass
         with asyncio.Runner(**runner_kw) as runner:
-            runner.run(serve(engine, factory, stage_addrs, listen, settings, ready_file))
+            runner.run(serve(engine, factory, stage_addrs, listen, settings, ready_file, metrics=metrics,
+                             traces=traces))  # fmt: skip
     finally:
-        with contextlib.suppress(EngineStopped):
-            engine.shutdown(drain_timeout=0.0)
+        if engine is not None:
+            with contextlib.suppress(EngineStopped):
+                engine.shutdown(drain_timeout=0.0)
+        if metrics_server is not None:
+            metrics_server.close()
+        telemetry.shutdown_tracing()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -301,15 +447,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stage", action="append", default=[], metavar="ROLE=ADDR", help="prelude|loop|head")
     parser.add_argument("--in-process", action="store_true", help="run the stages in this process instead")
     parser.add_argument("--ready-file", help="write the bound address here once ready")
+    parser.add_argument("--metrics-listen", metavar="HOST:PORT",
+                        help="serve Prometheus metrics at http://HOST:PORT/metrics (default: $CDB_METRICS_ADDR; "
+                        "unset or empty: no endpoint)")  # fmt: skip
     add_engine_args(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s scheduler %(levelname)s %(message)s")
     try:
         stage_addrs = None if args.in_process else parse_stage_addrs(args.stage)
         config = engine_config_from_args(args)
+        if args.metrics_listen and not is_host_port(args.metrics_listen):
+            raise ValueError(f"--metrics-listen must be HOST:PORT, got {args.metrics_listen!r}")
     except ValueError as exc:
         parser.error(str(exc))
-    run_scheduler(config, args.listen, stage_addrs, ready_file=args.ready_file)
+    run_scheduler(config, args.listen, stage_addrs, ready_file=args.ready_file, metrics_listen=args.metrics_listen)
     return 0
 
 

@@ -14,7 +14,7 @@
 | ``CDB_MAX_CONCURRENT_RPCS`` | 1024 | hard cap of concurrent RPCs of the public server (RESOURCE_EXHAUSTED beyond) |
 | ``CDB_READY_TIMEOUT_S`` | 180 | ``serve_all``: how long to wait for every child to become ready |
 | ``CDB_UVLOOP`` | 1 | run the public server's event loop on uvloop when installed |
-| ``CDB_METRICS_ADDR`` | (unset) | ``HOST:PORT`` of the scheduler's Prometheus endpoint (``:9464``: all interfaces); unset: none |
+| ``CDB_METRICS_ADDR`` | (unset) | ``HOST:PORT`` of the scheduler's Prometheus endpoint (``:9464``: all interfaces) |
 """
 
 from __future__ import annotations

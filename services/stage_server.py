@@ -2,6 +2,9 @@
 
 Run: ``python -m services.stage_server --role loop --listen 127.0.0.1:50062 --model ouro-tiny``.
 
+Tracing (``OTEL_*`` environment, service ``cdb-<role>``): a ``batch <role>`` span per executed batch, linked to
+the requests it served (``services.telemetry.StageTracer``); off by default, and then not a call per batch.
+
 Lifecycle: load weights -> listen (loopback or a Unix socket only) -> health SERVING. ``Configure`` attaches the
 bank and fence board the scheduler created and builds a ``StageWorker`` (fresh KV pools). ``Run`` is the
 persistent batch stream, served by three threads so that the stage never waits for the network:
@@ -42,6 +45,7 @@ from cdb_engine.stage_worker import StageWorker
 from cdb_model.kv import KVLayout, KVPolicy
 from cdb_model.loader import load_model
 from cdb_scheduler.plan import Stage, StageOp, StageResult
+from services import telemetry
 from services.bank import SharedBank
 from services.convert import bank_spec_from_pb, op_from_pb, result_to_pb, role_from_pb, role_to_pb
 from services.fences import FenceAborted, FenceBoard, FenceTimeout
@@ -214,26 +218,28 @@ class StageService(stage_pb2_grpc.StageServicer):
         if msg.WhichOneof("work") == "ping":
             return pb.StageReply(seq=msg.seq, stage=role_to_pb(self.stage), pong=True)
         fence_wait = 0.0
+        observer, op, start_ns = self.observer, None, 0
         try:
             op = op_from_pb(msg)
             if op.stage is not self.stage:
                 raise ValueError(f"{op.stage.name} batch sent to the {self.stage.name} stage")
-            if self.observer is not None:
-                self.observer.update(msg.trace_contexts, op.released)
+            if observer is not None:
+                observer.update(msg.trace_contexts, op.released)
             fence_wait = session.fences.wait(op.fences, self.settings.fence_timeout_s, self.settings.fence_spin_s)
             start, start_ns = time.perf_counter(), time.time_ns()
             result = session.worker.execute(op)
             if self.model.device.type == "cuda":
                 torch.cuda.synchronize(self.model.device)  # fence = host-side "done"; see services/fences.py
             result = dataclasses.replace(result, compute_s=time.perf_counter() - start)
-            if self.observer is not None:
-                self.observer.record_op(op, start_ns, time.time_ns(), result.compute_s, result.error)
         except (FenceTimeout, FenceAborted) as exc:
             result = StageResult(self.stage, msg.seq, 0.0, error=f"{self.stage.name} stage: {exc}")
         except Exception as exc:  # the op fails, the scheduler fails its requests, the stage keeps serving
             log.error("%s batch %d failed:\n%s", self.stage.name, msg.seq, traceback.format_exc())
             error = f"{self.stage.name} stage: {type(exc).__name__}: {exc}"
             result = StageResult(self.stage, msg.seq, 0.0, error=error)
+        if observer is not None and op is not None and op.stage is self.stage:
+            end_ns = time.time_ns()
+            observer.record_op(op, start_ns or end_ns, end_ns, result.compute_s, result.error)
         session.fences.complete(self.stage, msg.seq)
         reply = result_to_pb(result)
         reply.fence_wait_s = fence_wait
@@ -281,20 +287,25 @@ def run_stage(role: str, model: str, listen: str, *, dtype: str = "float32", dev
     settings = settings or load_settings()
     stage = ROLES[role]
     require_loopback(listen)
-    torch.set_num_threads(settings.stage_threads)
-    lm = load_model(model, dtype=torch_dtype(dtype), device=device, stages={stage})
-    service = StageService(stage, model, dtype, lm, settings)
-    server, port = build_server(service, listen)
-    address = bound_address(listen, port)
-    log.info("%s stage of %s serving on %s", role, model, address)
-    done = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: done.set())
-    if ready_file:
-        write_ready_file(ready_file, address)
-    done.wait()
-    server.stop(grace=1.0).wait()
-    service.close()
+    telemetry.init_tracing(f"cdb-{role}")
+    try:
+        torch.set_num_threads(settings.stage_threads)
+        lm = load_model(model, dtype=torch_dtype(dtype), device=device, stages={stage})
+        observer = telemetry.StageTracer(role) if telemetry.enabled() else None  # off: not even a call per batch
+        service = StageService(stage, model, dtype, lm, settings, observer=observer)
+        server, port = build_server(service, listen)
+        address = bound_address(listen, port)
+        log.info("%s stage of %s serving on %s", role, model, address)
+        done = threading.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: done.set())
+        if ready_file:
+            write_ready_file(ready_file, address)
+        done.wait()
+        server.stop(grace=1.0).wait()
+        service.close()
+    finally:
+        telemetry.shutdown_tracing()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -30,10 +30,19 @@ def test_settings_defaults_and_overrides() -> None:
     assert (s.drain_timeout_s, s.stage_threads, s.uvloop) == (2.5, 2, False)
 
 
+def test_metrics_address_setting() -> None:
+    from services.metrics import metrics_address_from_env
+
+    assert load_settings({}).metrics_addr == "" and metrics_address_from_env({"CDB_STAGE_THREADS": "x"}) is None
+    assert load_settings({"CDB_METRICS_ADDR": " 0.0.0.0:9464 "}).metrics_addr == "0.0.0.0:9464"
+    assert metrics_address_from_env({"CDB_METRICS_ADDR": ":9464"}) == ":9464"
+
+
 @pytest.mark.parametrize(
     "env,match",
     [({"CDB_STAGE_THREADS": "two"}, "CDB_STAGE_THREADS"), ({"CDB_UVLOOP": "maybe"}, "CDB_UVLOOP"),
-     ({"CDB_DRAIN_TIMEOUT_S": "0"}, "CDB_DRAIN_TIMEOUT_S"), ({"CDB_MAX_CONCURRENT_RPCS": "-1"}, "MAX_CONCURRENT")],
+     ({"CDB_DRAIN_TIMEOUT_S": "0"}, "CDB_DRAIN_TIMEOUT_S"), ({"CDB_MAX_CONCURRENT_RPCS": "-1"}, "MAX_CONCURRENT"),
+     ({"CDB_METRICS_ADDR": "9464"}, "CDB_METRICS_ADDR"), ({"CDB_METRICS_ADDR": "host:port"}, "CDB_METRICS_ADDR")],
 )  # fmt: skip
 def test_bad_settings_name_the_variable(env: dict[str, str], match: str) -> None:
     with pytest.raises(SettingsError, match=match):
@@ -70,3 +79,12 @@ def test_ready_files(tmp_path: Path) -> None:
     dead = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
     with pytest.raises(RuntimeError, match="exited with code 3"):
         wait_ready_file(str(tmp_path / "never"), dead, 20, "child")
+
+
+def test_metrics_listen_option() -> None:
+    from services import launcher, scheduler_server
+
+    with pytest.raises(SystemExit):
+        scheduler_server.main(["--in-process", "--metrics-listen", "nowhere"])
+    with pytest.raises(SystemExit):
+        launcher.serve_main(["--metrics-listen", "nowhere"])

@@ -7,7 +7,9 @@ of phases and stage hops, batch spans linked from the stage processes); ``format
 indented tree with durations, for notes and failure messages.
 
 ``python -m tests.telemetry.otlp_receiver [--port 4317]`` runs a sink that only counts spans (no decoding), as
-the endpoint of the tracing-on throughput benchmark.
+the endpoint of the tracing-on throughput benchmark; with ``--dump N`` it keeps the spans and, when stopped
+(Ctrl-C / SIGTERM), prints the last N request traces to start (``format_request``: the tree with durations, and
+the stage batch spans linked to the request).
 """
 
 from __future__ import annotations
@@ -207,12 +209,41 @@ def format_trace(spans: Iterable[CollectedSpan], root: CollectedSpan) -> str:
     def walk(span: CollectedSpan, depth: int) -> None:
         extra = ""
         if span.name.startswith("hop"):
-            extra = f"  seq={span.attributes.get('cdb.op.seq')} compute={span.attributes.get('cdb.stage.compute_s')}"
+            a = span.attributes
+            extra = f"  seq={a.get('cdb.op.seq')} compute={a.get('cdb.stage.compute_s', 0.0) * 1e3:.3f} ms"
+            if "cdb.loop.steps" in a:
+                extra += f" steps={a['cdb.loop.steps']}"
         lines.append(f"{'  ' * depth}{span.name:<{34 - 2 * depth}} {span.duration_ms:9.3f} ms{extra}")
         for child in children(spans, span):
             walk(child, depth + 1)
 
     walk(root, 0)
+    return "\n".join(lines)
+
+
+def format_request(spans: Iterable[CollectedSpan], request: CollectedSpan, max_links: int = 6) -> str:
+    """``format_trace`` of one request span (with its attributes), then the batch spans of other traces that link
+    to it (stage process, op sequence number, batch size, compute time), at most ``max_links`` per stage."""
+    spans = list(spans)
+    attrs = ", ".join(f"{k}={v}" for k, v in sorted(request.attributes.items()))
+    lines = [f"[{request.service}] trace {request.trace_id}", f"  {attrs}", format_trace(spans, request)]
+    linked = sorted(linked_to(spans, request), key=lambda s: s.start_ns)
+    if linked:
+        lines.append(f"linked from {len(linked)} batch spans (root spans of their own traces in the stage processes):")
+    shown: dict[str, int] = {}
+    for b in linked:
+        shown[b.name] = shown.get(b.name, 0) + 1
+        if shown[b.name] > max_links:
+            continue
+        a = b.attributes
+        lines.append(
+            f"  {'[' + b.service + ']':<15} {b.name:<14} {b.duration_ms:9.3f} ms  seq={a.get('cdb.op.seq')} "
+            f"tokens={a.get('cdb.batch.size')} requests={a.get('cdb.batch.requests')} "
+            f"compute={a.get('cdb.stage.compute_s', 0.0) * 1e3:.3f} ms"
+        )
+    hidden = {name: n - max_links for name, n in shown.items() if n > max_links}
+    if hidden:
+        lines.append("  ... and " + ", ".join(f"{n} more {name}" for name, n in sorted(hidden.items())))
     return "\n".join(lines)
 
 
@@ -249,16 +280,24 @@ def check_request_trace(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="OTLP/gRPC trace sink on loopback that counts spans.")
-    parser.add_argument("--port", type=int, default=4317)
+    parser.add_argument("--port", type=int, default=4317, help="0: any free port (printed)")
+    parser.add_argument("--dump", type=int, default=0, metavar="N",
+                        help="keep the spans; on exit print the last N request traces")  # fmt: skip
     args = parser.parse_args()
-    receiver = OtlpReceiver(args.port, count_only=True).start()
+    receiver = OtlpReceiver(args.port, count_only=args.dump <= 0).start()
     print(f"OTLP sink on {receiver.endpoint}; Ctrl-C to stop", flush=True)
     done = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: done.set())
     done.wait()
     receiver.stop()
-    print(f"received {receiver.count} spans in {receiver.requests} export requests", flush=True)
+    spans = receiver.spans()
+    count = receiver.count if args.dump <= 0 else len(spans)
+    if args.dump > 0:
+        requests = sorted((s for s in spans if s.kind == KIND_SERVER), key=lambda s: s.start_ns)
+        for request in requests[-args.dump :]:
+            print(format_request(spans, request), flush=True)
+    print(f"received {count} spans in {receiver.requests} export requests", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Real spans from the real process tree: scheduler + three stage servers export to an OTLP receiver started by
 the test; one request's trace must cover every stage hop with the right parentage, and every stage's batch spans
-must link to it. ``-s`` prints the request's trace (span names and durations).
+must link to it. ``-s`` prints the request's trace (span names and durations). The same tree serves its
+Prometheus metrics (``--metrics-listen``), scraped before and after requests.
 
 Wiring contract this test checks: the scheduler calls ``init_tracing("cdb-scheduler")`` and each stage server
 ``init_tracing(f"cdb-{role}")`` at start, ``shutdown_tracing()`` at exit; the request span is the child of the
@@ -11,21 +12,26 @@ caller's context from the gRPC metadata; the executor sends ``contexts_for_op`` 
 from __future__ import annotations
 
 import os
+import socket
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
+import grpc
 import pytest
 
 from services import telemetry
 from tests.telemetry.otlp_receiver import (
     KIND_SERVER,
+    STATUS_ERROR,
     STATUS_UNSET,
     CollectedSpan,
     OtlpReceiver,
-    by_name,
     check_request_trace,
     descendants,
     format_trace,
+    linked_to,
     one,
 )
 
@@ -42,22 +48,35 @@ pytestmark = [
 ]
 
 
+class Tree(NamedTuple):
+    receiver: OtlpReceiver
+    address: str
+    metrics_url: str
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 @pytest.fixture(scope="module")
-def traced_tree() -> Iterator[tuple[OtlpReceiver, str]]:
+def traced_tree() -> Iterator[Tree]:
     from cdb_engine.config import EngineConfig
     from services.launcher import serve_all
 
     config = EngineConfig(model="ouro-tiny", max_num_seqs=4, num_kv_blocks=256)
     with OtlpReceiver() as receiver:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+        env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_") and k != "CDB_METRICS_ADDR"}
         env.update(
             OTEL_TRACES_EXPORTER="otlp",
             OTEL_EXPORTER_OTLP_ENDPOINT=receiver.endpoint,
             OTEL_BSP_SCHEDULE_DELAY="100",
         )
-        handle = serve_all(config, "127.0.0.1:0", env=env)
+        metrics = f"127.0.0.1:{_free_port()}"
+        handle = serve_all(config, "127.0.0.1:0", env=env, metrics_listen=metrics)
         try:
-            yield receiver, handle.address
+            yield Tree(receiver, handle.address, f"http://{metrics}/metrics")
         finally:
             handle.stop(drain_timeout=5.0)
 
@@ -66,10 +85,25 @@ def _request_spans(spans: list[CollectedSpan], request_id: str) -> list[Collecte
     return [s for s in spans if s.kind == KIND_SERVER and s.attributes.get("cdb.request_id") == request_id]
 
 
-def test_one_request_trace_covers_every_stage(tracing: OtlpReceiver, traced_tree: tuple[OtlpReceiver, str]) -> None:
+def _trace_complete(spans: list[CollectedSpan], request_id: str) -> bool:
+    """The request span, its ``decode`` child (recorded last, on the lean path, which exports in order) and a
+    batch span of every stage linked to it have arrived (three processes and two export threads here)."""
+    reqs = _request_spans(spans, request_id)
+    return (
+        bool(reqs)
+        and any(s.name == "decode" for s in descendants(spans, reqs[0]))
+        and all(any(b.name == f"batch {st}" for b in linked_to(spans, reqs[0])) for st in STAGES)
+    )
+
+
+def _has_queue(spans: list[CollectedSpan], request_id: str) -> bool:
+    return any(s.name == "queue" for req in _request_spans(spans, request_id) for s in descendants(spans, req))
+
+
+def test_one_request_trace_covers_every_stage(tracing: OtlpReceiver, traced_tree: Tree) -> None:
     from clients.sync_client import Client
 
-    receiver, address = traced_tree
+    receiver, address, _ = traced_tree
     # the metadata is evaluated once the client span is current, so it carries that span's context
     with (
         telemetry.get_tracer().start_as_current_span("client generate") as client_span,
@@ -77,9 +111,7 @@ def test_one_request_trace_covers_every_stage(tracing: OtlpReceiver, traced_tree
     ):
         result = client.generate([5, 6, 7, 8], max_tokens=4)
     rid = result.request_id
-    spans = receiver.wait_for(
-        lambda s: any(_request_spans(s, rid)) and all(by_name(s, f"batch {st}") for st in STAGES), timeout=30
-    )
+    spans = receiver.wait_for(lambda s: _trace_complete(s, rid), timeout=30)
     (req,) = _request_spans(spans, rid)
     ctx = client_span.get_span_context()
     assert (req.trace_id, req.parent_span_id) == (f"{ctx.trace_id:032x}", f"{ctx.span_id:016x}")
@@ -92,18 +124,91 @@ def test_one_request_trace_covers_every_stage(tracing: OtlpReceiver, traced_tree
     print("\n" + format_trace(descendants(spans, req), req))
 
 
-def test_cancelled_stream_is_recorded(traced_tree: tuple[OtlpReceiver, str]) -> None:
+def test_cancelled_stream_is_recorded(traced_tree: Tree) -> None:
     from clients.sync_client import Client
 
-    receiver, address = traced_tree
+    receiver, address, _ = traced_tree
     with Client(address, timeout=60) as client:
         stream = client.stream([5, 6, 7, 8], max_tokens=200)
         first = next(iter(stream))
         rid = first.request_id
         stream.close()  # leaving the stream cancels the call
-    spans = receiver.wait_for(lambda s: any(_request_spans(s, rid)), timeout=30)
+    # the request span (SDK) and its children (lean path) are exported by different threads: wait for both
+    spans = receiver.wait_for(lambda s: any(_request_spans(s, rid)) and _has_queue(s, rid), timeout=30)
     (req,) = _request_spans(spans, rid)
     assert req.attributes["gen_ai.response.finish_reasons"] == ("cancelled",)
     assert "cancelled" in [name for name, _ in req.events]
     assert req.status_code == STATUS_UNSET, "a client's cancel is not a server error"
     assert one([s for s in descendants(spans, req) if s.name == "queue"], "queue")
+
+
+def test_rejected_request_is_an_error_span(traced_tree: Tree) -> None:
+    from clients.sync_client import Client
+
+    receiver, address, _ = traced_tree
+    with Client(address, timeout=60) as client, pytest.raises(grpc.RpcError) as err:
+        client.generate("hi", max_tokens=0, request_id="rejected-1")
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    spans = receiver.wait_for(lambda s: any(_request_spans(s, "rejected-1")), timeout=30)
+    (req,) = _request_spans(spans, "rejected-1")
+    assert req.status_code == STATUS_ERROR and req.attributes["error.type"] == "INVALID_ARGUMENT"
+    assert req.attributes["gen_ai.response.finish_reasons"] == ("error",)
+    assert "exception" in [name for name, _ in req.events]
+
+
+def test_abort_is_recorded_as_a_cancel(traced_tree: Tree) -> None:
+    from clients.common import GenerateOptions
+    from clients.sync_client import Client
+    from tests.services.tree import StreamRun
+
+    receiver, address, _ = traced_tree
+    with Client(address, timeout=60) as client:
+        options = GenerateOptions(max_tokens=300, ignore_eos=True, request_id="aborted-1")
+        run = StreamRun(client, [5, 6, 7], options).start()
+        assert run.first.wait(30)
+        assert client.abort("aborted-1")
+        assert run.done.wait(30) and run.finish is not None and run.finish.finish_reason == "cancelled"
+    spans = receiver.wait_for(lambda s: any(_request_spans(s, "aborted-1")), timeout=30)
+    (req,) = _request_spans(spans, "aborted-1")
+    assert ("cancelled", {"cdb.cancel.reason": "Abort"}) in req.events
+    assert req.status_code == STATUS_UNSET
+    assert req.attributes["gen_ai.response.finish_reasons"] == ("cancelled",)
+
+
+def _scrape(url: str) -> dict[str, float]:
+    from tests.telemetry.test_metrics_endpoint import parse
+
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        return parse(resp.read().decode())[1]
+
+
+def test_scheduler_serves_metrics_of_real_requests(traced_tree: Tree) -> None:
+    from clients.sync_client import Client
+
+    _, address, url = traced_tree
+    before = _scrape(url)
+    with Client(address, timeout=60) as client:
+        result = client.generate([5, 6, 7, 8], max_tokens=4, ignore_eos=True)
+        with pytest.raises(grpc.RpcError):
+            client.generate("hi", max_tokens=0)
+    after = _scrape(url)
+
+    def delta(key: str) -> float:
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    assert len(result.tokens) == 4
+    assert delta('cdb_requests_rejected_total{code="INVALID_ARGUMENT"}') == 1
+    assert delta("cdb_prompt_tokens_total") == 4
+    assert delta("cdb_generation_tokens_total") == 4 and delta("cdb_served_depth_count") == 4
+    assert delta("cdb_loop_steps_total") == sum(t.depth for t in result.tokens)
+    assert delta("cdb_time_to_first_token_seconds_count") == 1
+    assert delta("cdb_inter_token_latency_seconds_count") == 3
+    assert delta("cdb_request_queue_time_seconds_count") == 1
+    assert delta("cdb_e2e_request_latency_seconds_count") == 1
+    assert delta('cdb_requests_finished_total{finish_reason="length"}') == 1
+    for stage in STAGES:
+        assert delta(f'cdb_stage_compute_seconds_count{{stage="{stage}"}}') >= 1, stage
+    assert delta("cdb_loop_batch_size_count") >= 3 and delta("cdb_loop_batch_occupancy_count") >= 3
+    assert after["cdb_kv_blocks_total"] == 256 and after["cdb_bank_rows_total"] > 4
+    assert after["cdb_requests_waiting"] == 0 and after["cdb_requests_running"] == 0
+    assert after['cdb_model_info{model="ouro-tiny"}'] == 1

@@ -1,0 +1,96 @@
+"""The scheduler process's wiring of ``services.metrics`` and ``services.telemetry`` around the engine.
+
+- ``OpRecorder``: per stage op, on the engine thread (the gRPC executor calls it; ``ObservedExecutor`` does for
+  the in-process executor): stage compute and loop-batch metrics always, trace contexts and hop spans when
+  tracing is on (``RequestTraces``).
+- ``EngineGauges``: a ``Metrics`` collector sampled at scrape time (queue sizes, KV blocks, bank rows, refill
+  events), so that the engine's hot path pays nothing for them.
+
+The per-request part (request span, TTFT, ITL, ...) lives in ``services.scheduler_server``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Mapping
+
+from cdb_engine.engine import Engine
+from cdb_scheduler.plan import Executor, LoopOp, Stage, StageOp, StageResult
+from services.metrics import Metrics
+from services.telemetry import RequestTraces
+
+STAGE_NAMES = {Stage.PRELUDE: "prelude", Stage.LOOP: "loop", Stage.HEAD: "head"}
+_NO_CONTEXTS: Mapping[int, str] = {}
+
+
+class OpRecorder:
+    """``services.grpc_executor.OpObserver`` feeding per-op metrics and, when given, the request traces.
+
+    Cost per op with tracing off: two histogram observations (≈1 µs) and one call that returns at once."""
+
+    __slots__ = ("capacity", "metrics", "traces")
+
+    def __init__(self, metrics: Metrics, loop_capacity: int, traces: RequestTraces | None = None) -> None:
+        self.metrics = metrics
+        self.capacity = loop_capacity  # max_num_seqs: the loop batch width
+        self.traces = traces
+
+    def contexts_for_op(self, op: StageOp) -> Mapping[int, str]:
+        traces = self.traces
+        return traces.contexts_for_op(op) if traces is not None else _NO_CONTEXTS
+
+    def on_op_done(self, op: StageOp, result: StageResult, sent_ns: int, done_ns: int) -> None:
+        if not result.error:
+            self.metrics.observe_stage_compute(STAGE_NAMES[op.stage], result.compute_s)
+            if isinstance(op, LoopOp) and not op.prefill:
+                self.metrics.observe_loop_batch(len(op.request_ids), self.capacity)
+        if self.traces is not None:
+            self.traces.on_op_done(op, result, sent_ns, done_ns)
+
+
+class ObservedExecutor:
+    """An ``Executor`` that reports each op and its result to an ``OpRecorder`` (the gRPC executor does this
+    itself; this wraps the in-process one). Single poller, as the engine drives it."""
+
+    def __init__(self, inner: Executor, observer: OpRecorder) -> None:
+        self.inner = inner
+        self.observer = observer
+        self._sent: dict[tuple[Stage, int], tuple[StageOp, int]] = {}
+
+    def submit(self, op: StageOp) -> None:
+        self._sent[(op.stage, op.seq)] = (op, time.time_ns())
+        self.inner.submit(op)
+
+    def poll(self, timeout: float | None) -> StageResult | None:
+        result = self.inner.poll(timeout)
+        if result is not None and (sent := self._sent.pop((result.stage, result.seq), None)) is not None:
+            self.observer.on_op_done(sent[0], result, sent[1], time.time_ns())
+        return result
+
+    def wake(self) -> None:
+        self.inner.wake()
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class EngineGauges:
+    """``Metrics`` collector: samples the engine's counters at each scrape (thread-safe; scrapes may overlap)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._lock = threading.Lock()
+        self._refills = 0
+
+    def __call__(self, m: Metrics) -> None:
+        engine = self.engine
+        st = engine.stats()
+        m.set_queue_sizes(st.waiting, st.running)
+        m.set_kv_blocks(st.used_kv_blocks, st.total_kv_blocks)
+        m.set_bank_rows(st.held_rows, engine.setup.bank_rows)
+        with self._lock:
+            refills = engine.sched_stats.refill_events
+            if refills > self._refills:
+                m.inc_refills(refills - self._refills)
+                self._refills = refills
