@@ -204,6 +204,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--min-coda", type=int, default=None, help="min_coda_batch_size (default: 1 Ouro, width/4 Huginn)")
     p.add_argument("--repeats", type=int, default=1, help="interleaved repeats; figures are medians")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
 
@@ -211,7 +212,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     exit_rule = "replay" if args.depth_mean is not None else "auto"
     base = EngineConfig(model=args.model, dtype=args.dtype, max_num_seqs=args.width, kv_policy=args.kv_policy,
-                        exit_rule=exit_rule, num_threads=args.threads)  # fmt: skip
+                        exit_rule=exit_rule, num_threads=args.threads, min_coda_batch_size=args.min_coda)  # fmt: skip
     probe = Engine(base)
     r = args.depth_max or probe.limits.max_depth
     depth = (args.depth_mean, args.depth_min, r) if args.depth_mean is not None else None
