@@ -14,7 +14,7 @@ import random
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 
 from cdb_engine.config import EngineConfig, RequestParams
 from cdb_engine.engine import Completion, Engine
@@ -224,4 +224,4 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["Workload", "asdict", "bench_offline", "make_workload", "run_mode"]
+__all__ = ["Workload", "bench_offline", "make_workload", "run_mode"]

@@ -13,6 +13,7 @@ import queue
 import sys
 import threading
 import time
+import traceback
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -275,8 +276,6 @@ class Engine:
                     self.last_progress = time.monotonic()
                     self._dispatch(sched.on_result(res))
         except Exception as exc:  # a scheduler bug must not hang clients: fail everything loudly
-            import traceback
-
             traceback.print_exc()
             self.error = f"engine loop failed: {type(exc).__name__}: {exc}"
             for rid in list(self._live):
