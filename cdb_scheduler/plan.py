@@ -11,7 +11,6 @@ Plain Python: no torch, no grpc.
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -183,11 +182,6 @@ class Executor(Protocol):
         ...
 
     def close(self) -> None: ...
-
-
-def rows_of(ops: Sequence[StageOp]) -> set[int]:
-    """All bank rows touched by ``ops``."""
-    return {r for op in ops for r in op.rows}
 
 
 def derive_seed(base: int, index: int) -> int:
