@@ -23,7 +23,7 @@ RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
 # The project (generated gRPC stubs are committed under cdb_api/, so no protoc step is needed).
 COPY . /app
 RUN pip install /app \
-    && python -c "import services.scheduler_server, services.stage_server, services.healthcheck"
+    && python -c "import cdb.processes, services.scheduler.server, services.transport.stage_server, services.healthcheck"
 
 # Checkpoint folders are mounted here (CDB_MODEL=/models/NAME); presets such as ouro-tiny need no files.
 RUN useradd --create-home --uid 10001 cdb && mkdir -p /models && chown cdb /models
@@ -32,4 +32,4 @@ USER cdb
 # 50051: public gRPC API (scheduler); 9464: Prometheus metrics (scheduler, CDB_METRICS_ADDR).
 EXPOSE 50051 9464
 
-CMD ["python", "-m", "services.scheduler_server", "--help"]
+CMD ["python", "-m", "cdb", "scheduler", "--help"]

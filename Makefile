@@ -1,12 +1,12 @@
 # The two commands a newcomer needs:
 #   make run   - install, start the service on the embedded default (tiny model, CPU) and stream a generation
-#   make test  - install, lint, type-check and run the test suite
+#   make test  - install, lint, type-check, check the generated stubs and run the test suite
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install run serve test lint typecheck pytest protos bench clean
+.PHONY: install run serve test lint typecheck stubs-check pytest protos bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -31,10 +31,13 @@ lint: install
 typecheck: install
 	$(BIN)/mypy
 
+stubs-check: install
+	$(BIN)/python -m cdb_api.build --check
+
 pytest: install
 	$(BIN)/python -m pytest -q
 
-test: lint typecheck pytest
+test: lint typecheck stubs-check pytest
 
 protos: install
 	$(BIN)/python -m cdb_api.build

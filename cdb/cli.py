@@ -1,12 +1,26 @@
-"""The ``cdb`` command: serve, generate, demo, bench, presets."""
+"""The ``cdb`` command: serve, demo, generate, stage, scheduler, bench, presets."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
+from collections.abc import Callable
+
+# name -> (module, function, help): each takes every word after its name (``main(argv)``).
+COMMANDS = {
+    "serve": ("cdb.serve", "serve_main", "start the scheduler and the three stages on this machine"),
+    "demo": ("cdb.serve", "demo_main", "serve the embedded default, stream one generation, stop"),
+    "generate": ("clients.cli", "generate_main", "stream a generation from a running server"),
+    "stage": ("cdb.processes", "stage_main", "run one stage server (prelude | loop | head)"),
+    "scheduler": ("cdb.processes", "scheduler_main", "run the scheduler service"),
+    "bench": ("cdb_bench.cli", "main", "benchmarks: offline, services, step (see cdb bench --help)"),
+}
 
 
-def _presets(_: argparse.Namespace) -> int:
+def _presets(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="cdb presets", description="the built-in presets with their F0/Fr")
+    parser.parse_args(argv)
     from cdb_model.presets import preset_config, preset_names
 
     print(f"{'preset':<14} {'arch':<7} {'F0':>10} {'Fr':>10} {'F0/Fr':>7} {'max depth':>9}")
@@ -17,62 +31,30 @@ def _presets(_: argparse.Namespace) -> int:
     return 0
 
 
-def _bench_offline(args: argparse.Namespace) -> int:
-    from cdb_engine import bench
-
-    return bench.main(args)
-
-
-def _bench_services(args: argparse.Namespace) -> int:
-    from services import bench_services
-
-    return int(bench_services.main(args.rest) or 0)
-
-
-def _passthrough(module: str, func: str) -> object:
-    def run(args: argparse.Namespace) -> int:
-        import importlib
-
-        return int(getattr(importlib.import_module(module), func)(args.rest) or 0)
-
-    return run
+def _command(name: str) -> Callable[[list[str]], int | None]:
+    if name == "presets":
+        return _presets
+    module, func, _ = COMMANDS[name]
+    fn: Callable[[list[str]], int | None] = getattr(importlib.import_module(module), func)
+    return fn
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="cdb", description="Continuous depth batching server for looped LMs")
     sub = p.add_subparsers(dest="command", required=True)
-    for name, module, func, text in [
-        ("serve", "services.launcher", "serve_main", "start the scheduler and the three stages on this machine"),
-        ("demo", "services.launcher", "demo_main", "serve the embedded default, stream one generation, stop"),
-        ("generate", "clients.cli", "generate_main", "stream a generation from a running server"),
-        ("stage", "services.stage_server", "main", "run one stage server (prelude | loop | head)"),
-        ("scheduler", "services.scheduler_server", "main", "run the scheduler service"),
-    ]:
-        sp = sub.add_parser(name, help=text, add_help=False)
-        sp.add_argument("rest", nargs=argparse.REMAINDER)
-        sp.set_defaults(func=_passthrough(module, func))
-    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
-    off = bench.add_parser("offline", help="full-depth vs no-refill vs CDB on one workload (in-process)")
-    from cdb_engine.bench import add_arguments
-
-    add_arguments(off)
-    off.set_defaults(func=_bench_offline)
-    svc = bench.add_parser("services", help="microservices vs in-process on one workload", add_help=False)
-    svc.add_argument("rest", nargs=argparse.REMAINDER)
-    svc.set_defaults(func=_bench_services)
-    pr = sub.add_parser("presets", help="list the built-in presets with their F0/Fr")
-    pr.set_defaults(func=_presets)
+    for name, (_, _, text) in COMMANDS.items():
+        sub.add_parser(name, help=text, add_help=False)
+    sub.add_parser("presets", help="list the built-in presets with their F0/Fr", add_help=False)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    # Subcommands that own their options (serve, generate, ...) get every word after their name.
-    args, extra = build_parser().parse_known_args(argv)
-    if hasattr(args, "rest"):
-        args.rest = [*extra, *args.rest]
-    elif extra:
-        build_parser().error(f"unrecognized arguments: {' '.join(extra)}")
-    return int(args.func(args))
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    if not argv or argv[0] not in (*COMMANDS, "presets"):
+        parser.parse_args(argv)  # prints usage / help, or the error
+        return 2
+    return int(_command(argv[0])(argv[1:]) or 0)
 
 
 if __name__ == "__main__":

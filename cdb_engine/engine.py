@@ -3,93 +3,45 @@
 The loop reads in three lines: schedule (issue every op that may run), wait for the next stage result, consume
 it. The executor computes on its own thread or processes, so planning overlaps with compute. Callers on other
 threads talk to the loop through a command queue; events go back through per-request sinks.
+
+Request ids: the caller's ``request_id`` (str) is registered synchronously in ``submit`` (so an ``abort`` issued
+right after ``submit`` always finds it); the scheduler knows the request by the engine's ``rid`` (int).
 """
 
 from __future__ import annotations
 
-import asyncio
 import itertools
+import logging
 import queue
-import sys
 import threading
 import time
-import traceback
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from cdb_engine.config import EngineConfig, RequestParams
-from cdb_engine.errors import EngineStopped, Overloaded
-from cdb_engine.requests import Detokenizer, Limits, build_policy, resolve_limits, validate
+from cdb_engine.detokenizer import Detokenizer
+from cdb_engine.errors import EngineStopped, InvalidRequest, Overloaded
+from cdb_engine.events import Completion, EngineStats, Event, FinishEvent, RequestObserver, TokenEvent
+from cdb_engine.limits import Limits, build_policy, resolve_limits
 from cdb_engine.setup import StageSetup
+from cdb_engine.stream import RequestStream
+from cdb_engine.validation import validate
 from cdb_model.config import ModelConfig
 from cdb_model.loader import load_config, load_tokenizer
 from cdb_model.presets import preset_config, preset_names
-from cdb_scheduler.config import Mode, SchedulerConfig
-from cdb_scheduler.plan import Executor, TokenLogprobs
+from cdb_scheduler.plan import Executor
 from cdb_scheduler.request import Finished, FinishReason, Request, TokenOut
 from cdb_scheduler.scheduler import Scheduler
 from cdb_scheduler.stats import SchedulerStats
 
 __all__ = ["Completion", "Engine", "EngineStats", "FinishEvent", "StageSetup", "TokenEvent"]
 
-
-@dataclass(frozen=True, slots=True)
-class TokenEvent:
-    request_id: str
-    index: int
-    token_id: int
-    text: str
-    depth: int
-    logprobs: TokenLogprobs | None
-
-
-@dataclass(frozen=True, slots=True)
-class FinishEvent:
-    request_id: str
-    finish_reason: str  # stop | length | cancelled | error
-    prompt_tokens: int
-    generated_tokens: int
-    total_loop_steps: int
-    text: str = ""  # held-back text released at the end
-    error: str | None = None
-    queue_s: float = 0.0  # submission to first admission (prefill start); 0 if never admitted
-
-
-Event = TokenEvent | FinishEvent
-
-
-@dataclass(slots=True)
-class Completion:
-    """Result of one offline request."""
-
-    request_id: str
-    prompt_ids: list[int]
-    token_ids: list[int] = field(default_factory=list)
-    depths: list[int] = field(default_factory=list)
-    text: str = ""
-    finish_reason: str = ""
-    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
-    total_loop_steps: int = 0
-    token_times: list[float] = field(default_factory=list)  # time.perf_counter() when each token was reported
-
-
-@dataclass(frozen=True, slots=True)
-class EngineStats:
-    waiting: int
-    running: int
-    held_rows: int
-    used_kv_blocks: int
-    total_kv_blocks: int
-    loop_steps: int
-    tokens: int
-    last_progress_monotonic: float
-    healthy: bool
-    error: str | None
+log = logging.getLogger("cdb.engine")
 
 
 @dataclass(slots=True)
 class _Live:
-    name: str
+    request_id: str
     req: Request
     sink: Callable[[Event], None]
     detok: Detokenizer
@@ -102,51 +54,20 @@ def load_model_config(source: str) -> ModelConfig:
 class Engine:
     """Continuous depth batching over an executor (in-process by default)."""
 
-    def __init__(
-        self,
-        config: EngineConfig,
-        executor_factory: Callable[[StageSetup], Executor] | None = None,
-    ) -> None:
+    def __init__(self, config: EngineConfig, executor_factory: Callable[[StageSetup], Executor] | None = None) -> None:
         self.config = config
         self.model_config = load_model_config(config.model)
         self.tokenizer = load_tokenizer(config.model)
         self.limits: Limits = resolve_limits(config, self.model_config)
-        mc = self.model_config
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                max_depth=self.limits.max_depth,
-                mode=Mode(config.mode),
-                max_num_seqs=config.max_num_seqs,
-                num_kv_blocks=config.num_kv_blocks,
-                kv_block_size=config.kv_block_size,
-                prefill_token_budget=config.prefill_token_budget,
-                prefill_chunk_size=config.prefill_chunk_size,
-                min_coda_batch_size=self.limits.min_coda_batch_size,
-                loop_pipeline_depth=config.loop_pipeline_depth,
-                copy_on_exit=config.kv_policy == "last_exited",
-                coda_has_kv=mc.num_coda_layers > 0,
-            )
-        )
-        self.setup = StageSetup(
-            model=config.model,
-            dtype=config.dtype,
-            device=config.device,
-            bank_rows=config.max_num_seqs + config.prefill_token_budget,
-            bank_width=mc.bank_width,
-            kv_policy=config.kv_policy,
-            kv_shared_after=config.kv_shared_after,
-            max_depth=self.limits.max_depth,
-            num_kv_blocks=config.num_kv_blocks,
-            kv_block_size=config.kv_block_size,
-        )
+        self.scheduler = Scheduler(self.limits.scheduler_config(config, self.model_config))
+        self.setup = StageSetup.of(config, self.model_config, self.limits.max_depth)
         self._factory = executor_factory
         self._executor: Executor | None = None
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        self._live: dict[int, _Live] = {}
-        self._by_name: dict[str, int] = {}
-        self._ids = itertools.count(1)
+        self._live: dict[int, _Live] = {}  # engine thread only
+        self._by_id: dict[str, int] = {}  # request_id -> rid, under _lock
+        self._rids = itertools.count(1)
         self._lock = threading.Lock()
-        self._active = 0  # submitted and not finished (admission cap)
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._accepting = True
@@ -171,10 +92,10 @@ class Engine:
         """Refuse new work, let running requests finish for up to ``drain_timeout`` s, abort the rest, stop."""
         self._accepting = False
         deadline = time.monotonic() + drain_timeout
-        while self._active and time.monotonic() < deadline and self._thread and self._thread.is_alive():
-            time.sleep(0.01)
-        for name in list(self._by_name):
-            self.abort(name, "cancelled")
+        while self._by_id and time.monotonic() < deadline and self._thread and self._thread.is_alive():
+            time.sleep(0.01)  # a bounded drain wait on the engine thread's progress
+        for request_id in list(self._by_id):
+            self.abort(request_id, FinishReason.CANCELLED)
         self._stopping = True
         if self._executor is not None:
             self._executor.wake()
@@ -203,25 +124,42 @@ class Engine:
         force: bool = False,
         on_queued: Callable[[int], None] | None = None,
     ) -> str:
-        """Queue a validated request; ``sink`` receives its events on the engine thread.
+        """Queue a validated request; ``sink`` receives its events on the engine thread. Returns its request id.
 
-        ``force`` skips the admission cap (offline batch jobs queue everything at once). ``on_queued(internal_id)``
-        runs on the engine thread when the scheduler takes the request (tracing keys its stage ops by that id)."""
+        ``force`` skips the admission cap (offline batch jobs queue everything at once). ``on_queued(rid)`` runs on
+        the engine thread when the scheduler takes the request (tracing keys its stage ops by that id)."""
         if not self._accepting or self._thread is None or self.error:
             raise EngineStopped(self.error or "the engine is not accepting requests")
+        rid = next(self._rids)
+        request_id = request_id or f"req-{rid}"
+        cap = self.config.max_num_seqs + self.config.max_waiting
         with self._lock:
-            if not force and self._active >= self.config.max_num_seqs + self.config.max_waiting:
+            if request_id in self._by_id:
+                raise InvalidRequest("request_id", f"{request_id!r} is already used by a live request")
+            if not force and len(self._by_id) >= cap:
                 raise Overloaded(
-                    f"{self._active} requests in the system (max_num_seqs {self.config.max_num_seqs} + "
+                    f"{len(self._by_id)} requests in the system (max_num_seqs {self.config.max_num_seqs} + "
                     f"max_waiting {self.config.max_waiting})"
                 )
-            self._active += 1
-        rid = next(self._ids)
-        name = request_id or f"req-{rid}"
+            self._by_id[request_id] = rid
+        live = _Live(
+            request_id, self._request(rid, prompt_ids, params), sink, Detokenizer(self.tokenizer, params.stop_strings)
+        )
+
+        def add() -> None:
+            self._live[rid] = live
+            self.scheduler.add(live.req)
+            if on_queued is not None:
+                on_queued(rid)
+
+        self._command(add)
+        return request_id
+
+    def _request(self, rid: int, prompt_ids: Sequence[int], params: RequestParams) -> Request:
         stop = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop.update(self.model_config.stop_token_ids)
-        req = Request(
+        return Request(
             id=rid,
             prompt=list(prompt_ids),
             max_tokens=params.max_tokens,
@@ -232,24 +170,14 @@ class Engine:
             replay_depths=list(params.replay_depths) if params.replay_depths is not None else None,
             arrival=time.monotonic(),
         )
-        live = _Live(name, req, sink, Detokenizer(self.tokenizer, params.stop_strings))
 
-        def add() -> None:
-            self._live[rid] = live
-            self._by_name[name] = rid
-            self.scheduler.add(req)
-            if on_queued is not None:
-                on_queued(rid)
-
-        self._command(add)
-        return name
-
-    def abort(self, request_id: str, reason: str = "cancelled") -> bool:
-        """End a request (thread-safe); True if it was known."""
-        rid = self._by_name.get(request_id)
+    def abort(self, request_id: str, reason: FinishReason = FinishReason.CANCELLED) -> bool:
+        """End a request (thread-safe); True if it was live. Ordered after its own submission."""
+        with self._lock:
+            rid = self._by_id.get(request_id)
         if rid is None:
             return False
-        self._command(lambda: self._dispatch(self.scheduler.abort(rid, FinishReason(reason))))
+        self._command(lambda: self._dispatch(self.scheduler.abort(rid, reason)))
         return True
 
     def _command(self, fn: Callable[[], None]) -> None:
@@ -264,11 +192,7 @@ class Engine:
         sched = self.scheduler
         try:
             while not self._stopping:
-                while True:
-                    try:
-                        self._commands.get_nowait()()
-                    except queue.Empty:
-                        break
+                self._run_commands()
                 for op in sched.schedule():
                     ex.submit(op)
                 res = ex.poll(None)
@@ -276,74 +200,80 @@ class Engine:
                     self.last_progress = time.monotonic()
                     self._dispatch(sched.on_result(res))
         except Exception as exc:  # a scheduler bug must not hang clients: fail everything loudly
-            traceback.print_exc()
+            log.exception("engine loop failed")
             self.error = f"engine loop failed: {type(exc).__name__}: {exc}"
             for rid in list(self._live):
                 self._dispatch(sched.abort(rid, FinishReason.ERROR))
 
+    def _run_commands(self) -> None:
+        while True:
+            try:
+                self._commands.get_nowait()()
+            except queue.Empty:
+                return
+
     def _dispatch(self, events: Sequence[TokenOut | Finished]) -> None:
         for ev in events:
-            live = self._live.get(ev.request_id)
+            live = self._live.get(ev.rid)
             if live is None:
                 continue
             if isinstance(ev, TokenOut):
-                text, stopped = live.detok.push(ev.token_id)
-                ok = self._emit(live, TokenEvent(live.name, ev.index, ev.token_id, text, ev.depth, ev.logprobs))
-                if stopped or not ok:
-                    reason = FinishReason.STOP if stopped else FinishReason.CANCELLED
-                    self._dispatch(self.scheduler.abort(ev.request_id, reason))
-                continue
-            del self._live[ev.request_id]
-            self._by_name.pop(live.name, None)
-            with self._lock:
-                self._active -= 1
-            tail = live.detok.flush() if ev.reason is not FinishReason.STOP else ""
-            self._emit(
-                live,
-                FinishEvent(
-                    live.name,
-                    ev.reason.value,
-                    live.req.prompt_len,
-                    ev.generated,
-                    ev.loop_steps,
-                    tail,
-                    ev.error,
-                    live.req.admitted - live.req.arrival if live.req.admitted else 0.0,
-                ),
-            )
+                self._on_token(live, ev)
+            else:
+                self._on_finish(live, ev)
+
+    def _on_token(self, live: _Live, ev: TokenOut) -> None:
+        text, stopped = live.detok.push(ev.token_id)
+        ok = self._emit(live, TokenEvent(live.request_id, ev.index, ev.token_id, text, ev.depth, ev.logprobs))
+        if stopped or not ok:
+            reason = FinishReason.STOP if stopped else FinishReason.CANCELLED
+            self._dispatch(self.scheduler.abort(ev.rid, reason))
+
+    def _on_finish(self, live: _Live, ev: Finished) -> None:
+        del self._live[ev.rid]
+        with self._lock:
+            self._by_id.pop(live.request_id, None)
+        req = live.req
+        tail = live.detok.flush() if ev.reason is not FinishReason.STOP else ""
+        queue_s = req.admitted - req.arrival if req.admitted else 0.0
+        finish = FinishEvent(
+            live.request_id, ev.reason, req.prompt_len, ev.generated, ev.loop_steps, tail, ev.error, queue_s
+        )
+        self._emit(live, finish)
 
     @staticmethod
     def _emit(live: _Live, event: Event) -> bool:
         """Hand an event to the request's sink; a failing sink (its caller is gone) ends only that request."""
         try:
             live.sink(event)
-        except Exception as exc:
-            print(f"cdb: dropping request {live.name}: its event sink failed: {exc!r}", file=sys.stderr)
+        except Exception:
+            log.warning("dropping request %s: its event sink failed", live.request_id, exc_info=True)
             return False
         return True
 
     # ----------------------------------------------------------------- APIs
+    def open_stream(
+        self,
+        prompt_ids: Sequence[int],
+        params: RequestParams,
+        request_id: str | None = None,
+        *,
+        observer: RequestObserver | None = None,
+    ) -> RequestStream:
+        """Submit validated ids now (raising ``Overloaded``, ``EngineStopped`` or ``InvalidRequest`` at once) and
+        return the request's event stream; call from a running event loop. See ``RequestStream``."""
+        stream = RequestStream(lambda: self.abort(stream.request_id), observer)
+        on_queued = observer.queued if observer is not None else None
+        stream.request_id = self.submit(prompt_ids, params, stream.sink, request_id, on_queued=on_queued)
+        return stream
+
     async def stream(
         self, prompt: str | list[int], params: RequestParams, request_id: str | None = None
     ) -> AsyncIterator[Event]:
         """Validate, submit and yield the request's events; leaving the iterator early aborts the request."""
-        ids = self.validate(prompt, params)
-        loop = asyncio.get_running_loop()
-        events: asyncio.Queue[Event] = asyncio.Queue()
-
-        def sink(ev: Event) -> None:
-            loop.call_soon_threadsafe(events.put_nowait, ev)
-
-        name = self.submit(ids, params, sink, request_id)
-        finished = False
-        try:
-            while not finished:
-                ev = await events.get()
-                finished = isinstance(ev, FinishEvent)
+        async with self.open_stream(self.validate(prompt, params), params, request_id) as events:
+            async for ev in events:
                 yield ev
-        finally:
-            if not finished:
-                self.abort(name)
 
     def generate(
         self, prompts: Sequence[str | list[int]], params: RequestParams | Sequence[RequestParams]
@@ -356,21 +286,7 @@ class Engine:
             ids = self.validate(prompt, p)
             out = Completion("", ids)
             outs.append(out)
-
-            def sink(ev: Event, out: Completion = out) -> None:
-                if isinstance(ev, TokenEvent):
-                    out.token_ids.append(ev.token_id)
-                    out.depths.append(ev.depth)
-                    out.text += ev.text
-                    out.logprobs.append(ev.logprobs)
-                    out.token_times.append(time.perf_counter())
-                else:
-                    out.text += ev.text
-                    out.finish_reason = ev.finish_reason
-                    out.total_loop_steps = ev.total_loop_steps
-                    done.release()
-
-            out.request_id = self.submit(ids, p, sink, force=True)
+            out.request_id = self.submit(ids, p, _collector(out, done.release), force=True)
         for _ in outs:
             done.acquire()
         return outs
@@ -393,3 +309,22 @@ class Engine:
     @property
     def sched_stats(self) -> SchedulerStats:
         return self.scheduler.stats
+
+
+def _collector(out: Completion, done: Callable[[], None]) -> Callable[[Event], None]:
+    """A sink filling ``out`` (offline ``generate``); calls ``done`` at the finish event."""
+
+    def sink(ev: Event) -> None:
+        if isinstance(ev, TokenEvent):
+            out.token_ids.append(ev.token_id)
+            out.depths.append(ev.depth)
+            out.text += ev.text
+            out.logprobs.append(ev.logprobs)
+            out.token_times.append(time.perf_counter())
+        else:
+            out.text += ev.text
+            out.finish_reason = ev.finish_reason
+            out.total_loop_steps = ev.total_loop_steps
+            done()
+
+    return sink

@@ -10,6 +10,7 @@ from __future__ import annotations
 import queue
 import threading
 import traceback
+from collections.abc import Callable
 
 import torch
 
@@ -74,3 +75,8 @@ class InProcessExecutor:
                 res = StageResult(op.stage, op.seq, 0.0, error=f"{op.stage.name} stage: {type(exc).__name__}: {exc}")
             self._done[op.stage] = op.seq
             self._results.put(res)
+
+
+def shared_model_factory(model: LoopedLM) -> Callable[[StageSetup], InProcessExecutor]:
+    """An ``executor_factory`` whose executors share ``model``'s weights (many engines, one model in memory)."""
+    return lambda setup: InProcessExecutor(setup, model=model)

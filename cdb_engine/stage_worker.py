@@ -52,20 +52,28 @@ class StageWorker:
         }[stage]
         self.pool: PagedKVPool | None = None
         if layers > 0:
-            self.pool = PagedKVPool(layers, slots, num_blocks, block_size, c.num_kv_heads, c.head_dim,
-                                    dtype=model.dtype, device=model.device)  # fmt: skip
+            self.pool = PagedKVPool(
+                layers,
+                slots,
+                num_blocks,
+                block_size,
+                c.num_kv_heads,
+                c.head_dim,
+                dtype=model.dtype,
+                device=model.device,
+            )
 
     def _long(self, xs: Sequence[int]) -> Tensor:
         return torch.tensor(list(xs), dtype=torch.long, device=self.device)
 
-    def _kv(self, request_ids: Sequence[int], positions: Sequence[int], slots: Sequence[int]) -> PagedKV | None:
+    def _kv(self, rids: Sequence[int], positions: Sequence[int], slots: Sequence[int]) -> PagedKV | None:
         if self.pool is None:
             return None
-        return PagedKV(self.pool, self.tables, request_ids, positions, slots)
+        return PagedKV(self.pool, self.tables, rids, positions, slots)
 
-    def _loop_kv(self, request_ids: Sequence[int], positions: Sequence[int], slots: Sequence[int]) -> PagedKV:
+    def _loop_kv(self, rids: Sequence[int], positions: Sequence[int], slots: Sequence[int]) -> PagedKV:
         assert self.pool is not None  # the loop stage always has layers
-        return PagedKV(self.pool, self.tables, request_ids, positions, slots)
+        return PagedKV(self.pool, self.tables, rids, positions, slots)
 
     def _read(self, rows: Tensor) -> Tensor:
         return self.bank.index_select(0, rows).to(self.model.dtype)  # [N, W]
@@ -106,7 +114,7 @@ class StageWorker:
     def _prelude(self, op: PreludeOp) -> None:
         if not op.rows:
             return
-        kv = self._kv(op.request_ids, op.positions, [0] * len(op.rows))
+        kv = self._kv(op.rids, op.positions, [0] * len(op.rows))
         rows, ids = self._long(op.rows), self._long(op.token_ids)
         ids = torch.where(ids < 0, self.tokens.index_select(0, rows).to(ids.device), ids)  # -1: from the token bank
         out = self.model.prelude(ids, self._long(op.positions), kv, op.init_seeds)
@@ -115,18 +123,18 @@ class StageWorker:
     def _loop(self, op: LoopOp) -> tuple[tuple[float, ...], tuple[float, ...]]:
         assert self.pool is not None
         for c in op.kv_copies:
-            self.pool.copy_on_exit(self.tables.table(c.request_id), c.position, c.from_slot)
+            self.pool.copy_on_exit(self.tables.table(c.rid), c.position, c.from_slot)
         if not op.rows:
             return (), ()
         rows, positions = self._long(op.rows), self._long(op.positions)
         x = self._read(rows)  # [N, W]
         if op.prefill:
             for s in range(op.num_steps):
-                kv = self._loop_kv(op.request_ids, op.positions, [self.kv_layout.slot(s)] * len(op.rows))
+                kv = self._loop_kv(op.rids, op.positions, [self.kv_layout.slot(s)] * len(op.rows))
                 x, _, _ = self.model.loop_step(x, positions, torch.full_like(positions, s), kv)
             self._write(rows, x)
             return (), ()
-        kv = self._loop_kv(op.request_ids, op.positions, [self.kv_layout.slot(s) for s in op.steps])
+        kv = self._loop_kv(op.rids, op.positions, [self.kv_layout.slot(s) for s in op.steps])
         x, signal, look = self.model.loop_step(x, positions, self._long(op.steps), kv)
         self._write(rows, x)
         return tuple(signal.tolist()), tuple(look.tolist()) if look is not None else ()
@@ -135,7 +143,7 @@ class StageWorker:
         if not op.rows:
             return (), ()
         rows = self._long(op.rows)
-        kv = self._kv(op.request_ids, op.positions, [0] * len(op.rows))
+        kv = self._kv(op.rids, op.positions, [0] * len(op.rows))
         hidden = self.model.coda(self._read(rows), self._long(op.positions), kv)  # [N, H]
         picked = [i for i, s in enumerate(op.sample) if s]
         if not picked:

@@ -128,7 +128,7 @@ class PagedKV:
         self,
         pool: PagedKVPool,
         tables: BlockTables,
-        request_ids: Sequence[int],
+        rids: Sequence[int],
         positions: Sequence[int],
         slots: Sequence[int],
     ) -> None:
@@ -137,7 +137,7 @@ class PagedKV:
         blocks: list[int] = []
         offs: list[int] = []
         groups: dict[tuple[int, int], list[int]] = {}
-        for i, (rid, p, s) in enumerate(zip(request_ids, positions, slots, strict=True)):
+        for i, (rid, p, s) in enumerate(zip(rids, positions, slots, strict=True)):
             (b,), (o,) = pool.locate(tables.table(rid), [p])
             blocks.append(b)
             offs.append(o)
@@ -156,7 +156,7 @@ class PagedKV:
         if single:
             pos = lt([positions[i] for i in single])  # [n1]
             length = int(pos.max()) + 1
-            sb, so = self._context(pool, [tables.table(request_ids[i]) for i in single], pos.tolist(), length)
+            sb, so = self._context(pool, [tables.table(rids[i]) for i in single], pos.tolist(), length)
             mask = (torch.arange(length, device=dev)[None, :] <= pos[:, None])[:, None, None, :]
             self._single = (lt(single), lt([slots[i] for i in single]), sb, so, mask)
         # Prompt chunks: per group (token indices [T], slot, blocks [L], offsets [L], mask [1, 1, T, L]).

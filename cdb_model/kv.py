@@ -16,7 +16,7 @@ import torch
 from cdb_scheduler.plan import KVUpdate
 
 
-class KVPolicy(enum.Enum):
+class KVPolicy(enum.StrEnum):
     """Which loop-KV depth slot a token at step ``s`` writes and reads."""
 
     DEPTH_INDEXED = "depth_indexed"  # r slots, step s -> slot s (as trained)
@@ -71,23 +71,23 @@ class BlockTables:
 
     def apply(self, updates: Iterable[KVUpdate]) -> None:
         for u in updates:
-            table = self._tables.setdefault(u.request_id, [])
+            table = self._tables.setdefault(u.rid, [])
             if u.reset:
                 table.clear()
             table.extend(u.append)
 
-    def release(self, request_ids: Iterable[int]) -> None:
-        for rid in request_ids:
+    def release(self, rids: Iterable[int]) -> None:
+        for rid in rids:
             self._tables.pop(rid, None)
 
-    def table(self, request_id: int) -> list[int]:
+    def table(self, rid: int) -> list[int]:
         try:
-            return self._tables[request_id]
+            return self._tables[rid]
         except KeyError:
-            raise KeyError(f"no block table for request {request_id}") from None
+            raise KeyError(f"no block table for request {rid}") from None
 
-    def __contains__(self, request_id: int) -> bool:
-        return request_id in self._tables
+    def __contains__(self, rid: int) -> bool:
+        return rid in self._tables
 
     def __len__(self) -> int:
         return len(self._tables)

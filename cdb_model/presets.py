@@ -17,14 +17,12 @@ Exit signals are shaped so that depths vary across tokens (measured on sampled b
 The presets have no Ouro lookahead gate.
 
 Weights are drawn per tensor from a generator seeded by (preset, tensor name), so a model built for a subset of
-stages holds exactly the same values as the full one. ``python -m cdb_model.presets --time`` prints F0, Fr and
-the time of one loop step over 32 decode tokens.
+stages holds exactly the same values as the full one. ``cdb bench step`` prints F0, Fr and the time of one loop
+step over 32 decode tokens.
 """
 
 from __future__ import annotations
 
-import argparse
-import time
 import zlib
 from collections.abc import Iterable
 from typing import Any
@@ -38,14 +36,30 @@ from cdb_scheduler.plan import Stage
 
 
 def _ouro(**kw: Any) -> ModelConfig:
-    return ModelConfig(arch="ouro", num_prelude_layers=0, num_coda_layers=0, rope_theta=1e6, norm_eps=1e-6,
-                       max_positions=4096, tie_embeddings=False, stop_token_ids=(0, 2),
-                       early_exit_threshold=0.5, **kw)  # fmt: skip
+    return ModelConfig(
+        arch="ouro",
+        num_prelude_layers=0,
+        num_coda_layers=0,
+        rope_theta=1e6,
+        norm_eps=1e-6,
+        max_positions=4096,
+        tie_embeddings=False,
+        stop_token_ids=(0, 2),
+        early_exit_threshold=0.5,
+        **kw,
+    )
 
 
 def _huginn(**kw: Any) -> ModelConfig:
-    return ModelConfig(arch="huginn", rope_theta=50000.0, norm_eps=1e-6, max_positions=4096,
-                       tie_embeddings=True, stop_token_ids=(0, 2), **kw)  # fmt: skip
+    return ModelConfig(
+        arch="huginn",
+        rope_theta=50000.0,
+        norm_eps=1e-6,
+        max_positions=4096,
+        tie_embeddings=True,
+        stop_token_ids=(0, 2),
+        **kw,
+    )
 
 
 _PRESETS: dict[str, ModelConfig] = {
@@ -155,50 +169,3 @@ def build_preset(
     sd = {k: _init(name, k, tuple(t.shape), c).to(device=device, dtype=dtype) for k, t in model.state_dict().items()}
     model.load_state_dict(sd, strict=True, assign=True)
     return model.eval().requires_grad_(False)
-
-
-def time_loop_step(name: str, tokens: int = 32, context: int = 64, repeats: int = 20) -> float:
-    """Milliseconds of one decode loop step over ``tokens`` requests with ``context`` positions each (float32)."""
-    from cdb_model.attention import PagedKV
-    from cdb_model.kv import BlockTables, PagedKVPool
-    from cdb_scheduler.plan import KVUpdate
-
-    c = preset_config(name)
-    model = build_preset(name, stages={Stage.LOOP})
-    block = 16
-    per_req = -(-context // block)
-    pool = PagedKVPool(c.num_loop_layers, 1, tokens * per_req, block, c.num_kv_heads, c.head_dim,
-                       dtype=torch.float32, device="cpu")  # fmt: skip
-    tables = BlockTables()
-    tables.apply(KVUpdate(r, tuple(range(r * per_req, (r + 1) * per_req))) for r in range(tokens))
-    positions = torch.full((tokens,), context - 1)
-    rows = torch.randn(tokens, c.bank_width)
-    with torch.inference_mode():
-        best = float("inf")
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            kv = PagedKV(pool, tables, range(tokens), [context - 1] * tokens, [0] * tokens)
-            model.loop_step(rows, positions, torch.zeros(tokens, dtype=torch.long), kv)
-            best = min(best, time.perf_counter() - t0)
-    return best * 1e3
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser(description="cdb model presets")
-    ap.add_argument("--time", action="store_true", help="time one loop step over 32 decode tokens")
-    ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
-    args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    print(f"{'preset':14} {'F0':>10} {'Fr':>10} {'F0/Fr':>6} {'depth':>5}" + ("  ms/step(32 tok)" if args.time else ""))
-    for name in preset_names():
-        c = preset_config(name)
-        f0, fr = c.param_counts()
-        line = f"{name:14} {f0:>10,} {fr:>10,} {f0 / fr:>6.3f} {c.max_depth:>5}"
-        if args.time:
-            line += f"  {time_loop_step(name):.2f}"
-        print(line)
-
-
-if __name__ == "__main__":
-    main()

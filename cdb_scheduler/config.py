@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass
 
 
-class Mode(enum.Enum):
+class Mode(enum.StrEnum):
     """Scheduling modes; they share all code but the policy."""
 
     CDB = "cdb"  # continuous depth batching: freed loop slots are refilled at once, at any depth
@@ -26,11 +26,11 @@ class SchedulerConfig:
     kv_margin: float = 0.2  # admit a prefill only if free KV blocks stay above this fraction (or nothing decodes)
     prefill_token_budget: int = 2048  # tokens per prefill op
     prefill_chunk_size: int = 512  # prompts are chunked at multiples of this (result-defining: see docs)
-    min_coda_batch_size: int = 1
-    max_coda_in_flight: int = 2
+    min_head_batch_size: int = 1
+    max_head_in_flight: int = 2
     loop_pipeline_depth: int = 2  # loop ops in flight: the stage starts k+1 the moment k ends
     copy_on_exit: bool = False  # KV policy last_exited: on exit after step e, slot e is copied deeper
-    coda_has_kv: bool = False  # Huginn: the head runs coda blocks over every prompt position (their KV)
+    head_has_kv: bool = False  # Huginn: the head runs coda blocks over every prompt position (their KV)
 
     def __post_init__(self) -> None:
         checks = [
@@ -44,8 +44,8 @@ class SchedulerConfig:
                 self.prefill_token_budget >= self.prefill_chunk_size,
                 "prefill_token_budget must be >= chunk size",
             ),
-            (self.min_coda_batch_size >= 1, "min_coda_batch_size must be >= 1"),
-            (self.max_coda_in_flight >= 1, "max_coda_in_flight must be >= 1"),
+            (self.min_head_batch_size >= 1, "min_head_batch_size must be >= 1"),
+            (self.max_head_in_flight >= 1, "max_head_in_flight must be >= 1"),
             (self.loop_pipeline_depth >= 1, "loop_pipeline_depth must be >= 1"),
         ]
         for ok, message in checks:

@@ -8,8 +8,12 @@ stage reports after a step (Ouro: gate hazard lambda; Huginn: relative latent di
 Decision horizon:
 - ``SAME_STEP``: the signal of step s decides whether the token exits after step s.
 - ``ONE_AHEAD``: the signal of step s-1 decides whether the token exits after step s, so the scheduler knows a
-  token's fate before the step that runs it has finished. With a same-step gate the token exits one step late;
-  with Ouro's lookahead gate (hazard of step s predicted from the state after step s-1) the decision is exact.
+  token's fate before the step that runs it has finished. With a same-step gate the token exits one step late.
+  With Ouro's lookahead gate (the hazard of step s predicted from the state after step s-1) the decision for
+  s >= 1 equals the same-step one wherever the prediction crosses the threshold where the real hazard does; how
+  often that holds is a property of the trained gate (measured, not assumed). Nothing is observed before step 0
+  runs, so a one-ahead decision never exits after step 0: a token whose same-step exit is at depth 1 is served at
+  depth 2 (or ``min_depth``, whichever is larger).
 """
 
 from __future__ import annotations
@@ -19,9 +23,19 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 
-class Horizon(enum.Enum):
+class Horizon(enum.StrEnum):
     SAME_STEP = "same-step"
     ONE_AHEAD = "one-ahead"
+
+
+class ExitRule(enum.StrEnum):
+    """Which signal ends a token's loop (``AUTO``: the model family's own: Ouro gate hazard, Huginn latent diff)."""
+
+    AUTO = "auto"
+    HAZARD = "hazard"  # Ouro: exit once the gate's exit CDF reaches the threshold q
+    LATENT_DIFF = "latent-diff"  # Huginn: exit once the relative change of the latent state falls below q
+    FIXED = "fixed"  # every token at one depth
+    REPLAY = "replay"  # depths given per token by the request (benchmarks)
 
 
 @dataclass(slots=True)
@@ -69,6 +83,14 @@ class ExitPolicy(ABC):
         st.survival *= 1.0 - signal
         st.next_hazard = lookahead
 
+    def decision(self, st: ExitState, step: int) -> bool | None:
+        """Whether the token exits after ``step``, if what was observed so far decides it now; None: not yet
+        (the horizon's signal is still to come)."""
+        if not self.needs_signals or step + 1 >= self.max_depth or step + 1 < self.min_depth:
+            return self.exits_after(st, step)
+        decidable = st.observed == (step if self.horizon is Horizon.ONE_AHEAD else step + 1)
+        return self.exits_after(st, step) if decidable else None
+
     def exits_after(self, st: ExitState, step: int) -> bool:
         if step + 1 >= self.max_depth:
             return True
@@ -94,7 +116,7 @@ class OuroHazard(ExitPolicy):
 
     The PDF is the upstream one: p_t = lambda_t * prod_{j<t}(1 - lambda_j), the last step taking all remaining
     mass (handled by ``max_depth``). With a lookahead gate (one-ahead), the hazard of the step being decided is
-    the lookahead prediction made one step earlier, so the decision equals the same-step one.
+    the lookahead prediction made one step earlier (see the module docstring for when that equals same-step).
     """
 
     def __init__(self, q: float, max_depth: int, min_depth: int = 1, horizon: Horizon = Horizon.ONE_AHEAD):
@@ -143,6 +165,14 @@ class FixedDepth(ExitPolicy):
     def observe(self, st: ExitState, step: int, signal: float, lookahead: float | None = None) -> None:
         st.observed += 1
 
+    def decision(self, st: ExitState, step: int) -> bool | None:
+        """Whether the token exits after ``step``, if what was observed so far decides it now; None: not yet
+        (the horizon's signal is still to come)."""
+        if not self.needs_signals or step + 1 >= self.max_depth or step + 1 < self.min_depth:
+            return self.exits_after(st, step)
+        decidable = st.observed == (step if self.horizon is Horizon.ONE_AHEAD else step + 1)
+        return self.exits_after(st, step) if decidable else None
+
     def exits_after(self, st: ExitState, step: int) -> bool:
         return step + 1 >= min(self.depth, self.max_depth)
 
@@ -162,6 +192,14 @@ class ReplayDepth(ExitPolicy):
 
     def observe(self, st: ExitState, step: int, signal: float, lookahead: float | None = None) -> None:
         st.observed += 1
+
+    def decision(self, st: ExitState, step: int) -> bool | None:
+        """Whether the token exits after ``step``, if what was observed so far decides it now; None: not yet
+        (the horizon's signal is still to come)."""
+        if not self.needs_signals or step + 1 >= self.max_depth or step + 1 < self.min_depth:
+            return self.exits_after(st, step)
+        decidable = st.observed == (step if self.horizon is Horizon.ONE_AHEAD else step + 1)
+        return self.exits_after(st, step) if decidable else None
 
     def exits_after(self, st: ExitState, step: int) -> bool:
         assert st.target_depth >= 1, "replayed token without a target depth"

@@ -40,7 +40,7 @@ class OpBuilder:
         for stage in _STAGES:
             if self._sent[stage].pop(req.id, None) is not None:
                 self._released[stage].append(req.id)
-        self.pending_copies = [c for c in self.pending_copies if c.request_id != req.id]
+        self.pending_copies = [c for c in self.pending_copies if c.rid != req.id]
 
     def _common(
         self, stage: Stage, rows: Sequence[int], reqs: Iterable[Request]
@@ -78,9 +78,16 @@ class OpBuilder:
         seq, fences, updates, released = self._common(Stage.PRELUDE, rows, reqs)
         seeds = tuple(-1 if r.init_seed < 0 else derive_seed(r.init_seed, p) for r, p in zip(reqs, positions))
         return PreludeOp(
-            seq, fences, updates, released, tuple(r.id for r in reqs), tuple(tokens), tuple(positions),
-            tuple(rows), seeds,
-        )  # fmt: skip
+            seq,
+            fences,
+            updates,
+            released,
+            tuple(r.id for r in reqs),
+            tuple(tokens),
+            tuple(positions),
+            tuple(rows),
+            seeds,
+        )
 
     def loop(
         self,
@@ -96,9 +103,18 @@ class OpBuilder:
         copies = tuple(self.pending_copies)
         self.pending_copies.clear()
         return LoopOp(
-            seq, fences, updates, released, tuple(r.id for r in reqs), tuple(positions), tuple(rows),
-            tuple(steps), prefill, num_steps, copies,
-        )  # fmt: skip
+            seq,
+            fences,
+            updates,
+            released,
+            tuple(r.id for r in reqs),
+            tuple(positions),
+            tuple(rows),
+            tuple(steps),
+            prefill,
+            num_steps,
+            copies,
+        )
 
     def head(
         self,
@@ -111,6 +127,14 @@ class OpBuilder:
         seq, fences, updates, released = self._common(Stage.HEAD, rows, reqs)
         sampling: tuple[SamplingParams, ...] = tuple(r.sampling for r in reqs)
         return HeadOp(
-            seq, fences, updates, released, tuple(r.id for r in reqs), tuple(positions), tuple(rows),
-            tuple(sample), sampling, tuple(token_index),
-        )  # fmt: skip
+            seq,
+            fences,
+            updates,
+            released,
+            tuple(r.id for r in reqs),
+            tuple(positions),
+            tuple(rows),
+            tuple(sample),
+            sampling,
+            tuple(token_index),
+        )

@@ -22,6 +22,23 @@ class Stage(enum.IntEnum):
     LOOP = 1  # one application of the shared block per step; loop KV pool; exit signals
     HEAD = 2  # Huginn coda blocks (+ their KV), final norm, LM head, sampling
 
+    @property
+    def role(self) -> str:
+        """The stage's role name everywhere outside this enum: ``prelude`` | ``loop`` | ``head``."""
+        return self.name.lower()
+
+    @classmethod
+    def from_role(cls, role: str) -> Stage:
+        """The stage of a role name; ValueError naming the choices otherwise."""
+        try:
+            return cls[role.upper()]
+        except KeyError:
+            raise ValueError(f"unknown stage role {role!r} (one of {', '.join(cls.roles())})") from None
+
+    @classmethod
+    def roles(cls) -> tuple[str, ...]:
+        return tuple(s.role for s in cls)
+
 
 @dataclass(frozen=True, slots=True)
 class Fence:
@@ -39,7 +56,7 @@ class KVUpdate:
     pool of its own layers). ``reset`` drops the known table first (after preemption); ``append`` extends it.
     """
 
-    request_id: int
+    rid: int
     append: tuple[int, ...]
     reset: bool = False
 
@@ -65,7 +82,7 @@ class KVCopy:
     """Copy-on-exit (KV policy ``last_exited``): copy the loop KV of ``position`` from depth slot ``from_slot``
     into every deeper slot. Executed by the loop stage before the op's compute."""
 
-    request_id: int
+    rid: int
     position: int
     from_slot: int
 
@@ -88,7 +105,7 @@ class PreludeOp(OpBase):
     otherwise the seeded truncated-normal initial state drawn from that seed. Ouro ignores ``init_seeds``.
     """
 
-    request_ids: tuple[int, ...]
+    rids: tuple[int, ...]
     token_ids: tuple[int, ...]
     positions: tuple[int, ...]
     rows: tuple[int, ...]
@@ -106,7 +123,7 @@ class LoopOp(OpBase):
     step. ``kv_copies`` are executed first. The result carries one exit signal per token for decode ops.
     """
 
-    request_ids: tuple[int, ...]
+    rids: tuple[int, ...]
     positions: tuple[int, ...]
     rows: tuple[int, ...]
     steps: tuple[int, ...]
@@ -125,7 +142,7 @@ class HeadOp(OpBase):
     also written to the token bank at its row, where a following PreludeOp picks it up.
     """
 
-    request_ids: tuple[int, ...]
+    rids: tuple[int, ...]
     positions: tuple[int, ...]
     rows: tuple[int, ...]
     sample: tuple[bool, ...]

@@ -113,12 +113,15 @@ def prefill_chain(cfg: SchedulerConfig, ops: OpBuilder, picked: list[Chunk]) -> 
     pre = ops.prelude(reqs, tokens, positions, rows)
     loop = ops.loop(reqs, positions, rows, [0] * len(rows), prefill=True, num_steps=cfg.max_depth)
     flight.seqs = {Stage.PRELUDE: pre.seq, Stage.LOOP: loop.seq}
-    keep = [i for i, s in enumerate(sample) if s or cfg.coda_has_kv]
+    keep = [i for i, s in enumerate(sample) if s or cfg.head_has_kv]
     if not keep:  # an inner chunk of a model without coda KV: nothing for the head to do
         return [pre, loop], flight
     head = ops.head(
-        [reqs[i] for i in keep], [positions[i] for i in keep], [rows[i] for i in keep],
-        [sample[i] for i in keep], [0] * len(keep),
-    )  # fmt: skip
+        [reqs[i] for i in keep],
+        [positions[i] for i in keep],
+        [rows[i] for i in keep],
+        [sample[i] for i in keep],
+        [0] * len(keep),
+    )
     flight.seqs[Stage.HEAD] = head.seq
     return [pre, loop, head], flight

@@ -25,7 +25,7 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
-class FinishReason(enum.Enum):
+class FinishReason(enum.StrEnum):
     STOP = "stop"
     LENGTH = "length"
     CANCELLED = "cancelled"
@@ -104,7 +104,7 @@ class Item:
 class TokenOut:
     """A generated token reported to the engine."""
 
-    request_id: int
+    rid: int
     index: int
     token_id: int
     depth: int
@@ -115,7 +115,7 @@ class TokenOut:
 class Finished:
     """A request ended; its resources are already free."""
 
-    request_id: int
+    rid: int
     reason: FinishReason
     generated: int
     loop_steps: int

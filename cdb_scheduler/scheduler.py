@@ -1,7 +1,7 @@
 """The continuous-depth-batching scheduler: requests and stage results in, stage ops out.
 
 ``schedule()`` is called whenever something changed; it issues every op that may run now, in the tick order of
-the method (coda, preludes of refills, prefill, loop steps, undersized coda) and never waits for an op it has
+the method (head, preludes of refills, prefill, loop steps, undersized head) and never waits for an op it has
 issued. ``on_result()`` consumes one stage result. Exit decisions are taken as early as the decision horizon
 allows: with one-ahead decisions the survivors of loop op k are known before k returns, so op k+1 is issued
 while k runs (``loop_pipeline_depth`` ops in flight).
@@ -11,16 +11,17 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterable
 from dataclasses import dataclass
 
-from cdb_scheduler.allocators import BlockAllocator, RowAllocator
 from cdb_scheduler.config import Mode, SchedulerConfig
-from cdb_scheduler.exit_policy import FixedDepth, Horizon
+from cdb_scheduler.exit_policy import FixedDepth
+from cdb_scheduler.invariants import check_invariants
 from cdb_scheduler.ops import OpBuilder
 from cdb_scheduler.plan import KVCopy, Stage, StageOp, StageResult, TokenLogprobs
 from cdb_scheduler.prefill import PrefillFlight, grow_blocks, pick_chunks, prefill_chain
-from cdb_scheduler.request import Event, Finished, FinishReason, Item, Request, Status, TokenOut
+from cdb_scheduler.refill import refill_policy
+from cdb_scheduler.request import Event, FinishReason, Item, Request, Status, TokenOut
+from cdb_scheduler.residency import Residency
 from cdb_scheduler.stats import SchedulerStats
 
 
@@ -35,17 +36,16 @@ class Scheduler:
 
     def __init__(self, config: SchedulerConfig) -> None:
         self.cfg = config
-        self.blocks = BlockAllocator(config.num_kv_blocks, config.kv_block_size)
-        self.rows = RowAllocator(config.max_num_seqs)
         self.ops = OpBuilder()
         self.stats = SchedulerStats()
-        self.waiting: deque[Request] = deque()
-        self.running: dict[int, Request] = {}
+        self.residency = Residency(config, self.ops, self.stats)
+        res = self.residency  # its queue, table and allocators under their usual names
+        self.waiting, self.running, self.rows, self.blocks = res.waiting, res.running, res.rows, res.blocks
         self.ready: deque[Item] = deque()  # loop work, head = next to run
-        self.coda: deque[Item] = deque()  # exited tokens waiting for the head
+        self.head_queue: deque[Item] = deque()  # exited tokens waiting for the head
         self.refills: deque[Item] = deque()  # successors waiting for their prelude
         self.stalled: deque[Item] = deque()  # successors waiting for a KV block
-        self.wave_next: list[Item] = []  # no-refill: items waiting for the next wave
+        self.refill = refill_policy(config.mode)
         self._loop: dict[int, _LoopFlight] = {}
         self._head: dict[int, list[Item]] = {}
         self._prelude: dict[int, list[Item]] = {}
@@ -61,17 +61,10 @@ class Scheduler:
         req.status = Status.WAITING
         self.waiting.append(req)
 
-    def abort(self, request_id: int, reason: FinishReason = FinishReason.CANCELLED) -> list[Event]:
+    def abort(self, rid: int, reason: FinishReason = FinishReason.CANCELLED) -> list[Event]:
         """End a request now; its row and blocks are free at once (ops already issued stay ordered by fences
         and stage order; their results for it are dropped)."""
-        req = self.running.get(request_id)
-        if req is None:
-            for queued in self.waiting:
-                if queued.id == request_id:
-                    self.waiting.remove(queued)
-                    return [self._finish(queued, reason)]
-            return []
-        return [self._finish(req, reason)]
+        return self.residency.abort(rid, reason)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -87,40 +80,45 @@ class Scheduler:
             self._prefill_starved = False
             self._retry_stalled()
             self._drop_stale(self.ready)
-            self._issue_codas(ops, flush=False)
+            self._issue_heads(ops, flush=False)
             self._issue_refills(ops)
             self._issue_prefill(ops)
-            self._start_wave()
+            idle = not (self.ready or self._loop or self.head_queue or self._head or self.refills)
+            self.refill.start_wave(self.ready, idle=idle)
             if self.ready and len(self._loop) < self.cfg.loop_pipeline_depth:
                 # One loop op per round: tokens it lets exit go to the head (and their successors to the
                 # prelude) before the next loop op is formed, so that op already includes the refills.
                 ops.append(self._issue_loop())
                 continue
             if not self.ready:
-                self._issue_codas(ops, flush=True)
+                self._issue_heads(ops, flush=True)
                 self._issue_refills(ops)
                 if self.ready and len(self._loop) < self.cfg.loop_pipeline_depth:
                     continue
             starved = bool(self.stalled) or self._prefill_starved
-            if ops or self.in_flight() or not starved or not self._preempt_one():
+            if ops or self.in_flight() or not starved or not self.residency.preempt_one():
                 break
         self.stats.sched_cpu_s += time.thread_time() - t0
         return ops
 
-    def _issue_codas(self, ops: list[StageOp], *, flush: bool) -> None:
-        self._drop_stale(self.coda)
-        if self.cfg.mode is Mode.NO_REFILL:
-            if not (self.coda and not self.ready and not self._loop and not self._head):
-                return  # the wave's coda runs once, when its last token has left the loop
-            flush = True
-        need = 1 if flush else self.cfg.min_coda_batch_size
-        while len(self.coda) >= need and len(self._head) < self.cfg.max_coda_in_flight:
-            items = [self.coda.popleft() for _ in range(min(len(self.coda), self.cfg.max_num_seqs))]
+    def _issue_heads(self, ops: list[StageOp], *, flush: bool) -> None:
+        self._drop_stale(self.head_queue)
+        drained = not self.ready and not self._loop and not self._head
+        gate = self.refill.head_gate(waiting=bool(self.head_queue), loop_drained=drained)
+        if gate is None:
+            return
+        flush = flush or gate
+        need = 1 if flush else self.cfg.min_head_batch_size
+        while len(self.head_queue) >= need and len(self._head) < self.cfg.max_head_in_flight:
+            items = [self.head_queue.popleft() for _ in range(min(len(self.head_queue), self.cfg.max_num_seqs))]
             reqs = [it.req for it in items]
             op = self.ops.head(
-                reqs, [it.position for it in items], [r.row for r in reqs], [True] * len(items),
+                reqs,
+                [it.position for it in items],
+                [r.row for r in reqs],
+                [True] * len(items),
                 [it.index for it in items],
-            )  # fmt: skip
+            )
             self._head[op.seq] = items
             ops.append(op)
             for it in items:  # successors start now; their prelude reads the sampled id from the token bank
@@ -140,28 +138,7 @@ class Scheduler:
         self._prelude[op.seq] = items
         ops.append(op)
         for it in items:  # the loop op that takes them will fence on this prelude op
-            if self.cfg.mode is Mode.NO_REFILL:
-                self.wave_next.append(it)
-            elif it.index == 1:
-                self._enqueue_new(it, tail=True)
-            else:
-                self._enqueue_new(it, tail=False)
-
-    def _enqueue_new(self, it: Item, *, tail: bool) -> None:
-        if self.ready:
-            self.stats.refill_events += 1
-        if tail:
-            self.ready.append(it)
-        else:
-            self.ready.appendleft(it)
-
-    def _start_wave(self) -> None:
-        if self.cfg.mode is not Mode.NO_REFILL or not self.wave_next:
-            return
-        if self.ready or self._loop or self.coda or self._head or self.refills:
-            return
-        self.ready.extend(it for it in self.wave_next if it.live)
-        self.wave_next.clear()
+            self.refill.place(it, self.ready, self.stats)
 
     def _issue_loop(self) -> StageOp:
         items: list[Item] = []
@@ -197,20 +174,13 @@ class Scheduler:
         it.depth = step + 1
         if self.cfg.copy_on_exit and step + 1 < self.cfg.max_depth:
             self.ops.pending_copies.append(KVCopy(it.req.id, it.position, step))
-        self.coda.append(it)
+        self.head_queue.append(it)
 
-    def _decide(self, it: Item, step: int) -> bool | None:
-        if it.forced_depth:
+    @staticmethod
+    def _decide(it: Item, step: int) -> bool | None:
+        if it.forced_depth:  # recomputed after preemption: the depth recorded the first time
             return step + 1 >= it.forced_depth
-        policy, st = it.req.policy, it.exit_state
-        if not policy.needs_signals or step + 1 >= policy.max_depth or step + 1 < policy.min_depth:
-            return policy.exits_after(st, step)
-        have = st.observed
-        if (policy.horizon is Horizon.ONE_AHEAD and have == step) or (
-            policy.horizon is Horizon.SAME_STEP and have == step + 1
-        ):
-            return policy.exits_after(st, step)
-        return None
+        return it.req.policy.decision(it.exit_state, step)
 
     def _issue_prefill(self, ops: list[StageOp]) -> None:
         if self._prefill is not None:
@@ -240,14 +210,14 @@ class Scheduler:
         else:
             items = self._prelude.pop(res.seq)
             if res.error:
-                self._fail({it.req.id: it.req for it in items if it.live}.values(), res.error, events)
+                self.residency.fail({it.req.id: it.req for it in items if it.live}.values(), res.error, events)
         self.stats.sched_cpu_s += time.thread_time() - t0
         return events
 
     def _on_loop(self, res: StageResult, events: list[Event]) -> None:
         flight = self._loop.pop(res.seq)
         if res.error:
-            self._fail([it.req for it in flight.items if it.live], res.error, events)
+            self.residency.fail([it.req for it in flight.items if it.live], res.error, events)
             return
         for i, (it, step) in enumerate(zip(flight.items, flight.steps)):
             if it.live and it.req.policy.needs_signals and not it.forced_depth:
@@ -265,7 +235,7 @@ class Scheduler:
     def _on_head(self, res: StageResult, events: list[Event]) -> None:
         items = self._head.pop(res.seq)
         if res.error:
-            self._fail([it.req for it in items if it.live], res.error, events)
+            self.residency.fail([it.req for it in items if it.live], res.error, events)
             return
         for i, it in enumerate(items):
             if not it.live:
@@ -276,7 +246,7 @@ class Scheduler:
     def _on_prefill(self, pf: PrefillFlight, res: StageResult, events: list[Event]) -> None:
         del pf.seqs[res.stage]
         if res.error:
-            self._fail([r for r, e in zip(pf.reqs, pf.epochs) if r.alive and r.epoch == e], res.error, events)
+            self.residency.fail([r for r, e in zip(pf.reqs, pf.epochs) if r.alive and r.epoch == e], res.error, events)
         elif res.stage is Stage.HEAD:
             sampled = iter(zip(res.token_ids, res.logprobs or [None] * len(res.token_ids)))
             for req, epoch, final in zip(pf.reqs, pf.epochs, pf.final):
@@ -311,10 +281,10 @@ class Scheduler:
         n = len(req.output)
         if index + 1 == n:  # the newest token: does the request end here?
             if token in req.stop_token_ids:
-                events.append(self._finish(req, FinishReason.STOP))
+                events.append(self.residency.finish(req, FinishReason.STOP))
                 return
             if n >= req.max_tokens:
-                events.append(self._finish(req, FinishReason.LENGTH))
+                events.append(self.residency.finish(req, FinishReason.LENGTH))
                 return
         if index == 0:  # decode successors were spawned when their predecessor went to the head
             self._spawn(req, 1, token)
@@ -340,43 +310,6 @@ class Scheduler:
             if it.live:
                 self._place_successor(it)
 
-    def _preempt_one(self) -> bool:
-        """Nothing can run and a token waits for KV: recompute the request with the fewest computed tokens."""
-        victims = [r for r in self.running.values() if r.alive]
-        if not victims:
-            return False
-        victim = min(victims, key=lambda r: (r.computed_tokens, -r.id))
-        self._release(victim)
-        victim.status = Status.WAITING
-        victim.prefilled = 0
-        victim.epoch += 1
-        victim.num_preemptions += 1
-        self.stats.preemptions += 1
-        self.waiting.appendleft(victim)
-        return True
-
-    def _release(self, req: Request) -> None:
-        self.running.pop(req.id, None)
-        if req.row >= 0:
-            self.rows.free(req.id, [req.row])
-            req.row = -1
-        if req.blocks:
-            self.blocks.free(req.id, req.blocks)
-            req.blocks = []
-        self.ops.forget(req)
-
-    def _finish(self, req: Request, reason: FinishReason, error: str | None = None) -> Finished:
-        self._release(req)
-        req.status = Status.FINISHED
-        req.finish_reason = reason
-        req.error = error
-        return Finished(req.id, reason, len(req.output), req.loop_steps, error)
-
-    def _fail(self, reqs: Iterable[Request], error: str, events: list[Event]) -> None:
-        for req in list(reqs):
-            if req.alive:
-                events.append(self._finish(req, FinishReason.ERROR, error))
-
     @staticmethod
     def _drop_stale(q: deque[Item]) -> None:
         if any(not it.live for it in q):
@@ -384,22 +317,6 @@ class Scheduler:
             q.clear()
             q.extend(live)
 
-    # ----------------------------------------------------------------- invariants
     def check_invariants(self) -> None:
-        """Ownership invariants (tests call this after every step): one row per running request, blocks owned
-        by exactly the requests holding them, at most one token per request in the loop (queued or running)."""
-        row_owners = self.rows.owners()
-        assert sorted(row_owners.values()) == sorted(r.id for r in self.running.values()), "row ownership"
-        for req in self.running.values():
-            assert row_owners.get(req.row) == req.id
-        block_owners = self.blocks.owners()
-        held = {b: r.id for r in self.running.values() for b in r.blocks}
-        assert block_owners == held, "KV block ownership"
-        groups = [self.ready, self.refills, self.stalled, self.wave_next]
-        groups += [[it for it in f.items if not it.exited] for f in self._loop.values()]
-        count: dict[int, set[int]] = {}
-        for group in groups:
-            for it in group:
-                if it.live:
-                    count.setdefault(it.req.id, set()).add(id(it))
-        assert all(len(v) == 1 for v in count.values()), "more than one token of a request in the loop"
+        """Ownership invariants (tests call this after every step); see ``cdb_scheduler.invariants``."""
+        check_invariants(self)

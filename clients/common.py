@@ -167,5 +167,18 @@ class ServerInfo:
     def from_pb(cls, m: pb.InfoResponse) -> ServerInfo:
         limits = {f.name: getattr(m.limits, f.name) for f in m.limits.DESCRIPTOR.fields}
         counters = {f.name: getattr(m.counters, f.name) for f in m.counters.DESCRIPTOR.fields}
-        return cls(m.model, m.architecture, m.max_depth, m.vocab_size, m.kv_policy, m.mode, m.deployment,
-                   m.dtype, m.kv_block_size, m.healthy, m.error, limits, counters)  # fmt: skip
+        return cls(
+            m.model,
+            m.architecture,
+            m.max_depth,
+            m.vocab_size,
+            m.kv_policy,
+            m.mode,
+            m.deployment,
+            m.dtype,
+            m.kv_block_size,
+            m.healthy,
+            m.error,
+            limits,
+            counters,
+        )

@@ -46,14 +46,26 @@ class Client:
     def _kw(self, timeout: float | None, metadata: Metadata) -> dict[str, object]:
         return {"timeout": self.timeout if timeout is None else timeout, "metadata": self.metadata + tuple(metadata)}
 
-    def generate(self, prompt: str | Sequence[int], *, timeout: float | None = None, metadata: Metadata = (),
-                 **options: Unpack[GenerateOptions]) -> GenerateResult:  # fmt: skip
+    def generate(
+        self,
+        prompt: str | Sequence[int],
+        *,
+        timeout: float | None = None,
+        metadata: Metadata = (),
+        **options: Unpack[GenerateOptions],
+    ) -> GenerateResult:
         """Generate to completion (unary ``Generate``)."""
         reply = self._stub.Generate(build_request(prompt, options), **self._kw(timeout, metadata))
         return GenerateResult.from_pb(reply)
 
-    def stream(self, prompt: str | Sequence[int], *, timeout: float | None = None, metadata: Metadata = (),
-               **options: Unpack[GenerateOptions]) -> Iterator[StreamToken | StreamFinish]:  # fmt: skip
+    def stream(
+        self,
+        prompt: str | Sequence[int],
+        *,
+        timeout: float | None = None,
+        metadata: Metadata = (),
+        **options: Unpack[GenerateOptions],
+    ) -> Iterator[StreamToken | StreamFinish]:
         """Yield each token as it is generated, then one ``StreamFinish``."""
         call = self._stub.GenerateStream(build_request(prompt, options), **self._kw(timeout, metadata))
         try:

@@ -23,6 +23,8 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
+from services.net import is_host_port
+
 
 class SettingsError(ValueError):
     """A ``CDB_*`` variable does not parse or is out of range."""
@@ -61,12 +63,6 @@ class Settings:
                 ok = value > 0
             if not ok:
                 raise SettingsError(f"CDB_{f.name.upper()} must be positive, got {value}")
-
-
-def is_host_port(address: str) -> bool:
-    """``HOST:PORT`` or ``:PORT`` with a port in 0..65535 (HOST may be empty: all interfaces)."""
-    port = address.rpartition(":")[2]
-    return ":" in address and port.isdigit() and int(port) < 65536
 
 
 def _parse(name: str, raw: str, kind: type) -> int | float | bool | str:

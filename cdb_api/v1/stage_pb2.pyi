@@ -124,60 +124,60 @@ class Fence(_message.Message):
     def __init__(self, stage: _Optional[_Union[StageRole, str]] = ..., seq: _Optional[int] = ...) -> None: ...
 
 class KVUpdate(_message.Message):
-    __slots__ = ("request_id", "append", "reset")
-    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("rid", "append", "reset")
+    RID_FIELD_NUMBER: _ClassVar[int]
     APPEND_FIELD_NUMBER: _ClassVar[int]
     RESET_FIELD_NUMBER: _ClassVar[int]
-    request_id: int
+    rid: int
     append: _containers.RepeatedScalarFieldContainer[int]
     reset: bool
-    def __init__(self, request_id: _Optional[int] = ..., append: _Optional[_Iterable[int]] = ..., reset: _Optional[bool] = ...) -> None: ...
+    def __init__(self, rid: _Optional[int] = ..., append: _Optional[_Iterable[int]] = ..., reset: _Optional[bool] = ...) -> None: ...
 
 class KVCopy(_message.Message):
-    __slots__ = ("request_id", "position", "from_slot")
-    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("rid", "position", "from_slot")
+    RID_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
     FROM_SLOT_FIELD_NUMBER: _ClassVar[int]
-    request_id: int
+    rid: int
     position: int
     from_slot: int
-    def __init__(self, request_id: _Optional[int] = ..., position: _Optional[int] = ..., from_slot: _Optional[int] = ...) -> None: ...
+    def __init__(self, rid: _Optional[int] = ..., position: _Optional[int] = ..., from_slot: _Optional[int] = ...) -> None: ...
 
 class PreludeBatch(_message.Message):
-    __slots__ = ("request_ids", "token_ids", "positions", "rows", "init_seeds")
-    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("rids", "token_ids", "positions", "rows", "init_seeds")
+    RIDS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     POSITIONS_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
     INIT_SEEDS_FIELD_NUMBER: _ClassVar[int]
-    request_ids: _containers.RepeatedScalarFieldContainer[int]
+    rids: _containers.RepeatedScalarFieldContainer[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     positions: _containers.RepeatedScalarFieldContainer[int]
     rows: _containers.RepeatedScalarFieldContainer[int]
     init_seeds: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., positions: _Optional[_Iterable[int]] = ..., rows: _Optional[_Iterable[int]] = ..., init_seeds: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(self, rids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., positions: _Optional[_Iterable[int]] = ..., rows: _Optional[_Iterable[int]] = ..., init_seeds: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class LoopBatch(_message.Message):
-    __slots__ = ("request_ids", "positions", "rows", "steps", "prefill", "num_steps", "kv_copies")
-    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("rids", "positions", "rows", "steps", "prefill", "num_steps", "kv_copies")
+    RIDS_FIELD_NUMBER: _ClassVar[int]
     POSITIONS_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_FIELD_NUMBER: _ClassVar[int]
     NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
     KV_COPIES_FIELD_NUMBER: _ClassVar[int]
-    request_ids: _containers.RepeatedScalarFieldContainer[int]
+    rids: _containers.RepeatedScalarFieldContainer[int]
     positions: _containers.RepeatedScalarFieldContainer[int]
     rows: _containers.RepeatedScalarFieldContainer[int]
     steps: _containers.RepeatedScalarFieldContainer[int]
     prefill: bool
     num_steps: int
     kv_copies: _containers.RepeatedCompositeFieldContainer[KVCopy]
-    def __init__(self, request_ids: _Optional[_Iterable[int]] = ..., positions: _Optional[_Iterable[int]] = ..., rows: _Optional[_Iterable[int]] = ..., steps: _Optional[_Iterable[int]] = ..., prefill: _Optional[bool] = ..., num_steps: _Optional[int] = ..., kv_copies: _Optional[_Iterable[_Union[KVCopy, _Mapping]]] = ...) -> None: ...
+    def __init__(self, rids: _Optional[_Iterable[int]] = ..., positions: _Optional[_Iterable[int]] = ..., rows: _Optional[_Iterable[int]] = ..., steps: _Optional[_Iterable[int]] = ..., prefill: _Optional[bool] = ..., num_steps: _Optional[int] = ..., kv_copies: _Optional[_Iterable[_Union[KVCopy, _Mapping]]] = ...) -> None: ...
 
 class HeadBatch(_message.Message):
-    __slots__ = ("request_ids", "positions", "rows", "sample", "token_index", "temperature", "top_k", "top_p", "seed", "logprobs", "return_logprob")
-    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("rids", "positions", "rows", "sample", "token_index", "temperature", "top_k", "top_p", "seed", "logprobs", "return_logprob")
+    RIDS_FIELD_NUMBER: _ClassVar[int]
     POSITIONS_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_FIELD_NUMBER: _ClassVar[int]
@@ -188,7 +188,7 @@ class HeadBatch(_message.Message):
     SEED_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     RETURN_LOGPROB_FIELD_NUMBER: _ClassVar[int]
-    request_ids: _containers.RepeatedScalarFieldContainer[int]
+    rids: _containers.RepeatedScalarFieldContainer[int]
     positions: _containers.RepeatedScalarFieldContainer[int]
     rows: _containers.RepeatedScalarFieldContainer[int]
     sample: _containers.RepeatedScalarFieldContainer[bool]
@@ -199,7 +199,7 @@ class HeadBatch(_message.Message):
     seed: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedScalarFieldContainer[int]
     return_logprob: _containers.RepeatedScalarFieldContainer[bool]
-    def __init__(self, request_ids: _Optional[_Iterable[int]] = ..., positions: _Optional[_Iterable[int]] = ..., rows: _Optional[_Iterable[int]] = ..., sample: _Optional[_Iterable[bool]] = ..., token_index: _Optional[_Iterable[int]] = ..., temperature: _Optional[_Iterable[float]] = ..., top_k: _Optional[_Iterable[int]] = ..., top_p: _Optional[_Iterable[float]] = ..., seed: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[int]] = ..., return_logprob: _Optional[_Iterable[bool]] = ...) -> None: ...
+    def __init__(self, rids: _Optional[_Iterable[int]] = ..., positions: _Optional[_Iterable[int]] = ..., rows: _Optional[_Iterable[int]] = ..., sample: _Optional[_Iterable[bool]] = ..., token_index: _Optional[_Iterable[int]] = ..., temperature: _Optional[_Iterable[float]] = ..., top_k: _Optional[_Iterable[int]] = ..., top_p: _Optional[_Iterable[float]] = ..., seed: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[int]] = ..., return_logprob: _Optional[_Iterable[bool]] = ...) -> None: ...
 
 class Ping(_message.Message):
     __slots__ = ()

@@ -35,13 +35,9 @@ from services.telemetry.setup import (
     record_span,
     shutdown_tracing,
 )
-from services.telemetry.spans import (
-    NOOP_REQUEST_SPAN,
-    RequestSpan,
-    RequestTraces,
-    StageTracer,
-    start_request_span,
-)
+from services.telemetry.spans import NOOP_REQUEST_SPAN, RequestSpan, start_request_span
+from services.telemetry.stage_tracer import StageTracer
+from services.telemetry.traces import RequestTraces
 
 __all__ = [
     "NOOP_REQUEST_SPAN",

@@ -1,4 +1,6 @@
-"""Request spans (scheduler side) and batch spans (stage side), fed with plain data.
+"""Request spans (scheduler side), fed with plain data.
+
+``traces.RequestTraces`` keys them by the engine's rid for the executor; ``stage_tracer`` records the stage side.
 
 Scheduler server, per request: ``start_request_span`` when the RPC arrives, ``phase`` for validation and
 tokenization, ``RequestTraces.register`` and ``enqueued`` once the engine gave it an id and queued it,
@@ -13,15 +15,17 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace import Span, SpanContext, SpanKind, Status, StatusCode
 
-from cdb_scheduler.plan import HeadOp, LoopOp, StageOp, StageResult
-from services.telemetry.lean import link_field
-from services.telemetry.setup import STATE, extract_metadata, format_traceparent, now_ns, parse_traceparent
+from cdb_scheduler.request import FinishReason
+from services.telemetry.setup import STATE, extract_metadata, format_traceparent, now_ns
+
+if TYPE_CHECKING:
+    from services.telemetry.traces import RequestTraces
 
 
 class RequestSpan:
@@ -183,9 +187,9 @@ class RequestSpan:
         if not self.recording or self._ended:
             return
         t = t_ns or now_ns()
-        if finish_reason == "cancelled" and not self._marked_cancel:
+        if finish_reason == FinishReason.CANCELLED and not self._marked_cancel:
             self.cancelled("cancelled")
-        if finish_reason == "error" and not self._marked_error:
+        if finish_reason == FinishReason.ERROR and not self._marked_error:
             self.failed("request failed", "error")
         self._flush_loop()
         self._end_queue(t)
@@ -243,140 +247,3 @@ def start_request_span(
     name = f"{operation} {model}"
     span = STATE.tracer.start_span(name, context=ctx, kind=SpanKind.SERVER, attributes=attrs, start_time=start_ns)
     return RequestSpan(span)
-
-
-class RequestTraces:
-    """Scheduler-side map request id → ``RequestSpan``: which traceparents each stage still needs, and stage
-    hops. Hop spans are kept for the prefill and the first ``detail_tokens`` decode tokens of each traced
-    request (the per-token hops of a long generation would cost more than the 3 % budget; the stage batch spans
-    cover every op). Every method returns at once when no traced request is live. ``register``,
-    ``contexts_for*`` and ``on_*`` belong to the thread that drives the executor; ``RequestSpan.finish`` (which
-    unregisters) may run on another thread: the per-op paths tolerate a request ending under them."""
-
-    def __init__(self, detail_tokens: int = 4) -> None:
-        self.detail_tokens = detail_tokens
-        self._spans: dict[int, RequestSpan] = {}
-        self._watch: set[int] = set()  # requests whose hops are still recorded
-        self._unsent: dict[str, set[int]] = {}  # per stage: registered requests whose context it has not got
-
-    def register(self, request_id: int, span: RequestSpan) -> None:
-        """Track ``span`` under the scheduler's ``request_id``; ``span.finish`` forgets it."""
-        if not span.recording or span._ended:
-            return
-        span._owner, span._detail_left = (self, request_id), self.detail_tokens
-        self._spans[request_id] = span
-        self._watch.add(request_id)
-        for unsent in list(self._unsent.values()):
-            unsent.add(request_id)
-
-    def get(self, request_id: int) -> RequestSpan | None:
-        """The live traced request span of ``request_id``, if any."""
-        return self._spans.get(request_id)
-
-    def __len__(self) -> int:
-        return len(self._spans)
-
-    def _forget(self, request_id: int) -> None:
-        self._spans.pop(request_id, None)
-        self._watch.discard(request_id)
-        for unsent in list(self._unsent.values()):
-            unsent.discard(request_id)
-
-    def contexts_for(self, stage: str, request_ids: Iterable[int], released: Iterable[int] = ()) -> dict[int, str]:
-        """Traceparents to put in the next message to ``stage`` (ops to one stage are sent in order): those of
-        the op's requests that the stage does not hold, i.e. never sent or dropped with ``released``."""
-        if not self._spans:
-            return {}
-        unsent = self._unsent.get(stage)
-        if unsent is None:
-            unsent = self._unsent[stage] = set(self._spans)
-        for rid in released:
-            if rid in self._spans:
-                unsent.add(rid)
-        hits = unsent.intersection(request_ids) if unsent else ()
-        if not hits:
-            return {}
-        unsent.difference_update(hits)
-        spans = self._spans
-        return {rid: span.traceparent for rid in hits if (span := spans.get(rid)) is not None}
-
-    def contexts_for_op(self, op: StageOp) -> dict[int, str]:
-        """``contexts_for`` of a plan op (stage name, its requests, its ``released`` ids)."""
-        return self.contexts_for(op.stage.name.lower(), op.request_ids, op.released)
-
-    def on_hop(
-        self,
-        stage: str,
-        seq: int,
-        request_ids: Iterable[int],
-        start_ns: int,
-        end_ns: int,
-        compute_s: float,
-        steps: int = 1,
-        error: str | None = None,
-        sampled: Iterable[int] = (),
-    ) -> None:
-        """Stage op ``seq`` of ``stage`` (sent at ``start_ns``, result at ``end_ns``) served ``request_ids``;
-        for a head op, ``sampled`` are the requests it sampled a token for."""
-        if not self._watch:
-            return
-        spans, got = self._spans, set(sampled)
-        for rid in self._watch.intersection(request_ids):
-            if (span := spans.get(rid)) is not None:  # it may have finished on another thread meanwhile
-                span.hop(stage, seq, start_ns, end_ns, compute_s, steps, error, rid in got)
-
-    def on_op_done(self, op: StageOp, result: StageResult, sent_ns: int, done_ns: int) -> None:
-        """``on_hop`` of a plan op and its result."""
-        if self._watch:
-            steps = op.num_steps if isinstance(op, LoopOp) and op.prefill else 1
-            sampled = [r for r, s in zip(op.request_ids, op.sample) if s] if isinstance(op, HeadOp) else ()
-            stage = op.stage.name.lower()
-            self.on_hop(stage, op.seq, op.request_ids, sent_ns, done_ns, result.compute_s, steps, result.error, sampled)
-
-
-class StageTracer:
-    """Stage-side batch spans: one root span ``batch <stage>`` per op, linked to the request span of every
-    sampled request it served. Keeps request id → link, fed by the traceparents in stage messages."""
-
-    def __init__(self, stage: str) -> None:
-        self.stage = stage
-        self._name = f"batch {stage}"
-        self._links: dict[int, tuple[SpanContext, bytes]] = {}
-
-    def __len__(self) -> int:
-        return len(self._links)
-
-    def update(self, contexts: Mapping[int, str], released: Iterable[int] = ()) -> None:
-        """Apply one message: forget ``released`` requests first, then learn ``contexts`` (id → traceparent)."""
-        links = self._links
-        for rid in released:
-            links.pop(rid, None)
-        if contexts and STATE.enabled:
-            for rid, value in contexts.items():
-                ctx = parse_traceparent(value)
-                if ctx is not None and ctx.trace_flags.sampled:
-                    links[rid] = (ctx, link_field(ctx))
-
-    def record(
-        self,
-        seq: int,
-        request_ids: Sequence[int],
-        start_ns: int,
-        end_ns: int,
-        compute_s: float,
-        attributes: Mapping[str, Any] | None = None,
-        error: str | None = None,
-    ) -> None:
-        """Record op ``seq`` (computed from ``start_ns`` to ``end_ns``; one entry of ``request_ids`` per token)."""
-        lean = STATE.lean
-        if lean is None:
-            return
-        links = list(map(self._links.get, request_ids)) if self._links else None
-        lean.add(("b", self._name, seq, links, len(request_ids), start_ns, end_ns, compute_s, attributes, error))
-
-    def record_op(self, op: StageOp, start_ns: int, end_ns: int, compute_s: float, error: str | None = None) -> None:
-        """``record`` of a plan op; loop ops add ``cdb.loop.prefill`` and ``cdb.loop.num_steps``."""
-        if STATE.lean is None:
-            return
-        extra = {"cdb.loop.prefill": op.prefill, "cdb.loop.num_steps": op.num_steps} if isinstance(op, LoopOp) else None
-        self.record(op.seq, op.request_ids, start_ns, end_ns, compute_s, extra, error)

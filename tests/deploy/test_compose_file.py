@@ -28,10 +28,10 @@ from tests.deploy.compose_file import (
 jsonschema = pytest.importorskip("jsonschema", reason="jsonschema is needed to validate the compose file")
 
 SCHEDULER_CMD = (
-    "python -m services.scheduler_server --listen 0.0.0.0:50051 --stage prelude=127.0.0.1:50061 "
+    "python -m cdb scheduler --listen 0.0.0.0:50051 --stage prelude=127.0.0.1:50061 "
     "--stage loop=127.0.0.1:50062 --stage head=127.0.0.1:50063 --model ${CDB_MODEL:-ouro-tiny}"
 )
-STAGE_CMD = "python -m services.stage_server --role {role} --listen 127.0.0.1:{port} --model ${{CDB_MODEL:-ouro-tiny}}"
+STAGE_CMD = "python -m cdb stage --role {role} --listen 127.0.0.1:{port} --model ${{CDB_MODEL:-ouro-tiny}}"
 STAGE_PORTS = {"prelude": 50061, "loop": 50062, "head": 50063}
 
 
@@ -97,12 +97,12 @@ def test_services_and_commands(compose: dict[str, Any]) -> None:
 
 def test_commands_wire_the_stages_together(services: dict[str, Any]) -> None:
     sched = command_argv(services["scheduler"])
-    assert sched[:3] == ["python", "-m", "services.scheduler_server"]
+    assert sched[:4] == ["python", "-m", "cdb", "scheduler"]
     assert flag_values(sched, "--listen") == ["0.0.0.0:50051"]
     stage_addrs = dict(spec.split("=", 1) for spec in flag_values(sched, "--stage"))
     for role in STAGES:
         argv = command_argv(services[role])
-        assert argv[:3] == ["python", "-m", "services.stage_server"]
+        assert argv[:4] == ["python", "-m", "cdb", "stage"]
         assert flag_values(argv, "--role") == [role]
         (listen,) = flag_values(argv, "--listen")
         assert listen.startswith("127.0.0.1:"), "stage endpoints stay on loopback"

@@ -25,13 +25,7 @@ import pytest
 
 from tests.deploy.compose_file import CDB_SERVICES, ROOT, command_argv, interpolate, load
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(
-        not all((ROOT / "services" / f).exists() for f in ("stage_server.py", "scheduler_server.py")),
-        reason="services/stage_server.py and services/scheduler_server.py have not landed yet",
-    ),
-]
+pytestmark = pytest.mark.slow
 READY_WAIT_S = 240
 
 
@@ -64,8 +58,9 @@ class Tree:
             env.update(OTEL_TRACES_EXPORTER="none", PYTHONPATH=str(ROOT))
             self.addr[name] = _remap(svc["healthcheck"]["test"][4], self.ports)
             with open(self.logs[name], "wb") as log:
-                self.procs[name] = subprocess.Popen([sys.executable, *argv[1:]], cwd=ROOT, env=env, stdout=log,
-                                                    stderr=subprocess.STDOUT)  # fmt: skip
+                self.procs[name] = subprocess.Popen(
+                    [sys.executable, *argv[1:]], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
+                )
 
     def probe(self, name: str, wait: float) -> subprocess.CompletedProcess[str]:
         """The compose healthcheck command of ``name``, repeated (``--wait 5`` each) until SERVING, the process
@@ -121,10 +116,6 @@ def test_the_tree_serves_a_generation(tree: Tree) -> None:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.skipif(
-    "CDB_METRICS_ADDR" not in (ROOT / "services" / "scheduler_server.py").read_text(),
-    reason="the scheduler does not serve CDB_METRICS_ADDR yet (services/metrics.py is not wired)",
-)
 def test_the_scheduler_serves_metrics(tree: Tree) -> None:
     assert tree.probe("scheduler", READY_WAIT_S).returncode == 0
     with urllib.request.urlopen(f"http://127.0.0.1:{tree.metrics_port}/metrics", timeout=10) as resp:

@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import math
+import random
 import threading
 from dataclasses import replace
 
 import pytest
 
 from cdb_engine.config import EngineConfig, RequestParams
+from cdb_engine.detokenizer import Detokenizer
 from cdb_engine.engine import Engine, FinishEvent, TokenEvent
 from cdb_engine.errors import InvalidRequest, Overloaded
-from cdb_engine.requests import Detokenizer
 from cdb_model.tokenizer import ByteTokenizer
 from cdb_scheduler.plan import SamplingParams
+from cdb_scheduler.request import FinishReason
 
 CFG = EngineConfig(model="ouro-tiny", max_num_seqs=4, num_kv_blocks=128, kv_block_size=8, max_waiting=2)
 
@@ -115,8 +117,10 @@ def test_leaving_the_stream_early_aborts_and_frees_resources(engine: Engine) -> 
 def test_overload_is_refused_at_once() -> None:
     with Engine(replace(CFG, max_num_seqs=1, max_waiting=1)) as eng:
         gate = threading.Event()
-        names = [eng.submit([5, 6], greedy(50), lambda ev: gate.set() if isinstance(ev, FinishEvent) else None)
-                 for _ in range(2)]  # fmt: skip
+        names = [
+            eng.submit([5, 6], greedy(50), lambda ev: gate.set() if isinstance(ev, FinishEvent) else None)
+            for _ in range(2)
+        ]
         with pytest.raises(Overloaded):
             eng.submit([5, 6], greedy(5), lambda ev: None)
         for n in names:
@@ -140,3 +144,66 @@ def test_detokenizer_holds_back_a_possible_stop_string_prefix() -> None:
     assert "".join(out) == "abc"
     delta, stopped = d.push(tok.encode("D")[0])
     assert stopped and delta == ""
+
+
+def test_abort_right_after_submit_always_finds_the_request(engine: Engine) -> None:
+    """The request id is registered synchronously: a cancel issued at once never misses, however the engine
+    thread is scheduled, and every such request ends cancelled with its resources back."""
+    finishes: list[FinishEvent] = []
+    done = threading.Semaphore(0)
+
+    def sink(ev: object) -> None:
+        if isinstance(ev, FinishEvent):
+            finishes.append(ev)
+            done.release()
+
+    n = 200
+    for i in range(n):
+        request_id = engine.submit([5, 6, 7], greedy(500), sink, f"race-{i}", force=True)
+        assert engine.abort(request_id), f"abort right after submit missed {request_id}"
+    for _ in range(n):
+        assert done.acquire(timeout=30)
+    assert len(finishes) == n and {f.finish_reason for f in finishes} == {FinishReason.CANCELLED}
+    assert all(f.generated_tokens < 500 for f in finishes)
+    st = engine.stats()
+    assert st.held_rows == 0 and st.used_kv_blocks == 0 and st.running == 0 and st.waiting == 0
+
+
+def test_a_live_request_id_cannot_be_reused(engine: Engine) -> None:
+    engine.submit([5], greedy(500), lambda ev: None, "twice")
+    try:
+        with pytest.raises(InvalidRequest, match="request_id"):
+            engine.submit([5], greedy(1), lambda ev: None, "twice")
+    finally:
+        assert engine.abort("twice")
+
+
+class CountingTokenizer(ByteTokenizer):
+    """Counts the ids it is asked to decode."""
+
+    decoded = 0
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:  # type: ignore[no-untyped-def]
+        self.decoded += len(ids)
+        return super().decode(ids, skip_special_tokens)
+
+
+def test_detokenizer_is_incremental_and_exact_on_a_long_output() -> None:
+    """A 4,000-token output with multi-byte characters and a stop string: the deltas add up to the full decode,
+    and the decoding work per token stays bounded (not the whole output again for every token)."""
+    rng = random.Random(3)
+    text = "".join(rng.choice(["a", "b", " ", "é", "€", "😀", "\n"]) for _ in range(2500)) + "STOP tail"
+    tok = CountingTokenizer()
+    ids = tok.encode(text)
+    assert len(ids) > 4000
+    d = Detokenizer(tok, ("STOP",))
+    out, stopped = [], False
+    for i in ids:
+        delta, stopped = d.push(i)
+        out.append(delta)
+        if stopped:
+            break
+    assert stopped and "".join(out) == text[: text.index("STOP")]
+    assert tok.decoded < 12 * len(ids), f"{tok.decoded} ids decoded for {len(ids)} tokens"
+    d2 = Detokenizer(tok, ())
+    assert "".join(d2.push(i)[0] for i in ids) + d2.flush() == text

@@ -9,9 +9,9 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from cdb_engine.bench import shared_model_factory
 from cdb_engine.config import EngineConfig, RequestParams
 from cdb_engine.engine import Engine
+from cdb_engine.inprocess import shared_model_factory
 from cdb_model.base import LoopedLM
 from cdb_model.kv import KVLayout, KVPolicy
 from cdb_model.loader import load_model
@@ -36,22 +36,37 @@ class Case:
     horizon: str
     mode: str
     init_seed: int = -1
+    min_depth: int = 1
 
 
-CASES = [
-    Case(m, q, kv, hz, mode, seed)
-    for m, q, seed in [
-        ("ouro-tiny", 0.2, -1),
-        ("ouro-tiny", 0.5, -1),
-        ("ouro-tiny", 1.0, -1),
-        ("huginn-tiny", None, -1),
-        ("huginn-tiny", None, 7),
+CASES = (
+    [
+        Case(m, q, kv, hz, mode, seed)
+        for m, q, seed in [
+            ("ouro-tiny", 0.2, -1),
+            ("ouro-tiny", 0.5, -1),
+            ("ouro-tiny", 1.0, -1),
+            ("huginn-tiny", None, -1),
+            ("huginn-tiny", None, 7),
+        ]
+        for kv in ("single", "last_exited")
+        for hz in ("one-ahead", "same-step")
+        for mode in ("cdb", "no-refill", "full-depth")
+        if not (seed >= 0 and hz == "same-step")  # the seeded-state variant once per horizon is enough
     ]
-    for kv in ("single", "last_exited")
-    for hz in ("one-ahead", "same-step")
-    for mode in ("cdb", "no-refill", "full-depth")
-    if not (seed >= 0 and hz == "same-step")  # the seeded-state variant once per horizon is enough
-]
+    + [
+        # depth_indexed serves full depth only (the upstream-exact layout); first_then_shared(2) needs min depth 2
+        Case(m, q, "depth_indexed", hz, "full-depth")
+        for m, q in [("ouro-tiny", 0.5), ("huginn-tiny", None)]
+        for hz in ("one-ahead", "same-step")
+    ]
+    + [
+        Case(m, q, "first_then_shared", hz, mode, min_depth=2)
+        for m, q in [("ouro-tiny", 0.2), ("huginn-tiny", None)]
+        for hz in ("one-ahead", "same-step")
+        for mode in ("cdb", "no-refill", "full-depth")
+    ]
+)
 
 
 def workload(rng: random.Random, n: int) -> list[tuple[list[int], RequestParams]]:
@@ -59,8 +74,9 @@ def workload(rng: random.Random, n: int) -> list[tuple[list[int], RequestParams]
     for i in range(n):
         prompt = [rng.randrange(3, 259) for _ in range(rng.randint(1, 40))]
         temperature = 0.0 if i % 2 == 0 else 0.9
-        sampling = SamplingParams(temperature=temperature, top_k=rng.choice([0, 20]), top_p=rng.choice([1.0, 0.9]),
-                                  seed=rng.randrange(1000))  # fmt: skip
+        sampling = SamplingParams(
+            temperature=temperature, top_k=rng.choice([0, 20]), top_p=rng.choice([1.0, 0.9]), seed=rng.randrange(1000)
+        )
         out.append((prompt, RequestParams(max_tokens=rng.randint(1, 10), sampling=sampling, ignore_eos=True)))
     return out
 
@@ -75,7 +91,7 @@ def run_engine(model: LoopedLM, cfg: EngineConfig, work: list[tuple[list[int], R
 
 
 def run_reference(model: LoopedLM, eng: Engine, work: list[tuple[list[int], RequestParams]], cfg: EngineConfig):
-    from cdb_engine.requests import build_policy
+    from cdb_engine.limits import build_policy
 
     layout = KVLayout(KVPolicy(cfg.kv_policy), eng.limits.max_depth, cfg.kv_shared_after)
     out = []
@@ -84,9 +100,15 @@ def run_reference(model: LoopedLM, eng: Engine, work: list[tuple[list[int], Requ
         if cfg.mode == "full-depth":
             policy = FixedDepth(eng.limits.max_depth, eng.limits.max_depth)
         ref = reference_generate(
-            model, prompt, max_new_tokens=params.max_tokens, policy=policy, kv_layout=layout,
-            sampling=params.sampling, prefill_chunk_size=cfg.prefill_chunk_size, init_seed=cfg.init_seed,
-        )  # fmt: skip
+            model,
+            prompt,
+            max_new_tokens=params.max_tokens,
+            policy=policy,
+            kv_layout=layout,
+            sampling=params.sampling,
+            prefill_chunk_size=cfg.prefill_chunk_size,
+            init_seed=cfg.init_seed,
+        )
         out.append((ref.tokens, ref.depths))
     return out
 
@@ -96,10 +118,20 @@ def test_engine_equals_sequential_reference(case: Case) -> None:
     rng = random.Random(hash(case) & 0xFFFF)
     model = model64(case.model)
     cfg = EngineConfig(
-        model=case.model, dtype="float64", mode=case.mode, kv_policy=case.kv_policy, horizon=case.horizon,
-        exit_threshold=case.threshold, max_num_seqs=rng.choice([1, 3, 8]), num_kv_blocks=rng.choice([24, 256]),
-        kv_block_size=4, prefill_chunk_size=16, prefill_token_budget=32, init_seed=case.init_seed,
-    )  # fmt: skip
+        model=case.model,
+        dtype="float64",
+        mode=case.mode,
+        kv_policy=case.kv_policy,
+        horizon=case.horizon,
+        exit_threshold=case.threshold,
+        max_num_seqs=rng.choice([1, 3, 8]),
+        num_kv_blocks=rng.choice([24, 256]),
+        kv_block_size=4,
+        prefill_chunk_size=16,
+        prefill_token_budget=32,
+        init_seed=case.init_seed,
+        min_depth=case.min_depth,
+    )
     work = workload(rng, 10)
     got, eng = run_engine(model, cfg, work)
     want = run_reference(model, eng, work, cfg)
@@ -114,12 +146,22 @@ def test_engine_equals_sequential_reference(case: Case) -> None:
 
 def test_tiny_pool_preempts_and_still_matches_reference() -> None:
     model = model64("ouro-tiny")
-    cfg = EngineConfig(model="ouro-tiny", dtype="float64", exit_threshold=0.5, kv_policy="last_exited",
-                       max_num_seqs=8, num_kv_blocks=20, kv_block_size=4, prefill_chunk_size=16,
-                       prefill_token_budget=32)  # fmt: skip
+    cfg = EngineConfig(
+        model="ouro-tiny",
+        dtype="float64",
+        exit_threshold=0.5,
+        kv_policy="last_exited",
+        max_num_seqs=8,
+        num_kv_blocks=20,
+        kv_block_size=4,
+        prefill_chunk_size=16,
+        prefill_token_budget=32,
+    )
     rng = random.Random(11)
-    work = [([rng.randrange(3, 259) for _ in range(rng.randint(10, 30))], RequestParams(max_tokens=12, ignore_eos=True))
-            for _ in range(12)]  # fmt: skip
+    work = [
+        ([rng.randrange(3, 259) for _ in range(rng.randint(10, 30))], RequestParams(max_tokens=12, ignore_eos=True))
+        for _ in range(12)
+    ]
     got, eng = run_engine(model, cfg, work)
     assert eng.sched_stats.preemptions > 0, "the pool should be too small to hold every request at once"
     assert got == run_reference(model, eng, work, cfg)
@@ -132,8 +174,16 @@ def test_staggered_arrivals_match_reference() -> None:
     from cdb_engine.engine import FinishEvent, TokenEvent
 
     model = model64("huginn-tiny")
-    cfg = EngineConfig(model="huginn-tiny", dtype="float64", kv_policy="last_exited", max_num_seqs=4,
-                       num_kv_blocks=256, kv_block_size=4, prefill_chunk_size=16, prefill_token_budget=32)  # fmt: skip
+    cfg = EngineConfig(
+        model="huginn-tiny",
+        dtype="float64",
+        kv_policy="last_exited",
+        max_num_seqs=4,
+        num_kv_blocks=256,
+        kv_block_size=4,
+        prefill_chunk_size=16,
+        prefill_token_budget=32,
+    )
     work = workload(random.Random(5), 8)
     outs: list[list[int]] = [[] for _ in work]
     depths: list[list[int]] = [[] for _ in work]

@@ -106,21 +106,45 @@ def drive_workers(
         pre += [(r, prompts[r][p], p, n + r * chunk + j) for r, ps in chunks for j, p in enumerate(ps)]
         if pre:
             r_, t_, p_, rows_ = zip(*pre, strict=True)
-            w.run(PreludeOp(**w.base(Stage.PRELUDE), request_ids=r_, token_ids=t_, positions=p_, rows=rows_,
-                            init_seeds=tuple(seed(p) for p in p_)))  # fmt: skip
+            w.run(
+                PreludeOp(
+                    **w.base(Stage.PRELUDE),
+                    rids=r_,
+                    token_ids=t_,
+                    positions=p_,
+                    rows=rows_,
+                    init_seeds=tuple(seed(p) for p in p_),
+                )
+            )
         loop += [t for t, _ in new_tokens]
         new_tokens = []
         pre_rows = [(r, p, n + r * chunk + j) for r, ps in chunks for j, p in enumerate(ps)]
         if pre_rows:
             r_, p_, rows_ = zip(*pre_rows, strict=True)
-            w.run(LoopOp(**w.base(Stage.LOOP), request_ids=r_, positions=p_, rows=rows_, steps=(0,) * len(r_),
-                         prefill=True, num_steps=policy.max_depth))  # fmt: skip
+            w.run(
+                LoopOp(
+                    **w.base(Stage.LOOP),
+                    rids=r_,
+                    positions=p_,
+                    rows=rows_,
+                    steps=(0,) * len(r_),
+                    prefill=True,
+                    num_steps=policy.max_depth,
+                )
+            )
         exited: list[_Token] = []
         if loop:
             leave = {t.rid: policy.exits_after(t.state, t.step) for t in loop if policy.horizon is Horizon.ONE_AHEAD}
-            res = w.run(LoopOp(**w.base(Stage.LOOP), request_ids=tuple(t.rid for t in loop),
-                               positions=tuple(t.position for t in loop), rows=tuple(t.rid for t in loop),
-                               steps=tuple(t.step for t in loop), kv_copies=tuple(copies)))  # fmt: skip
+            res = w.run(
+                LoopOp(
+                    **w.base(Stage.LOOP),
+                    rids=tuple(t.rid for t in loop),
+                    positions=tuple(t.position for t in loop),
+                    rows=tuple(t.rid for t in loop),
+                    steps=tuple(t.step for t in loop),
+                    kv_copies=tuple(copies),
+                )
+            )
             copies = []
             for i, t in enumerate(loop):
                 policy.observe(t.state, t.step, res.signals[i], res.lookahead[i] if res.lookahead else None)
@@ -140,8 +164,17 @@ def drive_workers(
             prefill_at[r] = ps[-1] + 1
         if head:
             r_, p_, rows_, smp, idx = zip(*head, strict=True)
-            res = w.run(HeadOp(**w.base(Stage.HEAD), request_ids=r_, positions=p_, rows=rows_, sample=smp,
-                               sampling=(sampling,) * len(r_), token_index=idx))  # fmt: skip
+            res = w.run(
+                HeadOp(
+                    **w.base(Stage.HEAD),
+                    rids=r_,
+                    positions=p_,
+                    rows=rows_,
+                    sample=smp,
+                    sampling=(sampling,) * len(r_),
+                    token_index=idx,
+                )
+            )
             sampled = [(r, p, i) for r, p, _, s, i in head if s]
             for (r, p, i), tok in zip(sampled, res.token_ids, strict=True):
                 outs[r].tokens.append(tok)

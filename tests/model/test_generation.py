@@ -32,8 +32,15 @@ def test_golden_greedy_generation(which: str, request: pytest.FixtureRequest) ->
         assert out.tokens == expected[b]
         assert out.depths == [depth] * 8
     for chunk, arrivals in ((None, [0, 0]), (5, [0, 2])):
-        outs = drive_workers(model, prompts, max_new_tokens=8, policy=FixedDepth(depth, depth), layout=layout,
-                             prefill_chunk_size=chunk, arrivals=arrivals)  # fmt: skip
+        outs = drive_workers(
+            model,
+            prompts,
+            max_new_tokens=8,
+            policy=FixedDepth(depth, depth),
+            layout=layout,
+            prefill_chunk_size=chunk,
+            arrivals=arrivals,
+        )
         assert [o.tokens for o in outs] == expected
 
 
@@ -77,14 +84,31 @@ def test_workers_match_reference(
     prompts = [tok.encode(p) for p in PROMPTS]
     layout = KVLayout(policy, model.config.max_depth, shared_after=2)
     min_depth = 2 if policy is KVPolicy.FIRST_THEN_SHARED else 1  # first_then_shared(k) needs min depth >= k
-    outs = drive_workers(model, prompts, max_new_tokens=10, policy=_policy(model, horizon, min_depth), layout=layout,
-                         sampling=sampling, prefill_chunk_size=chunk, init_seed=init_seed,
-                         arrivals=[0, 1, 1, 4])  # fmt: skip
+    outs = drive_workers(
+        model,
+        prompts,
+        max_new_tokens=10,
+        policy=_policy(model, horizon, min_depth),
+        layout=layout,
+        sampling=sampling,
+        prefill_chunk_size=chunk,
+        init_seed=init_seed,
+        arrivals=[0, 1, 1, 4],
+    )
     refs = []
     for p in prompts:
-        refs.append(reference_generate(model, p, max_new_tokens=10, policy=_policy(model, horizon, min_depth),
-                                       kv_layout=layout, sampling=sampling, prefill_chunk_size=chunk,
-                                       init_seed=init_seed))  # fmt: skip
+        refs.append(
+            reference_generate(
+                model,
+                p,
+                max_new_tokens=10,
+                policy=_policy(model, horizon, min_depth),
+                kv_layout=layout,
+                sampling=sampling,
+                prefill_chunk_size=chunk,
+                init_seed=init_seed,
+            )
+        )
     assert [o.tokens for o in outs] == [r.tokens for r in refs]
     assert [o.depths for o in outs] == [r.depths for r in refs]
     assert len({d for r in refs for d in r.depths[1:]}) >= 2, "exit depths should vary"
@@ -94,12 +118,20 @@ def test_reference_replay_and_stop(tiny64: dict[str, LoopedLM]) -> None:
     model = tiny64["ouro-tiny"]
     layout = KVLayout(KVPolicy.LAST_EXITED, 4)
     prompt = ByteTokenizer().encode("replay")
-    out = reference_generate(model, prompt, max_new_tokens=6, policy=ReplayDepth(4), kv_layout=layout,
-                             replay_depths=[1, 2, 3, 4, 2])  # fmt: skip
+    out = reference_generate(
+        model, prompt, max_new_tokens=6, policy=ReplayDepth(4), kv_layout=layout, replay_depths=[1, 2, 3, 4, 2]
+    )
     assert out.depths == [4, 1, 2, 3, 4, 2]
     stop = out.tokens[2]
-    cut = reference_generate(model, prompt, max_new_tokens=6, policy=ReplayDepth(4), kv_layout=layout,
-                             replay_depths=[1, 2, 3, 4, 2], stop_token_ids=[stop])  # fmt: skip
+    cut = reference_generate(
+        model,
+        prompt,
+        max_new_tokens=6,
+        policy=ReplayDepth(4),
+        kv_layout=layout,
+        replay_depths=[1, 2, 3, 4, 2],
+        stop_token_ids=[stop],
+    )
     assert cut.tokens == out.tokens[: out.tokens.index(stop) + 1]
 
 
@@ -107,5 +139,11 @@ def test_reference_refuses_missing_depth_kv(tiny64: dict[str, LoopedLM]) -> None
     """depth_indexed with early exits leaves deeper slots unwritten: the reference fails loudly."""
     model = tiny64["ouro-tiny"]
     with pytest.raises(MissingKVError, match="never written"):
-        reference_generate(model, ByteTokenizer().encode("xy"), max_new_tokens=6, policy=ReplayDepth(4),
-                           kv_layout=KVLayout(KVPolicy.DEPTH_INDEXED, 4), replay_depths=[1, 4, 4, 4, 4])  # fmt: skip
+        reference_generate(
+            model,
+            ByteTokenizer().encode("xy"),
+            max_new_tokens=6,
+            policy=ReplayDepth(4),
+            kv_layout=KVLayout(KVPolicy.DEPTH_INDEXED, 4),
+            replay_depths=[1, 4, 4, 4, 4],
+        )

@@ -179,8 +179,15 @@ def test_error_shape_mismatch(tmp_path: Path) -> None:
 
 
 def test_errors_are_checkpoint_errors() -> None:
-    for cls in (CheckpointNotFoundError, MissingConfigError, MissingWeightsError, UnknownModelTypeError,
-                MissingTensorsError, UnexpectedTensorsError, ShapeMismatchError):  # fmt: skip
+    for cls in (
+        CheckpointNotFoundError,
+        MissingConfigError,
+        MissingWeightsError,
+        UnknownModelTypeError,
+        MissingTensorsError,
+        UnexpectedTensorsError,
+        ShapeMismatchError,
+    ):
         assert issubclass(cls, CheckpointError)
 
 

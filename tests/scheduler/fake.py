@@ -40,6 +40,7 @@ class FakeExecutor:
         self.queue: deque[StageOp] = deque()
         self.done = [-1, -1, -1]
         self.submitted: list[StageOp] = []
+        self.delivered: list[StageOp] = []
         self.max_loop_in_flight = 0
 
     def submit(self, op: StageOp) -> None:
@@ -69,16 +70,33 @@ class FakeExecutor:
         for f in op.fences:
             assert self.done[f.stage] >= f.seq, f"fence {f} unsatisfied"
         self.done[op.stage] = op.seq
+        self.delivered.append(op)
         if isinstance(op, PreludeOp):
             return StageResult(Stage.PRELUDE, op.seq, 0.001)
         if isinstance(op, LoopOp):
             if op.prefill:
                 return StageResult(Stage.LOOP, op.seq, 0.004)
-            sig = tuple(signal(r, p, s) for r, p, s in zip(op.request_ids, op.positions, op.steps))
+            sig = tuple(signal(r, p, s) for r, p, s in zip(op.rids, op.positions, op.steps))
             return StageResult(Stage.LOOP, op.seq, 0.002, signals=sig)
         assert isinstance(op, HeadOp)
-        ids = tuple(token(r, p) for r, p, s in zip(op.request_ids, op.positions, op.sample) if s)
+        ids = tuple(token(r, p) for r, p, s in zip(op.rids, op.positions, op.sample) if s)
         return StageResult(Stage.HEAD, op.seq, 0.001, token_ids=ids)
+
+    def overtakes(self) -> list[tuple[StageOp, StageOp]]:
+        """``(later, earlier)`` pairs: the result of ``later`` was delivered while ``earlier``, submitted before it,
+        was still undelivered (with one stream in submission order, there are none)."""
+        index = {(o.stage, o.seq): i for i, o in enumerate(self.submitted)}
+        done = [False] * len(self.submitted)
+        first = 0  # the earliest submitted op not yet delivered
+        pairs = []
+        for op in self.delivered:
+            i = index[op.stage, op.seq]
+            done[i] = True
+            while first < len(done) and done[first]:
+                first += 1
+            if first < i:
+                pairs.append((op, self.submitted[first]))
+        return pairs
 
     def wake(self) -> None:
         pass

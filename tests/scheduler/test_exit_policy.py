@@ -73,9 +73,14 @@ def test_fixed_and_replayed_depths_need_no_signals() -> None:
 
 @pytest.mark.parametrize(
     "make",
-    [lambda: OuroHazard(0.0, 4), lambda: OuroHazard(1.5, 4), lambda: LatentDiff(-0.1, 4), lambda: FixedDepth(5, 4),
-     lambda: OuroHazard(0.5, 4, min_depth=5)],
-)  # fmt: skip
+    [
+        lambda: OuroHazard(0.0, 4),
+        lambda: OuroHazard(1.5, 4),
+        lambda: LatentDiff(-0.1, 4),
+        lambda: FixedDepth(5, 4),
+        lambda: OuroHazard(0.5, 4, min_depth=5),
+    ],
+)
 def test_invalid_policies_are_refused(make) -> None:
     with pytest.raises(ValueError):
         make()

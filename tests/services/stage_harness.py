@@ -16,7 +16,8 @@ import torch
 from cdb_engine.setup import StageSetup
 from cdb_scheduler.plan import HeadOp, LoopOp, Stage, StageOp, StageResult
 from services.settings import Settings
-from services.stage_server import StageService, build_server
+from services.transport.stage_server import build_server
+from services.transport.stage_service import StageService
 
 FAST = Settings(fence_timeout_s=5.0, stage_connect_timeout_s=10.0)
 
@@ -46,7 +47,7 @@ def stage_servers(
             if observer_for is not None:
                 kw["observer"] = observer_for(stage)
             service = StageService(stage, model_name, dtype, model_for(stage), settings, **kw)
-            address = f"unix://{tmp_path}/{stage.name.lower()}.sock"
+            address = f"unix://{tmp_path}/{stage.role}.sock"
             server, _ = build_server(service, address)
             running[stage] = RunningStage(service, server, address)
         yield running

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from cdb_bench.services import bench_services
 from cdb_engine.config import EngineConfig, RequestParams
-from services.bench_services import bench_services
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -21,7 +21,7 @@ def test_bench_services_reports_ratio_idle_fraction_and_rtt() -> None:
 
 
 def test_bench_tracing_compares_tracing_on_and_off() -> None:
-    from services.bench_services import bench_tracing
+    from cdb_bench.services import bench_tracing
 
     cfg = EngineConfig(model="ouro-tiny", max_num_seqs=4, num_kv_blocks=128)
     requests = [([5 + i, 6, 7], RequestParams(max_tokens=6, ignore_eos=True)) for i in range(4)]

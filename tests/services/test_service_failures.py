@@ -42,8 +42,9 @@ def test_overload_is_resource_exhausted_at_once() -> None:
 def test_sigterm_stops_serving_drains_in_flight_streams_and_exits() -> None:
     config = EngineConfig(model="ouro-tiny", max_num_seqs=8, num_kv_blocks=512)
     with process_tree(config, CDB_DRAIN_TIMEOUT_S="4") as tree, Client(tree.address, timeout=60) as client:
-        short = [StreamRun(client, f"short {i}", GenerateOptions(max_tokens=40, ignore_eos=True)).start()
-                 for i in range(3)]  # fmt: skip
+        short = [
+            StreamRun(client, f"short {i}", GenerateOptions(max_tokens=40, ignore_eos=True)).start() for i in range(3)
+        ]
         long = [StreamRun(client, f"long {i}", LONG).start() for i in range(2)]
         for run in short + long:
             assert run.first.wait(30)
@@ -61,7 +62,7 @@ def test_sigterm_stops_serving_drains_in_flight_streams_and_exits() -> None:
         assert tree.scheduler.wait(timeout=30) == 0
 
 
-@pytest.mark.parametrize("role", list(Stage), ids=lambda s: s.name.lower())
+@pytest.mark.parametrize("role", list(Stage), ids=lambda s: s.role)
 def test_kill_9_of_a_stage_gives_unavailable_promptly_and_not_serving(role: Stage) -> None:
     config = EngineConfig(model="ouro-tiny", max_num_seqs=8, num_kv_blocks=512)
     with process_tree(config) as tree, Client(tree.address, timeout=60) as client:
@@ -73,14 +74,14 @@ def test_kill_9_of_a_stage_gives_unavailable_promptly_and_not_serving(role: Stag
         for run in runs:
             assert run.done.wait(15)
             assert run.code == grpc.StatusCode.UNAVAILABLE, (run.code, run.finish)
-            assert role.name.lower() in run.error.details()  # type: ignore[union-attr]
+            assert role.role in run.error.details()  # type: ignore[union-attr]
         assert time.monotonic() - t0 < 5.0
         client.wait_for_status("NOT_SERVING", timeout=10)
         with pytest.raises(grpc.RpcError) as err:
             client.generate("after the crash", max_tokens=2)
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
         info = client.info()
-        assert not info.healthy and role.name.lower() in info.error
+        assert not info.healthy and role.role in info.error
 
 
 def test_idle_streams_survive_keepalive_and_a_frozen_stage_is_detected() -> None:

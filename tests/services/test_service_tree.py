@@ -24,8 +24,15 @@ from tests.services.tree import StreamRun, process_tree
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
-CONFIG = EngineConfig(model="ouro-tiny", dtype="float64", max_num_seqs=8, num_kv_blocks=512,
-                      max_input_tokens=200, max_total_tokens=400, max_waiting=64)  # fmt: skip
+CONFIG = EngineConfig(
+    model="ouro-tiny",
+    dtype="float64",
+    max_num_seqs=8,
+    num_kv_blocks=512,
+    max_input_tokens=200,
+    max_total_tokens=400,
+    max_waiting=64,
+)
 
 
 @pytest.fixture(scope="module")
@@ -71,9 +78,14 @@ def test_tokens_equal_the_in_process_engine(client: Client) -> None:
         requests.append((prompt, opts))
 
     def params(o: GenerateOptions) -> RequestParams:
-        sampling = SamplingParams(temperature=o.get("temperature", 0.0), top_k=o.get("top_k", 0),
-                                  top_p=o.get("top_p", 1.0), seed=o.get("seed", 0),
-                                  logprobs=o.get("top_logprobs", 0), return_logprob="top_logprobs" in o)  # fmt: skip
+        sampling = SamplingParams(
+            temperature=o.get("temperature", 0.0),
+            top_k=o.get("top_k", 0),
+            top_p=o.get("top_p", 1.0),
+            seed=o.get("seed", 0),
+            logprobs=o.get("top_logprobs", 0),
+            return_logprob="top_logprobs" in o,
+        )
         return RequestParams(max_tokens=o["max_tokens"], sampling=sampling, ignore_eos=o["ignore_eos"])
 
     with Engine(CONFIG) as local:

@@ -10,15 +10,9 @@ from pathlib import Path
 import pytest
 
 from cdb_engine.config import EngineConfig
+from cdb_engine.options import add_engine_args, engine_config_from_args, engine_config_to_argv
 from cdb_scheduler.plan import Stage
-from services.launcher import (
-    add_engine_args,
-    engine_config_from_args,
-    engine_config_to_argv,
-    parse_stage_addrs,
-    wait_ready_file,
-    write_ready_file,
-)
+from services.net import parse_stage_addrs, wait_ready_file, write_ready_file
 from services.settings import Settings, SettingsError, load_settings
 
 pytestmark = pytest.mark.timeout(30)
@@ -31,7 +25,7 @@ def test_settings_defaults_and_overrides() -> None:
 
 
 def test_metrics_address_setting() -> None:
-    from services.metrics import metrics_address_from_env
+    from services.telemetry.metrics import metrics_address_from_env
 
     assert load_settings({}).metrics_addr == "" and metrics_address_from_env({"CDB_STAGE_THREADS": "x"}) is None
     assert load_settings({"CDB_METRICS_ADDR": " 0.0.0.0:9464 "}).metrics_addr == "0.0.0.0:9464"
@@ -40,18 +34,30 @@ def test_metrics_address_setting() -> None:
 
 @pytest.mark.parametrize(
     "env,match",
-    [({"CDB_STAGE_THREADS": "two"}, "CDB_STAGE_THREADS"), ({"CDB_UVLOOP": "maybe"}, "CDB_UVLOOP"),
-     ({"CDB_DRAIN_TIMEOUT_S": "0"}, "CDB_DRAIN_TIMEOUT_S"), ({"CDB_MAX_CONCURRENT_RPCS": "-1"}, "MAX_CONCURRENT"),
-     ({"CDB_METRICS_ADDR": "9464"}, "CDB_METRICS_ADDR"), ({"CDB_METRICS_ADDR": "host:port"}, "CDB_METRICS_ADDR")],
-)  # fmt: skip
+    [
+        ({"CDB_STAGE_THREADS": "two"}, "CDB_STAGE_THREADS"),
+        ({"CDB_UVLOOP": "maybe"}, "CDB_UVLOOP"),
+        ({"CDB_DRAIN_TIMEOUT_S": "0"}, "CDB_DRAIN_TIMEOUT_S"),
+        ({"CDB_MAX_CONCURRENT_RPCS": "-1"}, "MAX_CONCURRENT"),
+        ({"CDB_METRICS_ADDR": "9464"}, "CDB_METRICS_ADDR"),
+        ({"CDB_METRICS_ADDR": "host:port"}, "CDB_METRICS_ADDR"),
+    ],
+)
 def test_bad_settings_name_the_variable(env: dict[str, str], match: str) -> None:
     with pytest.raises(SettingsError, match=match):
         load_settings(env)
 
 
 def test_engine_config_round_trips_through_command_line_options() -> None:
-    config = EngineConfig(model="huginn-tiny", dtype="float64", max_num_seqs=5, kv_policy="single",
-                          exit_threshold=0.25, max_input_tokens=100, init_seed=3)  # fmt: skip
+    config = EngineConfig(
+        model="huginn-tiny",
+        dtype="float64",
+        max_num_seqs=5,
+        kv_policy="single",
+        exit_threshold=0.25,
+        max_input_tokens=100,
+        init_seed=3,
+    )
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
     assert engine_config_from_args(parser.parse_args(engine_config_to_argv(config))) == config
@@ -82,9 +88,10 @@ def test_ready_files(tmp_path: Path) -> None:
 
 
 def test_metrics_listen_option() -> None:
-    from services import launcher, scheduler_server
+    from cdb.processes import scheduler_main
+    from cdb.serve import serve_main
 
     with pytest.raises(SystemExit):
-        scheduler_server.main(["--in-process", "--metrics-listen", "nowhere"])
+        scheduler_main(["--in-process", "--metrics-listen", "nowhere"])
     with pytest.raises(SystemExit):
-        launcher.serve_main(["--metrics-listen", "nowhere"])
+        serve_main(["--metrics-listen", "nowhere"])

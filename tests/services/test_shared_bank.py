@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from cdb_scheduler.plan import Fence, Stage
-from services.bank import BankSpec, SharedBank
-from services.fences import FenceAborted, FenceBoard, FenceTimeout
+from services.transport.bank import BankSpec, SharedBank
+from services.transport.fences import FenceAborted, FenceBoard, FenceTimeout
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -35,7 +35,7 @@ def test_shm_bank_is_shared_across_processes_and_owner_unlinks() -> None:
     out = _run_child(
         f"""
         import torch
-        from services.bank import BankSpec, SharedBank
+        from services.transport.bank import BankSpec, SharedBank
         b = SharedBank.attach(BankSpec("shm", {spec.name!r}, {spec.rows}, {spec.width}, "float32"))
         print(float(b.tensor[1].sum()))
         b.tensor[3] = torch.arange(16, dtype=torch.float32)
@@ -77,7 +77,7 @@ def test_fence_board_cross_process_complete_and_wait() -> None:
     assert board.completed(Stage.LOOP) == -1
     code = f"""
 from cdb_scheduler.plan import Fence, Stage
-from services.fences import FenceBoard
+from services.transport.fences import FenceBoard
 b = FenceBoard.attach({board.name!r})
 b.complete(Stage.PRELUDE, 4)
 b.wait((Fence(Stage.HEAD, 2),), timeout=20.0)
@@ -137,7 +137,7 @@ def test_cuda_ipc_bank_shared_with_child_process() -> None:
     h = bank.spec.cuda
     out = _run_child(
         f"""
-        from services.bank import BankSpec, CudaIpcHandle, SharedBank
+        from services.transport.bank import BankSpec, CudaIpcHandle, SharedBank
         h = CudaIpcHandle({h.device}, {h.handle!r}, {h.size_bytes}, {h.offset_bytes}, {h.ref_counter_handle!r},
                           {h.ref_counter_offset}, {h.event_handle!r}, {h.event_sync_required})
         b = SharedBank.attach(BankSpec("cuda_ipc", "", 4, 8, "float32", h))

@@ -18,8 +18,8 @@ from cdb_scheduler.plan import (
     StageResult,
     TokenLogprobs,
 )
-from services.bank import BankSpec, CudaIpcHandle
-from services.convert import (
+from services.transport.bank import BankSpec, CudaIpcHandle
+from services.transport.convert import (
     bank_spec_from_pb,
     bank_spec_to_pb,
     op_from_pb,
@@ -36,25 +36,25 @@ FENCES = (Fence(Stage.PRELUDE, 0), Fence(Stage.HEAD, 12345678901))
 UPDATES = (KVUpdate(7, (1, 2, 3)), KVUpdate(9, (), reset=True))
 
 OPS: list[StageOp] = [
-    PreludeOp(0, (), (), (), request_ids=(), token_ids=(), positions=(), rows=(), init_seeds=()),
+    PreludeOp(0, (), (), (), rids=(), token_ids=(), positions=(), rows=(), init_seeds=()),
     PreludeOp(
         3,
         FENCES,
         UPDATES,
         (4, 5),
-        request_ids=(7, 7, 9),
+        rids=(7, 7, 9),
         token_ids=(1, 511, 0),
         positions=(0, 1, 0),
         rows=(64, 65, 2),
         init_seeds=(-1, 2**62 + 5, 0),
     ),
-    LoopOp(1, FENCES, (), (), request_ids=(7,), positions=(3,), rows=(0,), steps=(2,)),
+    LoopOp(1, FENCES, (), (), rids=(7,), positions=(3,), rows=(0,), steps=(2,)),
     LoopOp(
         2,
         (),
         UPDATES,
         (1,),
-        request_ids=(7, 7),
+        rids=(7, 7),
         positions=(0, 1),
         rows=(64, 65),
         steps=(0, 0),
@@ -67,7 +67,7 @@ OPS: list[StageOp] = [
         FENCES,
         UPDATES,
         (),
-        request_ids=(7, 9, 11),
+        rids=(7, 9, 11),
         positions=(10, 3, 0),
         rows=(0, 1, 2),
         sample=(True, False, True),

@@ -19,8 +19,8 @@ from cdb_engine.config import EngineConfig, RequestParams
 from cdb_engine.engine import Engine
 from cdb_model.loader import load_model
 from cdb_scheduler.plan import Fence, HeadOp, LoopOp, PreludeOp, SamplingParams, Stage, StageOp, StageResult
-from services.grpc_executor import GrpcExecutor, GrpcExecutorFactory
-from services.stage_server import require_loopback
+from services.net import require_loopback
+from services.transport.executor import GrpcExecutor, GrpcExecutorFactory
 from tests.services.stage_harness import FAST, FakeWorker, fake_model, fake_setup, stage_servers
 
 pytestmark = pytest.mark.timeout(90)
@@ -28,13 +28,23 @@ pytestmark = pytest.mark.timeout(90)
 
 def loop_op(seq: int, rows: tuple[int, ...], fences: tuple[Fence, ...] = ()) -> LoopOp:
     n = len(rows)
-    return LoopOp(seq, fences, (), (), request_ids=rows, positions=(0,) * n, rows=rows, steps=(0,) * n)
+    return LoopOp(seq, fences, (), (), rids=rows, positions=(0,) * n, rows=rows, steps=(0,) * n)
 
 
 def head_op(seq: int, rows: tuple[int, ...], fences: tuple[Fence, ...] = ()) -> HeadOp:
     n = len(rows)
-    return HeadOp(seq, fences, (), (), request_ids=rows, positions=(0,) * n, rows=rows, sample=(True,) * n,
-                  sampling=(SamplingParams(),) * n, token_index=(0,) * n)  # fmt: skip
+    return HeadOp(
+        seq,
+        fences,
+        (),
+        (),
+        rids=rows,
+        positions=(0,) * n,
+        rows=rows,
+        sample=(True,) * n,
+        sampling=(SamplingParams(),) * n,
+        token_index=(0,) * n,
+    )
 
 
 def poll_all(ex: GrpcExecutor, n: int, timeout: float = 10.0) -> list[StageResult]:
@@ -66,7 +76,7 @@ def test_fences_order_stages_and_results_arrive_in_order(fake_stages: tuple[dict
     ex.submit(loop_op(0, (1, 2)))
     ex.submit(loop_op(1, (1, 2)))
     ex.submit(head_op(0, (1, 2), fences=(Fence(Stage.LOOP, 1),)))  # must wait for the gated loop op
-    ex.submit(PreludeOp(0, (), (), (), request_ids=(3,), token_ids=(5,), positions=(0,), rows=(3,), init_seeds=(-1,)))
+    ex.submit(PreludeOp(0, (), (), (), rids=(3,), token_ids=(5,), positions=(0,), rows=(3,), init_seeds=(-1,)))
     first = poll_all(ex, 2)  # loop 0 and the prelude op; the head op waits on its fence
     assert {(r.stage, r.seq) for r in first} == {(Stage.LOOP, 0), (Stage.PRELUDE, 0)}
     gate.set()
@@ -115,8 +125,12 @@ def test_stage_death_fails_every_outstanding_op_promptly(fake_stages: tuple[dict
     running[Stage.LOOP].server.stop(0)  # the loop stage goes away
     results = poll_all(ex, 4, timeout=10)
     assert time.monotonic() - t0 < 5
-    assert sorted((r.stage, r.seq) for r in results) == [(Stage.LOOP, 0), (Stage.LOOP, 1), (Stage.LOOP, 2),
-                                                         (Stage.HEAD, 0)]  # fmt: skip
+    assert sorted((r.stage, r.seq) for r in results) == [
+        (Stage.LOOP, 0),
+        (Stage.LOOP, 1),
+        (Stage.LOOP, 2),
+        (Stage.HEAD, 0),
+    ]
     assert all(r.error and "loop stage failed" in r.error for r in results)
     assert ex.broken is not None and ex.fences.aborted
     ex.submit(head_op(1, (0,)))  # later ops fail at once
@@ -131,7 +145,7 @@ class Recorder:
         self.calls: list[tuple] = []
 
     def contexts_for_op(self, op: StageOp) -> dict[int, str]:
-        return {rid: f"00-{rid:032x}-{op.seq + 1:016x}-01" for rid in op.request_ids}
+        return {rid: f"00-{rid:032x}-{op.seq + 1:016x}-01" for rid in op.rids}
 
     def on_op_done(self, op: StageOp, result: StageResult, sent_ns: int, done_ns: int) -> None:
         self.calls.append(("done", op.stage, op.seq, result.error, sent_ns <= done_ns))
@@ -146,8 +160,12 @@ class Recorder:
 def test_trace_contexts_travel_with_batches_to_observers(tmp_path: Path) -> None:
     FakeWorker.reset()
     stage_side, engine_side = Recorder(), Recorder()
-    with stage_servers(tmp_path, lambda s: fake_model(), worker_factory=FakeWorker,
-                       observer_for=lambda s: stage_side if s is Stage.LOOP else None) as running:  # fmt: skip
+    with stage_servers(
+        tmp_path,
+        lambda s: fake_model(),
+        worker_factory=FakeWorker,
+        observer_for=lambda s: stage_side if s is Stage.LOOP else None,
+    ) as running:
         ex = GrpcExecutor(fake_setup(), {s: r.address for s, r in running.items()}, FAST, observer=engine_side)
         try:
             ex.submit(replace(loop_op(0, (3, 4)), released=(9,)))
@@ -181,9 +199,17 @@ def test_configure_is_checked_and_run_needs_it(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     "listen,ok",
-    [("127.0.0.1:0", True), ("[::1]:50061", True), ("localhost:5", True), ("unix:///tmp/x.sock", True),
-     ("0.0.0.0:50061", False), ("10.1.2.3:80", False), ("example.com:80", False), ("127.0.0.1", False)],
-)  # fmt: skip
+    [
+        ("127.0.0.1:0", True),
+        ("[::1]:50061", True),
+        ("localhost:5", True),
+        ("unix:///tmp/x.sock", True),
+        ("0.0.0.0:50061", False),
+        ("10.1.2.3:80", False),
+        ("example.com:80", False),
+        ("127.0.0.1", False),
+    ],
+)
 def test_stage_servers_listen_on_loopback_only(listen: str, ok: bool) -> None:
     if ok:
         assert require_loopback(listen) == listen

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import pytest
 
 from services import telemetry
-from tests.telemetry.otlp_receiver import OtlpReceiver, otel_env
+from services.telemetry.otlp_receiver import OtlpReceiver, otel_env
 
 
 @pytest.fixture

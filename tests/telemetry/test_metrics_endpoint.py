@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from services.metrics import CONTENT_TYPE, Metrics, MetricsServer, metrics_address_from_env, serve_metrics
+from services.telemetry.metrics import CONTENT_TYPE, Metrics, MetricsServer, metrics_address_from_env, serve_metrics
 
 SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(?:[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\]|\\.)*",?)*\})? (\S+)$')
 

@@ -8,21 +8,40 @@ from types import SimpleNamespace
 
 from cdb_scheduler.plan import HeadOp, LoopOp, SamplingParams, Stage, StageOp, StageResult
 from services import telemetry
-from services.metrics import Metrics
-from services.observability import EngineGauges, ObservedExecutor, OpRecorder
-from tests.telemetry.otlp_receiver import OtlpReceiver
+from services.telemetry.metrics import Metrics
+from services.telemetry.otlp_receiver import OtlpReceiver
+from services.telemetry.recorder import EngineGauges, ObservedExecutor, OpRecorder
 
 
 def loop_op(seq: int, n: int, prefill: bool = False) -> LoopOp:
-    return LoopOp(seq=seq, fences=(), kv_updates=(), released=(), request_ids=tuple(range(n)), positions=(0,) * n,
-                  rows=tuple(range(n)), steps=(0,) * n, prefill=prefill, num_steps=2 if prefill else 1)  # fmt: skip
+    return LoopOp(
+        seq=seq,
+        fences=(),
+        kv_updates=(),
+        released=(),
+        rids=tuple(range(n)),
+        positions=(0,) * n,
+        rows=tuple(range(n)),
+        steps=(0,) * n,
+        prefill=prefill,
+        num_steps=2 if prefill else 1,
+    )
 
 
 def head_op(seq: int, rids: tuple[int, ...]) -> HeadOp:
     n = len(rids)
-    return HeadOp(seq=seq, fences=(), kv_updates=(), released=(), request_ids=rids, positions=(0,) * n,
-                  rows=tuple(range(n)), sample=(True,) * n, sampling=(SamplingParams(),) * n,
-                  token_index=(0,) * n)  # fmt: skip
+    return HeadOp(
+        seq=seq,
+        fences=(),
+        kv_updates=(),
+        released=(),
+        rids=rids,
+        positions=(0,) * n,
+        rows=tuple(range(n)),
+        sample=(True,) * n,
+        sampling=(SamplingParams(),) * n,
+        token_index=(0,) * n,
+    )
 
 
 def test_op_observer_feeds_stage_and_loop_batch_metrics() -> None:
@@ -84,8 +103,9 @@ def test_op_observer_forwards_to_request_traces(tracing: OtlpReceiver) -> None:
 
 def test_engine_gauges_sample_at_scrape_time() -> None:
     stats = SimpleNamespace(waiting=2, running=3, used_kv_blocks=5, total_kv_blocks=64, held_rows=3)
-    engine = SimpleNamespace(stats=lambda: stats, setup=SimpleNamespace(bank_rows=40),
-                             sched_stats=SimpleNamespace(refill_events=7))  # fmt: skip
+    engine = SimpleNamespace(
+        stats=lambda: stats, setup=SimpleNamespace(bank_rows=40), sched_stats=SimpleNamespace(refill_events=7)
+    )
     m = Metrics()
     m.add_collector(EngineGauges(engine))  # type: ignore[arg-type]
     text = m.render()

@@ -18,7 +18,7 @@ from opentelemetry.trace import SpanContext, SpanKind, TraceFlags
 from cdb_scheduler.plan import LoopOp, StageResult
 from services import telemetry
 from services.telemetry.lean import link_field, span_bytes
-from tests.telemetry.otlp_receiver import OtlpReceiver
+from services.telemetry.otlp_receiver import OtlpReceiver
 
 
 def test_hand_encoding_matches_protobuf() -> None:
@@ -78,7 +78,7 @@ OP = LoopOp(
     fences=(),
     kv_updates=(),
     released=(),
-    request_ids=tuple(range(B)),
+    rids=tuple(range(B)),
     positions=(0,) * B,
     rows=tuple(range(B)),
     steps=(0,) * B,

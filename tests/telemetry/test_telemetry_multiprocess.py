@@ -14,7 +14,7 @@ import pytest
 from opentelemetry import trace
 
 from services import telemetry
-from tests.telemetry.otlp_receiver import (
+from services.telemetry.otlp_receiver import (
     OtlpReceiver,
     check_request_trace,
     format_trace,
@@ -60,7 +60,7 @@ def test_request_trace_across_processes(tracing: OtlpReceiver) -> None:
                 "contexts": traces.contexts_for(stage, rids),
                 "released": [],
                 "seq": seq[stage],
-                "request_ids": rids,
+                "rids": rids,
                 "start_ns": start,
                 "end_ns": start + 1000,
                 "compute_s": 1e-6,

@@ -11,7 +11,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanContext, TraceFlags
 
 from services import telemetry
-from tests.telemetry.otlp_receiver import KIND_SERVER, OtlpReceiver, one
+from services.telemetry.otlp_receiver import KIND_SERVER, OtlpReceiver, one
 
 
 def test_traceparent_round_trip() -> None:

@@ -8,7 +8,7 @@ from opentelemetry.trace import SpanContext, TraceFlags
 
 from cdb_scheduler.plan import HeadOp, LoopOp, PreludeOp, SamplingParams, StageResult
 from services import telemetry
-from tests.telemetry.otlp_receiver import (
+from services.telemetry.otlp_receiver import (
     KIND_CONSUMER,
     KIND_SERVER,
     STATUS_ERROR,
@@ -111,7 +111,7 @@ def test_batch_spans_are_linked_roots(tracing: OtlpReceiver) -> None:
         fences=(),
         kv_updates=(),
         released=(),
-        request_ids=(1, 2, 2),
+        rids=(1, 2, 2),
         positions=(3, 4, 5),
         rows=(0, 1, 1),
         steps=(0, 0, 0),
@@ -155,7 +155,7 @@ def test_plan_op_helpers(tracing: OtlpReceiver) -> None:
             fences=(),
             kv_updates=(),
             released=(),
-            request_ids=(9,),
+            rids=(9,),
             token_ids=(1,),
             positions=(0,),
             rows=(0,),
@@ -166,7 +166,7 @@ def test_plan_op_helpers(tracing: OtlpReceiver) -> None:
             fences=(),
             kv_updates=(),
             released=(),
-            request_ids=(9,),
+            rids=(9,),
             positions=(0,),
             rows=(0,),
             steps=(0,),
@@ -178,7 +178,7 @@ def test_plan_op_helpers(tracing: OtlpReceiver) -> None:
             fences=(),
             kv_updates=(),
             released=(),
-            request_ids=(9,),
+            rids=(9,),
             positions=(0,),
             rows=(0,),
             sample=(True,),

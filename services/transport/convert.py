@@ -23,7 +23,7 @@ from cdb_scheduler.plan import (
     StageResult,
     TokenLogprobs,
 )
-from services.bank import BankSpec, CudaIpcHandle
+from services.transport.bank import BankSpec, CudaIpcHandle
 
 _MASK64 = (1 << 64) - 1
 
@@ -50,27 +50,25 @@ def op_to_pb(op: StageOp, traceparent: str = "", trace_contexts: Mapping[int, st
     if trace_contexts:
         msg.trace_contexts.update(trace_contexts)
     msg.fences.extend(pb.Fence(stage=_ROLE_TO_PB[f.stage], seq=f.seq) for f in op.fences)
-    msg.kv_updates.extend(pb.KVUpdate(request_id=u.request_id, append=u.append, reset=u.reset) for u in op.kv_updates)
+    msg.kv_updates.extend(pb.KVUpdate(rid=u.rid, append=u.append, reset=u.reset) for u in op.kv_updates)
     if isinstance(op, PreludeOp):
-        msg.prelude.request_ids.extend(op.request_ids)
+        msg.prelude.rids.extend(op.rids)
         msg.prelude.token_ids.extend(op.token_ids)
         msg.prelude.positions.extend(op.positions)
         msg.prelude.rows.extend(op.rows)
         msg.prelude.init_seeds.extend(op.init_seeds)
     elif isinstance(op, LoopOp):
         loop = msg.loop
-        loop.request_ids.extend(op.request_ids)
+        loop.rids.extend(op.rids)
         loop.positions.extend(op.positions)
         loop.rows.extend(op.rows)
         loop.steps.extend(op.steps)
         loop.prefill = op.prefill
         loop.num_steps = op.num_steps
-        loop.kv_copies.extend(
-            pb.KVCopy(request_id=c.request_id, position=c.position, from_slot=c.from_slot) for c in op.kv_copies
-        )
+        loop.kv_copies.extend(pb.KVCopy(rid=c.rid, position=c.position, from_slot=c.from_slot) for c in op.kv_copies)
     else:
         head = msg.head
-        head.request_ids.extend(op.request_ids)
+        head.rids.extend(op.rids)
         head.positions.extend(op.positions)
         head.rows.extend(op.rows)
         head.sample.extend(op.sample)
@@ -87,7 +85,7 @@ def op_to_pb(op: StageOp, traceparent: str = "", trace_contexts: Mapping[int, st
 def op_from_pb(msg: pb.StageBatch) -> StageOp:
     """The stage op of a batch message. Raises ValueError for a ping or an empty batch."""
     fences = tuple(Fence(_PB_TO_ROLE[f.stage], f.seq) for f in msg.fences)
-    kv_updates = tuple(KVUpdate(u.request_id, tuple(u.append), u.reset) for u in msg.kv_updates)
+    kv_updates = tuple(KVUpdate(u.rid, tuple(u.append), u.reset) for u in msg.kv_updates)
     released = tuple(msg.released)
     which = msg.WhichOneof("work")
     if which == "prelude":
@@ -97,7 +95,7 @@ def op_from_pb(msg: pb.StageBatch) -> StageOp:
             fences,
             kv_updates,
             released,
-            request_ids=tuple(p.request_ids),
+            rids=tuple(p.rids),
             token_ids=tuple(p.token_ids),
             positions=tuple(p.positions),
             rows=tuple(p.rows),
@@ -110,13 +108,13 @@ def op_from_pb(msg: pb.StageBatch) -> StageOp:
             fences,
             kv_updates,
             released,
-            request_ids=tuple(lp.request_ids),
+            rids=tuple(lp.rids),
             positions=tuple(lp.positions),
             rows=tuple(lp.rows),
             steps=tuple(lp.steps),
             prefill=lp.prefill,
             num_steps=lp.num_steps,
-            kv_copies=tuple(KVCopy(c.request_id, c.position, c.from_slot) for c in lp.kv_copies),
+            kv_copies=tuple(KVCopy(c.rid, c.position, c.from_slot) for c in lp.kv_copies),
         )
     if which == "head":
         h = msg.head
@@ -129,7 +127,7 @@ def op_from_pb(msg: pb.StageBatch) -> StageOp:
             fences,
             kv_updates,
             released,
-            request_ids=tuple(h.request_ids),
+            rids=tuple(h.rids),
             positions=tuple(h.positions),
             rows=tuple(h.rows),
             sample=tuple(h.sample),

@@ -10,60 +10,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
-from cdb_engine.config import EngineConfig, RequestParams
+from cdb_bench.workload import Workload, make_workload
+from cdb_engine.config import EngineConfig
 from cdb_engine.engine import Completion, Engine
+from cdb_engine.inprocess import shared_model_factory
 from cdb_engine.setup import StageSetup, torch_dtype
-from cdb_model.base import LoopedLM
 from cdb_model.loader import load_model
-from cdb_scheduler.plan import Executor, SamplingParams
-
-
-@dataclass(frozen=True, slots=True)
-class Workload:
-    """A seeded offline workload: prompts (random token ids), output lengths, replayed depths."""
-
-    prompts: list[list[int]]
-    params: list[RequestParams]
-
-    @property
-    def output_tokens(self) -> int:
-        return sum(p.max_tokens for p in self.params)
-
-
-def depth_sampler(rng: random.Random, mean: float, lo: int, hi: int) -> Callable[[], int]:
-    """Depths in [lo, hi] with the given mean: lo + Binomial(hi - lo, p)."""
-    if not lo <= mean <= hi:
-        raise ValueError(f"mean depth {mean} outside [{lo}, {hi}]")
-    n = hi - lo
-    p = (mean - lo) / n if n else 0.0
-    return lambda: lo + sum(rng.random() < p for _ in range(n))
-
-
-def make_workload(
-    *,
-    vocab: int,
-    num_requests: int,
-    prompt_len: tuple[int, int],
-    output_len: tuple[int, int],
-    depth: tuple[float, int, int] | None,
-    seed: int = 0,
-) -> Workload:
-    """``depth = (mean, min, max)`` replays per-token depths; None lets the live exit rule decide."""
-    rng = random.Random(seed)
-    draw = depth_sampler(rng, *depth) if depth else None
-    prompts, params = [], []
-    for _ in range(num_requests):
-        prompts.append([rng.randrange(3, vocab) for _ in range(rng.randint(*prompt_len))])
-        n = rng.randint(*output_len)
-        replay = tuple(draw() for _ in range(n - 1)) if draw else None
-        params.append(RequestParams(max_tokens=n, sampling=SamplingParams(), ignore_eos=True, replay_depths=replay))
-    return Workload(prompts, params)
+from cdb_scheduler.config import Mode
+from cdb_scheduler.exit_policy import ExitRule
+from cdb_scheduler.plan import Executor
 
 
 def run_mode(
@@ -105,12 +65,6 @@ def steady_throughput(outs: Sequence[Completion], width: int) -> float | None:
     return n / (end - start) if end > start and n else None
 
 
-def shared_model_factory(model: LoopedLM) -> Callable[[StageSetup], Executor]:
-    from cdb_engine.inprocess import InProcessExecutor
-
-    return lambda setup: InProcessExecutor(setup, model=model)
-
-
 def bench_offline(
     base: EngineConfig,
     work: Workload,
@@ -128,14 +82,14 @@ def bench_offline(
         model = load_model(base.model, dtype=torch_dtype(base.dtype), device=base.device)
         executor_factory = shared_model_factory(model)
     warm = Workload(work.prompts[:4], [replace(p, max_tokens=min(p.max_tokens, 4)) for p in work.params[:4]])
-    run_mode(replace(base, mode="cdb"), warm, executor_factory)  # first calls allocate and warm caches
+    run_mode(replace(base, mode=Mode.CDB), warm, executor_factory)  # first calls allocate and warm caches
     runs: dict[str, list[dict[str, float]]] = {mode: [] for mode in modes}
     total = repeats * len(modes)
     for rep in range(repeats):
         for i, mode in enumerate(modes):
             if progress:
                 print(f"[{rep * len(modes) + i + 1}/{total}] {mode} ...", file=sys.stderr, flush=True)
-            runs[mode].append(run_mode(replace(base, mode=mode), work, executor_factory))
+            runs[mode].append(run_mode(replace(base, mode=Mode(mode)), work, executor_factory))
     results: dict[str, dict[str, float]] = {}
     paired: dict[str, list[float]] = {}
     for mode, rs in runs.items():
@@ -158,7 +112,7 @@ def bench_offline(
         "max_depth": r,
         "mean_depth": d,
         "flop_bound_S": bound,
-        "width": base.max_num_seqs,
+        "max_num_seqs": base.max_num_seqs,
         "requests": len(work.prompts),
         "output_tokens": work.output_tokens,
         "modes": results,
@@ -178,7 +132,8 @@ def bench_offline(
 def _table(summary: dict[str, object]) -> str:
     lines = [
         f"model {summary['model']}  F0/Fr {summary['F0_over_Fr']:.3f}  r_max {summary['max_depth']}  "
-        f"mean depth {summary['mean_depth']:.2f}  FLOP bound S {summary['flop_bound_S']:.3f}  width {summary['width']}",
+        f"mean depth {summary['mean_depth']:.2f}  FLOP bound S {summary['flop_bound_S']:.3f}",
+        f"max_num_seqs {summary['max_num_seqs']}",
         f"{'mode':<11} {'tok/s':>9} {'ratio':>7} {'of S':>6} {'steady':>7} {'of S':>6} {'occup.':>7} {'refills':>8} "
         f"{'sched/step':>10}",
     ]
@@ -197,7 +152,7 @@ def _table(summary: dict[str, object]) -> str:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="ouro-bench", help="preset name or checkpoint folder")
     p.add_argument("--requests", type=int, default=128)
-    p.add_argument("--width", type=int, default=32, help="max resident requests (loop batch width)")
+    p.add_argument("--max-num-seqs", type=int, default=32, help="resident requests: the width of the loop batch")
     p.add_argument("--prompt-len", type=int, nargs=2, default=(16, 64), metavar=("MIN", "MAX"))
     p.add_argument("--output-len", type=int, nargs=2, default=(32, 96), metavar=("MIN", "MAX"))
     p.add_argument("--depth-mean", type=float, default=None, help="replay depths with this mean (default: live)")
@@ -208,21 +163,38 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--min-coda", type=int, default=None, help="min_coda_batch_size (default: 1 Ouro, width/4 Huginn)")
+    p.add_argument(
+        "--min-head", type=int, default=None, help="min_head_batch_size (default: 1 Ouro, max_num_seqs/4 Huginn)"
+    )
     p.add_argument("--repeats", type=int, default=1, help="interleaved repeats; figures are medians")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
 
 
-def main(args: argparse.Namespace) -> int:
-    exit_rule = "replay" if args.depth_mean is not None else "auto"
-    base = EngineConfig(model=args.model, dtype=args.dtype, max_num_seqs=args.width, kv_policy=args.kv_policy,
-                        exit_rule=exit_rule, num_threads=args.threads, min_coda_batch_size=args.min_coda)  # fmt: skip
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="cdb bench offline", description=__doc__)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    exit_rule = ExitRule.REPLAY if args.depth_mean is not None else ExitRule.AUTO
+    base = EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        max_num_seqs=args.max_num_seqs,
+        kv_policy=args.kv_policy,
+        exit_rule=exit_rule,
+        num_threads=args.threads,
+        min_head_batch_size=args.min_head,
+    )
     probe = Engine(base)
     r = args.depth_max or probe.limits.max_depth
     depth = (args.depth_mean, args.depth_min, r) if args.depth_mean is not None else None
-    work = make_workload(vocab=probe.model_config.vocab_size, num_requests=args.requests,
-                         prompt_len=tuple(args.prompt_len), output_len=tuple(args.output_len), depth=depth,
-                         seed=args.seed)  # fmt: skip
+    work = make_workload(
+        vocab=probe.model_config.vocab_size,
+        num_requests=args.requests,
+        prompt_len=tuple(args.prompt_len),
+        output_len=tuple(args.output_len),
+        depth=depth,
+        seed=args.seed,
+    )
     summary = bench_offline(base, work, args.modes.split(","), progress=not args.json, repeats=args.repeats)
     print(json.dumps(summary, indent=2) if args.json else _table(summary))
     return 0

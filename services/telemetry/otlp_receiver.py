@@ -1,4 +1,4 @@
-"""A real OTLP/gRPC trace receiver for tests, and helpers to read what it collected.
+"""A real OTLP/gRPC trace receiver (tests, the tracing-cost benchmark), and helpers to read what it collected.
 
 ``OtlpReceiver`` implements ``opentelemetry.proto.collector.trace.v1.TraceService`` on a loopback port; point a
 process at it with ``otel_env(receiver.endpoint, service_name)``. Spans arrive as ``CollectedSpan`` (ids in hex,
@@ -6,7 +6,7 @@ attributes as plain Python values). ``check_request_trace`` asserts the layout o
 of phases and stage hops, batch spans linked from the stage processes); ``format_trace`` prints a trace as an
 indented tree with durations, for notes and failure messages.
 
-``python -m tests.telemetry.otlp_receiver [--port 4317]`` runs a sink that only counts spans (no decoding), as
+``python -m services.telemetry.otlp_receiver [--port 4317]`` runs a sink that only counts spans (no decoding), as
 the endpoint of the tracing-on throughput benchmark; with ``--dump N`` it keeps the spans and, when stopped
 (Ctrl-C / SIGTERM), prints the last N request traces to start (``format_request``: the tree with durations, and
 the stage batch spans linked to the request).
@@ -281,8 +281,9 @@ def check_request_trace(
 def main() -> None:
     parser = argparse.ArgumentParser(description="OTLP/gRPC trace sink on loopback that counts spans.")
     parser.add_argument("--port", type=int, default=4317, help="0: any free port (printed)")
-    parser.add_argument("--dump", type=int, default=0, metavar="N",
-                        help="keep the spans; on exit print the last N request traces")  # fmt: skip
+    parser.add_argument(
+        "--dump", type=int, default=0, metavar="N", help="keep the spans; on exit print the last N request traces"
+    )
     args = parser.parse_args()
     receiver = OtlpReceiver(args.port, count_only=args.dump <= 0).start()
     print(f"OTLP sink on {receiver.endpoint}; Ctrl-C to stop", flush=True)

@@ -1,55 +1,26 @@
-"""The public API edge: ``cdb.v1.Generation`` messages <-> engine calls, and the ONE exception -> status map.
+"""``cdb.v1.Generation`` messages <-> engine calls: protobuf types stop here.
 
-Protobuf types stop here; the engine sees ``RequestParams`` and emits ``TokenEvent`` / ``FinishEvent``.
+The engine sees ``RequestParams`` and emits ``TokenEvent`` / ``FinishEvent``; the handlers convert with these.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import grpc
-
 from cdb_api.v1 import generation_pb2 as pb
 from cdb_engine.config import RequestParams
 from cdb_engine.engine import Engine, FinishEvent, TokenEvent
-from cdb_engine.errors import EngineStopped, InvalidRequest, Overloaded
 from cdb_scheduler.plan import SamplingParams, TokenLogprobs
+from cdb_scheduler.request import FinishReason
 
 _DEFAULT_MAX_TOKENS = RequestParams().max_tokens
 
-# engine field names -> request field paths of GenerateRequest, so that errors name what the caller sent
-_FIELD_PATHS = {
-    "temperature": "sampling.temperature",
-    "top_p": "sampling.top_p",
-    "top_k": "sampling.top_k",
-    "logprobs": "sampling.top_logprobs",
-}
-
 _FINISH = {
-    "stop": pb.FINISH_REASON_STOP,
-    "length": pb.FINISH_REASON_LENGTH,
-    "cancelled": pb.FINISH_REASON_CANCELLED,
-    "error": pb.FINISH_REASON_ERROR,
+    FinishReason.STOP: pb.FINISH_REASON_STOP,
+    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+    FinishReason.CANCELLED: pb.FINISH_REASON_CANCELLED,
+    FinishReason.ERROR: pb.FINISH_REASON_ERROR,
 }
-
-
-class StageFailed(Exception):
-    """The engine failed a request because a stage (process) failed."""
-
-
-class ServerDraining(Exception):
-    """The server is shutting down: no new work, in-flight work cut at the drain deadline."""
-
-
-def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
-    """The gRPC status of an exception raised while serving a request: the only such mapping."""
-    if isinstance(exc, InvalidRequest):
-        return grpc.StatusCode.INVALID_ARGUMENT, f"{_FIELD_PATHS.get(exc.field, exc.field)}: {exc.message}"
-    if isinstance(exc, Overloaded):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED, f"server overloaded: {exc}"
-    if isinstance(exc, StageFailed | EngineStopped | ServerDraining):
-        return grpc.StatusCode.UNAVAILABLE, str(exc) or type(exc).__name__
-    return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
 
 
 def requested_max_tokens(req: pb.GenerateRequest) -> int:

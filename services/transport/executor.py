@@ -30,10 +30,10 @@ from cdb_api.v1 import stage_pb2 as pb
 from cdb_api.v1 import stage_pb2_grpc
 from cdb_engine.setup import StageSetup
 from cdb_scheduler.plan import Fence, Stage, StageOp, StageResult
-from services.bank import SharedBank
-from services.convert import bank_spec_to_pb, op_to_pb, result_from_pb, role_to_pb
-from services.fences import FenceBoard
 from services.settings import Settings, load_settings
+from services.transport.bank import SharedBank
+from services.transport.convert import bank_spec_to_pb, op_to_pb, result_from_pb, role_to_pb
+from services.transport.fences import FenceBoard
 
 log = logging.getLogger("cdb.executor")
 
@@ -88,7 +88,7 @@ class _Link:
         stub = stage_pb2_grpc.StageStub(channel)
         self.call = stub.Run(iter(self._outbox.get, _END))  # gRPC drains the iterator on its own thread
         self._owner = owner
-        self._thread = threading.Thread(target=self._read, name=f"cdb-link-{stage.name.lower()}", daemon=True)
+        self._thread = threading.Thread(target=self._read, name=f"cdb-link-{stage.role}", daemon=True)
         self._thread.start()
 
     def send(self, msg: pb.StageBatch) -> None:
@@ -102,7 +102,7 @@ class _Link:
             why = "stream ended"
         except grpc.RpcError as exc:
             why = f"{exc.code().name}: {exc.details()}"
-        self._owner._on_broken(f"{self.stage.name.lower()} stage failed ({why})")
+        self._owner._on_broken(f"{self.stage.role} stage failed ({why})")
 
     def send_end(self) -> None:
         """Half-close: the stage finishes what it has, then ends the stream."""
@@ -160,7 +160,7 @@ class GrpcExecutor:
             grpc.channel_ready_future(channel).result(timeout=self.settings.stage_connect_timeout_s)
         except grpc.FutureTimeoutError:
             channel.close()
-            raise ConnectionError(f"{stage.name.lower()} stage at {address} not reachable") from None
+            raise ConnectionError(f"{stage.role} stage at {address} not reachable") from None
         return channel
 
     def _configure(self, stage: Stage) -> None:
@@ -239,7 +239,7 @@ class GrpcExecutor:
         start = time.perf_counter()
         self._links[stage].send(pb.StageBatch(seq=token, ping=pb.Ping()))
         if not done.wait(timeout):
-            raise TimeoutError(f"{stage.name.lower()} stage did not answer a ping in {timeout}s")
+            raise TimeoutError(f"{stage.role} stage did not answer a ping in {timeout}s")
         rtt = time.perf_counter() - start
         self.counters[stage].ping_rtts.append(rtt)
         return rtt
@@ -313,7 +313,7 @@ class GrpcExecutorFactory:
         self.observer = observer
         missing = set(Stage) - set(stage_addrs)
         if missing:
-            raise ValueError(f"missing stage addresses: {sorted(s.name.lower() for s in missing)}")
+            raise ValueError(f"missing stage addresses: {sorted(s.role for s in missing)}")
         self.stage_addrs = dict(stage_addrs)
         self.settings = settings or load_settings()
         self.executor: GrpcExecutor | None = None

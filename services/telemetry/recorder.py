@@ -6,7 +6,7 @@
 - ``EngineGauges``: a ``Metrics`` collector sampled at scrape time (queue sizes, KV blocks, bank rows, refill
   events), so that the engine's hot path pays nothing for them.
 
-The per-request part (request span, TTFT, ITL, ...) lives in ``services.scheduler_server``.
+The per-request part (request span, TTFT, ITL, ...) lives in ``services.telemetry.request_observer``.
 """
 
 from __future__ import annotations
@@ -17,10 +17,9 @@ from collections.abc import Mapping
 
 from cdb_engine.engine import Engine
 from cdb_scheduler.plan import Executor, LoopOp, Stage, StageOp, StageResult
-from services.metrics import Metrics
-from services.telemetry import RequestTraces
+from services.telemetry.metrics import Metrics
+from services.telemetry.traces import RequestTraces
 
-STAGE_NAMES = {Stage.PRELUDE: "prelude", Stage.LOOP: "loop", Stage.HEAD: "head"}
 _NO_CONTEXTS: Mapping[int, str] = {}
 
 
@@ -42,9 +41,9 @@ class OpRecorder:
 
     def on_op_done(self, op: StageOp, result: StageResult, sent_ns: int, done_ns: int) -> None:
         if not result.error:
-            self.metrics.observe_stage_compute(STAGE_NAMES[op.stage], result.compute_s)
+            self.metrics.observe_stage_compute(op.stage.role, result.compute_s)
             if isinstance(op, LoopOp) and not op.prefill:
-                self.metrics.observe_loop_batch(len(op.request_ids), self.capacity)
+                self.metrics.observe_loop_batch(len(op.rids), self.capacity)
         if self.traces is not None:
             self.traces.on_op_done(op, result, sent_ns, done_ns)
 

@@ -1,13 +1,8 @@
-"""One stage process (prelude | loop | head): loads only its stage's weights and serves ``cdb.v1.Stage``.
+"""The ``cdb.v1.Stage`` servicer of one stage role (prelude | loop | head) over an already loaded model.
 
-Run: ``python -m services.stage_server --role loop --listen 127.0.0.1:50062 --model ouro-tiny``.
-
-Tracing (``OTEL_*`` environment, service ``cdb-<role>``): a ``batch <role>`` span per executed batch, linked to
-the requests it served (``services.telemetry.StageTracer``); off by default, and then not a call per batch.
-
-Lifecycle: load weights -> listen (loopback or a Unix socket only) -> health SERVING. ``Configure`` attaches the
-bank and fence board the scheduler created and builds a ``StageWorker`` (fresh KV pools). ``Run`` is the
-persistent batch stream, served by three threads so that the stage never waits for the network:
+``Configure`` attaches the bank and fence board the scheduler created and builds a ``StageWorker`` (fresh KV
+pools). ``Run`` is the persistent batch stream, served by three threads so that the stage never waits for the
+network:
 
     gRPC recv --reader--> inbox --executor: fences, compute, complete(seq)--> outbox --writer--> gRPC send
 
@@ -19,72 +14,32 @@ only ever parsed as protobuf.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import ipaddress
 import logging
 import queue
-import signal
 import threading
 import time
 import traceback
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from concurrent import futures
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import grpc
 import torch
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from cdb_api.v1 import stage_pb2 as pb
 from cdb_api.v1 import stage_pb2_grpc
-from cdb_engine.setup import torch_dtype
 from cdb_engine.stage_worker import StageWorker
 from cdb_model.kv import KVLayout, KVPolicy
-from cdb_model.loader import load_model
 from cdb_scheduler.plan import Stage, StageOp, StageResult
-from services import telemetry
-from services.bank import SharedBank
-from services.convert import bank_spec_from_pb, op_from_pb, result_to_pb, role_from_pb, role_to_pb
-from services.fences import FenceAborted, FenceBoard, FenceTimeout
-from services.settings import Settings, load_settings
+from services.settings import Settings
+from services.transport.bank import SharedBank
+from services.transport.convert import bank_spec_from_pb, op_from_pb, result_to_pb, role_from_pb, role_to_pb
+from services.transport.fences import FenceAborted, FenceBoard, FenceTimeout
 
 log = logging.getLogger("cdb.stage")
 
-ROLES = {"prelude": Stage.PRELUDE, "loop": Stage.LOOP, "head": Stage.HEAD}
 _END = object()
-
-
-# The scheduler's channels send keepalive pings to detect a frozen stage, also while a stream carries no data;
-# by default a server answers such pings with GOAWAY "too many pings", which would break an idle Run stream.
-SERVER_OPTIONS = [
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.min_recv_ping_interval_without_data_ms", 500),
-    ("grpc.http2.max_ping_strikes", 0),
-    ("grpc.max_receive_message_length", 64 << 20),
-    ("grpc.max_send_message_length", 64 << 20),
-]
-
-
-def require_loopback(listen: str) -> str:
-    """Return ``listen`` if it is a Unix socket or a loopback host:port; raise ValueError otherwise."""
-    if listen.startswith("unix:"):
-        return listen
-    host, sep, port = listen.rpartition(":")
-    if not sep or not port.isdigit():
-        raise ValueError(f"listen address must be unix:PATH or HOST:PORT, got {listen!r}")
-    host = host.strip("[]")
-    if host == "localhost":
-        return listen
-    try:
-        loopback = ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        loopback = False
-    if not loopback:
-        raise ValueError(f"stage servers listen on loopback or unix sockets only, refusing {listen!r}")
-    return listen
 
 
 @dataclass(slots=True)
@@ -207,7 +162,7 @@ class StageService(stage_pb2_grpc.StageServicer):
             outbox.put(_END)
 
         for target, name in ((read, "reader"), (execute, "executor")):
-            threading.Thread(target=target, name=f"cdb-{self.stage.name.lower()}-{name}", daemon=True).start()
+            threading.Thread(target=target, name=f"cdb-{self.stage.role}-{name}", daemon=True).start()
         while (reply := outbox.get()) is not _END:
             if isinstance(reply, grpc.StatusCode):
                 context.abort(reply, "stage was reconfigured by another caller")
@@ -250,81 +205,3 @@ class StageService(stage_pb2_grpc.StageServicer):
             if self._session is not None:
                 self._session.close()
                 self._session = None
-
-
-def build_server(service: StageService, listen: str, max_workers: int = 8) -> tuple[grpc.Server, int]:
-    """A sync gRPC server with the stage, health and reflection services; returns (server, bound port)."""
-    pool = futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="cdb-stage-rpc")
-    server = grpc.server(pool, options=SERVER_OPTIONS)
-    stage_pb2_grpc.add_StageServicer_to_server(service, server)
-    health_servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    names = (pb.DESCRIPTOR.services_by_name["Stage"].full_name, health.SERVICE_NAME, reflection.SERVICE_NAME)
-    reflection.enable_server_reflection(names, server)
-    port = server.add_insecure_port(require_loopback(listen))
-    if port == 0:
-        raise OSError(f"cannot listen on {listen}")
-    server.start()
-    for name in ("", names[0]):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return server, port
-
-
-def bound_address(listen: str, port: int) -> str:
-    """The address clients use: ``listen`` with a port-0 request replaced by the bound port."""
-    if listen.startswith("unix:"):
-        return listen
-    host = listen.rpartition(":")[0]
-    return f"{host}:{port}"
-
-
-def run_stage(role: str, model: str, listen: str, *, dtype: str = "float32", device: str = "cpu",
-              ready_file: str | None = None, settings: Settings | None = None) -> None:  # fmt: skip
-    """Load ``role``'s weights of ``model``, serve until SIGTERM/SIGINT. Writes the bound address to
-    ``ready_file`` (atomically) once serving."""
-    from services.launcher import write_ready_file
-
-    settings = settings or load_settings()
-    stage = ROLES[role]
-    require_loopback(listen)
-    telemetry.init_tracing(f"cdb-{role}")
-    try:
-        torch.set_num_threads(settings.stage_threads)
-        lm = load_model(model, dtype=torch_dtype(dtype), device=device, stages={stage})
-        observer = telemetry.StageTracer(role) if telemetry.enabled() else None  # off: not even a call per batch
-        service = StageService(stage, model, dtype, lm, settings, observer=observer)
-        server, port = build_server(service, listen)
-        address = bound_address(listen, port)
-        log.info("%s stage of %s serving on %s", role, model, address)
-        done = threading.Event()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: done.set())
-        if ready_file:
-            write_ready_file(ready_file, address)
-        done.wait()
-        server.stop(grace=1.0).wait()
-        service.close()
-    finally:
-        telemetry.shutdown_tracing()
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Serve one stage of a looped LM (cdb.v1.Stage).")
-    parser.add_argument("--role", required=True, choices=sorted(ROLES))
-    parser.add_argument("--listen", required=True, help="unix:PATH or a loopback HOST:PORT (port 0: any)")
-    parser.add_argument("--model", default="ouro-tiny", help="preset name or checkpoint folder")
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--ready-file", help="write the bound address here once serving")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.role} %(levelname)s %(message)s")
-    try:
-        run_stage(args.role, args.model, args.listen, dtype=args.dtype, device=args.device,
-                  ready_file=args.ready_file)  # fmt: skip
-    except ValueError as exc:
-        parser.error(str(exc))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

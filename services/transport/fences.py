@@ -25,7 +25,7 @@ from collections.abc import Iterable
 from multiprocessing import shared_memory
 
 from cdb_scheduler.plan import Fence, Stage
-from services.bank import attach_segment, close_segment, new_segment_name
+from services.transport.bank import attach_segment, close_segment, new_segment_name
 
 _N = len(Stage)
 _ABORT = _N  # int64 index of the abort flag, after the counters

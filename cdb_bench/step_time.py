@@ -1,0 +1,50 @@
+"""``cdb bench step``: F0, Fr and the time of one decode loop step over 32 tokens, per preset."""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from cdb_model.attention import PagedKV
+from cdb_model.kv import BlockTables, PagedKVPool
+from cdb_model.presets import build_preset, preset_config, preset_names
+from cdb_scheduler.plan import KVUpdate, Stage
+
+
+def time_loop_step(name: str, tokens: int = 32, context: int = 64, repeats: int = 20) -> float:
+    """Milliseconds of one decode loop step over ``tokens`` requests with ``context`` positions each (float32)."""
+    c = preset_config(name)
+    model = build_preset(name, stages={Stage.LOOP})
+    block = 16
+    per_req = -(-context // block)
+    pool = PagedKVPool(
+        c.num_loop_layers, 1, tokens * per_req, block, c.num_kv_heads, c.head_dim, dtype=torch.float32, device="cpu"
+    )
+    tables = BlockTables()
+    tables.apply(KVUpdate(r, tuple(range(r * per_req, (r + 1) * per_req))) for r in range(tokens))
+    positions = torch.full((tokens,), context - 1)
+    rows = torch.randn(tokens, c.bank_width)
+    with torch.inference_mode():
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            kv = PagedKV(pool, tables, range(tokens), [context - 1] * tokens, [0] * tokens)
+            model.loop_step(rows, positions, torch.zeros(tokens, dtype=torch.long), kv)
+            best = min(best, time.perf_counter() - t0)
+    return best * 1e3
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="cdb bench step", description=__doc__)
+    ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(f"{'preset':14} {'F0':>10} {'Fr':>10} {'F0/Fr':>6} {'depth':>5}  ms/step(32 tok)")
+    for name in preset_names():
+        c = preset_config(name)
+        f0, fr = c.param_counts()
+        print(f"{name:14} {f0:>10,} {fr:>10,} {f0 / fr:>6.3f} {c.max_depth:>5}  {time_loop_step(name):.2f}")
+    return 0

@@ -1,0 +1,83 @@
+"""What the engine hands back: per-request events, offline completions, live counters, and the observer hook.
+
+Names: ``request_id`` (str) is the caller's id of a request, from the public API down to the engine's events;
+``rid`` (int) is the engine's own id of it, the one the scheduler core, the stage ops and the stages use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from cdb_scheduler.plan import TokenLogprobs
+from cdb_scheduler.request import FinishReason
+
+
+@dataclass(frozen=True, slots=True)
+class TokenEvent:
+    request_id: str
+    index: int
+    token_id: int
+    text: str
+    depth: int
+    logprobs: TokenLogprobs | None
+
+
+@dataclass(frozen=True, slots=True)
+class FinishEvent:
+    request_id: str
+    finish_reason: FinishReason
+    prompt_tokens: int
+    generated_tokens: int
+    total_loop_steps: int
+    text: str = ""  # held-back text released at the end
+    error: str | None = None
+    queue_s: float = 0.0  # submission to first admission (prefill start); 0 if never admitted
+
+
+Event = TokenEvent | FinishEvent
+
+
+@dataclass(slots=True)
+class Completion:
+    """Result of one offline request."""
+
+    request_id: str
+    prompt_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    depths: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: FinishReason | None = None
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    total_loop_steps: int = 0
+    token_times: list[float] = field(default_factory=list)  # time.perf_counter() when each token was reported
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    waiting: int
+    running: int
+    held_rows: int
+    used_kv_blocks: int
+    total_kv_blocks: int
+    loop_steps: int
+    tokens: int
+    last_progress_monotonic: float
+    healthy: bool
+    error: str | None
+
+
+class RequestObserver(Protocol):
+    """Hooks on one streamed request (``Engine.open_stream``); the services' metrics and spans implement it."""
+
+    def queued(self, rid: int) -> None:
+        """On the engine thread: the scheduler took the request; ``rid`` keys its stage ops."""
+        ...
+
+    def event(self, event: Event) -> None:
+        """On the consumer's event loop: ``event`` is about to be handed to the consumer."""
+        ...
+
+    def gone(self, exc: BaseException | None) -> None:
+        """The consumer left before the finish event (``exc``: why, when known); the request was aborted."""
+        ...

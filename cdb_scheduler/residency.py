@@ -1,0 +1,76 @@
+"""``Residency``: which requests wait, which hold resources, and the ends of a request's stay.
+
+It owns the waiting queue, the running table and both allocators (bank rows, KV blocks): a request holds a row
+and its blocks exactly while it is running; ``release`` frees both at once, whatever ends the stay (finish,
+abort, failure or preemption).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+
+from cdb_scheduler.allocators import BlockAllocator, RowAllocator
+from cdb_scheduler.config import SchedulerConfig
+from cdb_scheduler.ops import OpBuilder
+from cdb_scheduler.request import Event, Finished, FinishReason, Request, Status
+from cdb_scheduler.stats import SchedulerStats
+
+
+class Residency:
+    def __init__(self, config: SchedulerConfig, ops: OpBuilder, stats: SchedulerStats) -> None:
+        self.blocks = BlockAllocator(config.num_kv_blocks, config.kv_block_size)
+        self.rows = RowAllocator(config.max_num_seqs)
+        self.waiting: deque[Request] = deque()
+        self.running: dict[int, Request] = {}
+        self._ops = ops
+        self._stats = stats
+
+    def abort(self, rid: int, reason: FinishReason) -> list[Event]:
+        """End request ``rid`` (waiting or running) now; [] if it is not live."""
+        req = self.running.get(rid)
+        if req is None:
+            queued = next((r for r in self.waiting if r.id == rid), None)
+            if queued is None:
+                return []
+            self.waiting.remove(queued)
+            req = queued
+        return [self.finish(req, reason)]
+
+    def release(self, req: Request) -> None:
+        self.running.pop(req.id, None)
+        if req.row >= 0:
+            self.rows.free(req.id, [req.row])
+            req.row = -1
+        if req.blocks:
+            self.blocks.free(req.id, req.blocks)
+            req.blocks = []
+        self._ops.forget(req)
+
+    def finish(self, req: Request, reason: FinishReason, error: str | None = None) -> Finished:
+        self.release(req)
+        req.status = Status.FINISHED
+        req.finish_reason = reason
+        req.error = error
+        return Finished(req.id, reason, len(req.output), req.loop_steps, error)
+
+    def fail(self, reqs: Iterable[Request], error: str, events: list[Event]) -> None:
+        for req in list(reqs):
+            if req.alive:
+                events.append(self.finish(req, FinishReason.ERROR, error))
+
+    def preempt_one(self) -> bool:
+        """Nothing can run and a token waits for KV: recompute the request with the fewest computed tokens (it
+        goes back to the head of the waiting queue and replays its tokens at their recorded depths)."""
+        victims = [r for r in self.running.values() if r.alive]
+        if not victims:
+            return False
+        victim = min(victims, key=lambda r: (r.computed_tokens, -r.id))
+        self.release(victim)
+        victim.status = Status.WAITING
+        victim.prefilled = 0
+        victim.epoch += 1
+        victim.num_preemptions += 1
+        self._stats.preemptions += 1
+        self.waiting.appendleft(victim)
+        return True

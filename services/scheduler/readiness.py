@@ -1,0 +1,85 @@
+"""``Readiness``: the scheduler's periodic health verdict, fed into ``grpc.health.v1``.
+
+SERVING only while the engine is healthy and either idle or making progress, the executor is not broken and
+every stage answers its own health check.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Mapping
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from cdb_api.v1 import generation_pb2 as pb
+from cdb_scheduler.plan import Stage
+from services.scheduler.handlers import GenerationService
+from services.settings import Settings
+
+log = logging.getLogger("cdb.scheduler")
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
+_SERVING = health_pb2.HealthCheckResponse.SERVING
+_NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+class Readiness:
+    """Periodic readiness check feeding ``grpc.health.v1`` (overall "" and ``cdb.v1.Generation``)."""
+
+    def __init__(self, service: GenerationService, stage_addrs: Mapping[Stage, str] | None, settings: Settings):
+        self.service = service
+        self.settings = settings
+        self.health = health.aio.HealthServicer()
+        self.reason: str | None = "starting"
+        self._channels = {s: grpc.aio.insecure_channel(a) for s, a in (stage_addrs or {}).items()}
+        self._busy_since: float | None = None
+        self.first_ready = asyncio.Event()
+
+    async def check(self) -> str | None:
+        """Why the server is not ready, or None."""
+        st = self.service.engine.stats()
+        if not st.healthy:
+            return st.error or "engine stopped"
+        if self.service.broken:
+            return self.service.broken
+        now = time.monotonic()
+        if st.waiting + st.running == 0:
+            self._busy_since = None
+        else:
+            self._busy_since = self._busy_since or now
+            since = max(st.last_progress_monotonic, self._busy_since)
+            if now - since > self.settings.stall_timeout_s:
+                return f"no engine progress for {now - since:.1f}s with {st.waiting + st.running} requests"
+        probes = [self._probe(stage, ch) for stage, ch in self._channels.items()]
+        failures = [why for why in await asyncio.gather(*probes) if why]
+        return "; ".join(failures) or None
+
+    async def _probe(self, stage: Stage, channel: grpc.aio.Channel) -> str | None:
+        stub = health_pb2_grpc.HealthStub(channel)
+        try:
+            reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=self.settings.stage_probe_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            return f"{stage.role} stage does not answer ({exc.code().name})"
+        return None if reply.status == _SERVING else f"{stage.role} stage not serving"
+
+    async def run(self) -> None:
+        """Re-check every ``health_interval_s`` until cancelled; log transitions."""
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, _NOT_SERVING)
+        while True:
+            reason = await self.check()
+            if reason != self.reason:
+                log.info("readiness: %s", "SERVING" if reason is None else f"NOT_SERVING ({reason})")
+                for name in ("", SERVICE_NAME):
+                    await self.health.set(name, _SERVING if reason is None else _NOT_SERVING)
+                self.reason = self.service.not_ready = reason
+            if reason is None:
+                self.first_ready.set()
+            await asyncio.sleep(self.settings.health_interval_s)  # a period, not a synchronisation
+
+    async def close(self) -> None:
+        for channel in self._channels.values():
+            await channel.close()

@@ -1,0 +1,103 @@
+"""``ObservedRequest``: the metrics and the trace of one public request, fed by the handler and the engine.
+
+It implements ``cdb_engine.events.RequestObserver`` (``queued`` on the engine thread, ``event`` and ``gone`` on
+the server's event loop) and adds the handler-side moments: ``validated`` and ``rejected``. The handlers thus
+stay protobuf -> engine -> protobuf, and every metric and span of a request is recorded here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+from cdb_engine.events import Event, FinishEvent, TokenEvent
+from cdb_scheduler.request import FinishReason
+from services.telemetry.metrics import Metrics
+from services.telemetry.setup import now_ns
+from services.telemetry.spans import RequestSpan
+from services.telemetry.traces import RequestTraces
+
+
+class ObservedRequest:
+    """One request's observations. ``status_name(exc)`` gives the status code name an exception maps to."""
+
+    def __init__(
+        self,
+        metrics: Metrics,
+        traces: RequestTraces | None,
+        span: RequestSpan,
+        *,
+        status_name: Callable[[BaseException], str],
+        deadline_passed: Callable[[], bool],
+        cut: Callable[[], bool],
+    ) -> None:
+        self.metrics = metrics
+        self.traces = traces if span.recording else None
+        self.span = span
+        self.arrival = time.perf_counter()
+        self.start_ns = now_ns()
+        self.depths: list[int] = []
+        self._last_token = 0.0
+        self._status_name = status_name
+        self._deadline_passed = deadline_passed
+        self._cut = cut  # the drain deadline passed: a cancel is the server's doing
+
+    # --- handler side ----------------------------------------------------------------------------------------
+    def validated(self, input_tokens: int) -> None:
+        self.span.phase("validate", self.start_ns, now_ns())
+        self.span.set_attribute("gen_ai.usage.input_tokens", input_tokens)
+
+    def rejected(self, exc: BaseException) -> None:
+        code = self._status_name(exc)
+        self.metrics.observe_rejected(code)
+        self.span.failed(exc, code)
+        self.span.finish("error", 0)
+
+    def admitted(self, input_tokens: int) -> None:
+        self.metrics.observe_admitted(input_tokens)
+
+    def cancelled(self, reason: str) -> None:
+        """The request was cancelled by name (``Abort``)."""
+        self.span.cancelled(reason)
+
+    # --- RequestObserver -------------------------------------------------------------------------------------
+    def queued(self, rid: int) -> None:
+        if self.traces is not None:
+            self.traces.register(rid, self.span)
+            self.span.enqueued()
+
+    def event(self, event: Event) -> None:
+        if isinstance(event, TokenEvent):
+            now = time.perf_counter()
+            if self._last_token:
+                self.metrics.observe_itl(now - self._last_token)
+            else:
+                self.metrics.observe_ttft(now - self.arrival)
+            self._last_token = now
+            self.metrics.observe_token_depth(event.depth)
+            self.depths.append(event.depth)
+        else:
+            self._finished(event)
+
+    def gone(self, exc: BaseException | None) -> None:
+        if exc is None or isinstance(exc, asyncio.CancelledError | GeneratorExit):
+            reason = FinishReason.CANCELLED
+            self.span.cancelled("deadline exceeded" if self._deadline_passed() else "client cancelled")
+        else:
+            reason = FinishReason.ERROR
+            self.span.failed(exc, self._status_name(exc))
+        self.metrics.observe_request_end(time.perf_counter() - self.arrival, reason)
+        self.span.finish(reason, len(self.depths), self.depths)
+
+    def _finished(self, ev: FinishEvent) -> None:
+        reason = ev.finish_reason
+        if ev.queue_s > 0:
+            self.metrics.observe_queue_time(ev.queue_s)
+        self.metrics.observe_request_end(time.perf_counter() - self.arrival, reason)
+        if self.span.recording:
+            if reason is FinishReason.ERROR:
+                self.span.failed(ev.error or "the engine failed the request", "UNAVAILABLE")
+            elif reason is FinishReason.CANCELLED and self._cut():
+                self.span.cancelled("server shut down before the request finished")
+            self.span.finish(reason, ev.generated_tokens, self.depths, ev.total_loop_steps)
