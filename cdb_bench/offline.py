@@ -15,14 +15,13 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
-from cdb_bench.workload import Workload, make_workload
+from cdb_bench.workload import Workload, add_workload_args, config_and_workload, make_workload
 from cdb_engine.config import EngineConfig
 from cdb_engine.engine import Completion, Engine
 from cdb_engine.inprocess import shared_model_factory
 from cdb_engine.setup import StageSetup, torch_dtype
 from cdb_model.loader import load_model
 from cdb_scheduler.config import Mode
-from cdb_scheduler.exit_policy import ExitRule
 from cdb_scheduler.plan import Executor
 
 
@@ -118,15 +117,20 @@ def bench_offline(
         "modes": results,
     }
     if "full-depth" in results:
-        steady_ref = results["full-depth"]["steady_tokens_per_s"]
-        for mode, fig in results.items():
-            ratios = paired[mode]
-            fig["ratio_to_full_depth"] = ratios[len(ratios) // 2]  # median of the paired ratios
-            fig["repeats_ratio_to_full_depth"] = ratios  # type: ignore[assignment]
-            fig["realized_fraction_of_S"] = fig["ratio_to_full_depth"] / bound
-            fig["steady_ratio_to_full_depth"] = fig["steady_tokens_per_s"] / steady_ref
-            fig["steady_realized_fraction_of_S"] = fig["steady_ratio_to_full_depth"] / bound
+        _add_ratios(results, paired, bound)
     return summary
+
+
+def _add_ratios(results: dict[str, dict[str, float]], paired: dict[str, list[float]], bound: float) -> None:
+    """Each mode's ratios to full depth (the median of the paired per-repeat ratios) and to the FLOP bound."""
+    steady_ref = results["full-depth"]["steady_tokens_per_s"]
+    for mode, fig in results.items():
+        ratios = paired[mode]
+        fig["ratio_to_full_depth"] = ratios[len(ratios) // 2]
+        fig["repeats_ratio_to_full_depth"] = ratios  # type: ignore[assignment]
+        fig["realized_fraction_of_S"] = fig["ratio_to_full_depth"] / bound
+        fig["steady_ratio_to_full_depth"] = fig["steady_tokens_per_s"] / steady_ref
+        fig["steady_realized_fraction_of_S"] = fig["steady_ratio_to_full_depth"] / bound
 
 
 def _table(summary: dict[str, object]) -> str:
@@ -150,19 +154,8 @@ def _table(summary: dict[str, object]) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="ouro-bench", help="preset name or checkpoint folder")
-    p.add_argument("--requests", type=int, default=128)
-    p.add_argument("--max-num-seqs", type=int, default=32, help="resident requests: the width of the loop batch")
-    p.add_argument("--prompt-len", type=int, nargs=2, default=(16, 64), metavar=("MIN", "MAX"))
-    p.add_argument("--output-len", type=int, nargs=2, default=(32, 96), metavar=("MIN", "MAX"))
-    p.add_argument("--depth-mean", type=float, default=None, help="replay depths with this mean (default: live)")
-    p.add_argument("--depth-min", type=int, default=1)
-    p.add_argument("--depth-max", type=int, default=None, help="default: the model's max depth")
-    p.add_argument("--kv-policy", default="single")
+    add_workload_args(p)
     p.add_argument("--modes", default="full-depth,no-refill,cdb")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--threads", type=int, default=None)
     p.add_argument(
         "--min-head", type=int, default=None, help="min_head_batch_size (default: 1 Ouro, max_num_seqs/4 Huginn)"
     )
@@ -174,27 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="cdb bench offline", description=__doc__)
     add_arguments(parser)
     args = parser.parse_args(argv)
-    exit_rule = ExitRule.REPLAY if args.depth_mean is not None else ExitRule.AUTO
-    base = EngineConfig(
-        model=args.model,
-        dtype=args.dtype,
-        max_num_seqs=args.max_num_seqs,
-        kv_policy=args.kv_policy,
-        exit_rule=exit_rule,
-        num_threads=args.threads,
-        min_head_batch_size=args.min_head,
-    )
-    probe = Engine(base)
-    r = args.depth_max or probe.limits.max_depth
-    depth = (args.depth_mean, args.depth_min, r) if args.depth_mean is not None else None
-    work = make_workload(
-        vocab=probe.model_config.vocab_size,
-        num_requests=args.requests,
-        prompt_len=tuple(args.prompt_len),
-        output_len=tuple(args.output_len),
-        depth=depth,
-        seed=args.seed,
-    )
+    base, work = config_and_workload(args, min_head_batch_size=args.min_head)
     summary = bench_offline(base, work, args.modes.split(","), progress=not args.json, repeats=args.repeats)
     print(json.dumps(summary, indent=2) if args.json else _table(summary))
     return 0

@@ -23,6 +23,8 @@ def options_of(p: RequestParams) -> GenerateOptions:
     )
     if p.exit_threshold is not None:
         opts["exit_threshold"] = p.exit_threshold
+    if p.replay_depths is not None:
+        opts["replay_depths"] = p.replay_depths
     return opts
 
 

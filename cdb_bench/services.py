@@ -7,7 +7,7 @@ Runs the same workload (``cdb_bench.workload.make_workload``: the workload of ``
 1. ``in_process``: the engine with its in-process executor (one worker thread);
 2. ``stages``: the same engine driving the three stage server PROCESSES over gRPC (shared-memory bank, fences);
 3. ``public_api`` (``--public-api``): the whole deployment, scheduler process included, with every request sent
-   at once through the asyncio client (live exit decisions only: replayed depths are not part of the API).
+   at once through the asyncio client (replayed depths travel in the request: the tree runs with that exit rule).
 
 ``--tracing`` measures something else, the cost of tracing (``cdb_bench.tracing_cost``).
 
@@ -30,10 +30,9 @@ from typing import Any
 from cdb_bench.offline import run_mode
 from cdb_bench.public_api import send_all
 from cdb_bench.tracing_cost import bench_tracing, tracing_table
-from cdb_bench.workload import Workload, make_workload
+from cdb_bench.workload import Workload, add_workload_args, config_and_workload
 from cdb_engine.config import EngineConfig, RequestParams
 from cdb_engine.engine import Engine
-from cdb_scheduler.exit_policy import ExitRule
 from cdb_scheduler.plan import Stage
 from services.launcher import ServeHandle, serve_all, start_stages
 from services.settings import load_settings
@@ -122,13 +121,10 @@ def bench_services(
         "rtt_p50_over_loop_op_compute": rtt["p50_ms"] / stages["mean_loop_op_compute_ms"],
     }
     if public_api:
-        if any(p.replay_depths is not None for p in work.params):
-            out["public_api"] = "skipped: replayed depths are not part of the public API"
-        else:
-            say("full deployment through the public API ...")
-            pub = run_public(cfg, work, warm)
-            out["public_api"] = pub
-            out["throughput_ratio_public_api_over_in_process"] = pub["tokens_per_s"] / inproc["tokens_per_s"]
+        say("full deployment through the public API ...")
+        pub = run_public(cfg, work, warm)
+        out["public_api"] = pub
+        out["throughput_ratio_public_api_over_in_process"] = pub["tokens_per_s"] / inproc["tokens_per_s"]
     return out
 
 
@@ -156,69 +152,26 @@ def _table(s: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="cdb bench services", description=__doc__.splitlines()[0] if __doc__ else "")
-    p.add_argument("--model", default="ouro-bench")
-    p.add_argument("--requests", type=int, default=128)
-    p.add_argument("--max-num-seqs", type=int, default=32, help="resident requests: the width of the loop batch")
-    p.add_argument("--prompt-len", type=int, nargs=2, default=(16, 64), metavar=("MIN", "MAX"))
-    p.add_argument("--output-len", type=int, nargs=2, default=(32, 96), metavar=("MIN", "MAX"))
-    p.add_argument("--depth-mean", type=float, help="replay depths with this mean (default: live exit decisions)")
-    p.add_argument("--kv-policy", default="single")
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--threads", type=int, help="torch threads of the in-process executor")
-    p.add_argument("--seed", type=int, default=0)
+    add_workload_args(p)
     p.add_argument("--pings", type=int, default=200)
     p.add_argument("--repeats", type=int, default=3, help="alternating runs of each; the median ratio is reported")
     p.add_argument("--public-api", action="store_true", help="also run the full deployment via the public API")
-    p.add_argument(
-        "--tracing",
-        action="store_true",
-        help="instead: tracing on vs off, two whole deployments through the public API",
-    )
+    p.add_argument("--tracing", action="store_true", help="instead: tracing on vs off (cdb_bench.tracing_cost)")
     p.add_argument("--otlp-endpoint", help="with --tracing: export here (default: a counting sink started here)")
-    p.add_argument(
-        "--sessions",
-        type=int,
-        default=1,
-        help="with --tracing: fresh pairs of deployments, --repeats pairs of runs each",
-    )
+    p.add_argument("--sessions", type=int, default=1, help="with --tracing: fresh pairs of deployments")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
-    exit_rule = ExitRule.REPLAY if args.depth_mean is not None else ExitRule.AUTO
-    cfg = EngineConfig(
-        model=args.model,
-        dtype=args.dtype,
-        max_num_seqs=args.max_num_seqs,
-        kv_policy=args.kv_policy,
-        exit_rule=exit_rule,
-        num_threads=args.threads,
-    )
-    probe = Engine(cfg)
-    depth = (args.depth_mean, 1, probe.limits.max_depth) if args.depth_mean is not None else None
-    work = make_workload(
-        vocab=probe.model_config.vocab_size,
-        num_requests=args.requests,
-        prompt_len=tuple(args.prompt_len),
-        output_len=tuple(args.output_len),
-        depth=depth,
-        seed=args.seed,
-    )
+    cfg, work = config_and_workload(args)
     requests = list(zip(work.prompts, work.params))
     if args.tracing:
         if args.depth_mean is not None:
             p.error("--tracing runs through the public API: live exit decisions only (no --depth-mean)")
-        out = bench_tracing(
-            cfg,
-            requests,
-            repeats=args.repeats,
-            sessions=args.sessions,
-            otlp_endpoint=args.otlp_endpoint,
-            progress=not args.json,
-        )
+        opts = {"repeats": args.repeats, "sessions": args.sessions, "otlp_endpoint": args.otlp_endpoint}
+        out = bench_tracing(cfg, requests, progress=not args.json, **opts)
         print(json.dumps(out, indent=2) if args.json else tracing_table(out))
         return 0
-    summary = bench_services(
-        cfg, requests, public_api=args.public_api, pings=args.pings, repeats=args.repeats, progress=not args.json
-    )
+    opts = {"public_api": args.public_api, "pings": args.pings, "repeats": args.repeats}
+    summary = bench_services(cfg, requests, progress=not args.json, **opts)
     print(json.dumps(summary, indent=2) if args.json else _table(summary))
     return 0
 

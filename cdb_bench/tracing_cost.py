@@ -96,6 +96,33 @@ def _timed_run(tree: ServeHandle, work: Workload) -> dict[str, float]:
     }
 
 
+def _session(
+    cfg: EngineConfig,
+    work: Workload,
+    warm: Workload,
+    endpoint: str,
+    session: int,
+    sessions: int,
+    repeats: int,
+    runs: dict[str, list[dict[str, float]]],
+    progress: bool,
+) -> None:
+    """One fresh pair of deployments (off, on), started in alternating order; ``repeats`` pairs of runs."""
+    order = ("off", "on") if session % 2 == 0 else ("on", "off")
+    with contextlib.ExitStack() as stack:
+        trees = {
+            w: stack.enter_context(serve_all(cfg, "127.0.0.1:0", env=tracing_env(w == "on", endpoint))) for w in order
+        }
+        for tree in trees.values():
+            asyncio.run(send_all(tree.address, warm))
+        for i in range(repeats):
+            for which in ("off", "on") if i % 2 == 0 else ("on", "off"):
+                if progress:
+                    where = f"session {session + 1}/{sessions}, {i + 1}/{repeats}"
+                    print(f"[{where}] tracing {which} ...", file=sys.stderr, flush=True)
+                runs[which].append({"session": session, **_timed_run(trees[which], work)})
+
+
 def bench_tracing(
     cfg: EngineConfig,
     requests: Sequence[tuple[list[int], RequestParams]],
@@ -122,23 +149,7 @@ def bench_tracing(
     received: dict[str, int] = {}
     try:
         for session in range(sessions):
-            order = ("off", "on") if session % 2 == 0 else ("on", "off")
-            with contextlib.ExitStack() as stack:
-                trees = {
-                    w: stack.enter_context(serve_all(cfg, "127.0.0.1:0", env=tracing_env(w == "on", endpoint)))
-                    for w in order
-                }
-                for tree in trees.values():
-                    asyncio.run(send_all(tree.address, warm))
-                for i in range(repeats):
-                    for which in ("off", "on") if i % 2 == 0 else ("on", "off"):
-                        if progress:
-                            print(
-                                f"[session {session + 1}/{sessions}, {i + 1}/{repeats}] tracing {which} ...",
-                                file=sys.stderr,
-                                flush=True,
-                            )
-                        runs[which].append({"session": session, **_timed_run(trees[which], work)})
+            _session(cfg, work, warm, endpoint, session, sessions, repeats, runs, progress)
     finally:
         if sink is not None:
             received = sink.close()

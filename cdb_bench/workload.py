@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import argparse
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
-from cdb_engine.config import RequestParams
+from cdb_engine.config import EngineConfig, RequestParams
+from cdb_engine.engine import Engine
+from cdb_scheduler.exit_policy import ExitRule
 from cdb_scheduler.plan import SamplingParams
 
 
@@ -50,3 +54,45 @@ def make_workload(
         replay = tuple(draw() for _ in range(n - 1)) if draw else None
         params.append(RequestParams(max_tokens=n, sampling=SamplingParams(), ignore_eos=True, replay_depths=replay))
     return Workload(prompts, params)
+
+
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    """The options every benchmark shares: the model, the engine's shape and the seeded workload."""
+    p.add_argument("--model", default="ouro-bench", help="preset name or checkpoint folder")
+    p.add_argument("--requests", type=int, default=128)
+    p.add_argument("--max-num-seqs", type=int, default=32, help="resident requests: the width of the loop batch")
+    p.add_argument("--prompt-len", type=int, nargs=2, default=(16, 64), metavar=("MIN", "MAX"))
+    p.add_argument("--output-len", type=int, nargs=2, default=(32, 96), metavar=("MIN", "MAX"))
+    p.add_argument("--depth-mean", type=float, default=None, help="replay depths with this mean (default: live)")
+    p.add_argument("--depth-min", type=int, default=1)
+    p.add_argument("--depth-max", type=int, default=None, help="default: the model's max depth")
+    p.add_argument("--kv-policy", default="single")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--threads", type=int, default=None, help="torch threads of the in-process executor")
+
+
+def config_and_workload(args: argparse.Namespace, **engine: Any) -> tuple[EngineConfig, Workload]:
+    """The engine configuration and the workload ``add_workload_args`` options describe (``engine``: more
+    ``EngineConfig`` fields)."""
+    replay = args.depth_mean is not None
+    cfg = EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        max_num_seqs=args.max_num_seqs,
+        kv_policy=args.kv_policy,
+        exit_rule=ExitRule.REPLAY if replay else ExitRule.AUTO,
+        num_threads=args.threads,
+        **engine,
+    )
+    probe = Engine(cfg)
+    depth = (args.depth_mean, args.depth_min, args.depth_max or probe.limits.max_depth) if replay else None
+    work = make_workload(
+        vocab=probe.model_config.vocab_size,
+        num_requests=args.requests,
+        prompt_len=tuple(args.prompt_len),
+        output_len=tuple(args.output_len),
+        depth=depth,
+        seed=args.seed,
+    )
+    return cfg, work

@@ -163,7 +163,7 @@ class Engine:
             id=rid,
             prompt=list(prompt_ids),
             max_tokens=params.max_tokens,
-            policy=build_policy(self.limits, params.exit_threshold),
+            policy=build_policy(self.limits, params.exit_threshold, replay=params.replay_depths is not None),
             sampling=params.sampling,
             stop_token_ids=frozenset(stop),
             init_seed=self.config.init_seed,

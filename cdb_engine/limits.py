@@ -25,6 +25,7 @@ class Limits:
     max_total_tokens: int
     vocab_size: int
     min_head_batch_size: int
+    replay_allowed: bool  # requests may carry replayed depths
 
     def scheduler_config(self, cfg: EngineConfig, mc: ModelConfig) -> SchedulerConfig:
         """The scheduler core's configuration for this engine."""
@@ -66,6 +67,7 @@ def resolve_limits(cfg: EngineConfig, mc: ModelConfig) -> Limits:
         max_total_tokens=max_total,
         vocab_size=mc.vocab_size,
         min_head_batch_size=min_head,
+        replay_allowed=cfg.allow_replay_depths or rule is ExitRule.REPLAY,
     )
     build_policy(limits, None)  # validates threshold and depths once
     _check_kv_policy(cfg, limits)
@@ -86,8 +88,11 @@ def _check_kv_policy(cfg: EngineConfig, limits: Limits) -> None:
         )
 
 
-def build_policy(limits: Limits, threshold: float | None) -> ExitPolicy:
-    """The exit policy of one request (``threshold`` overrides the engine's)."""
+def build_policy(limits: Limits, threshold: float | None, replay: bool = False) -> ExitPolicy:
+    """The exit policy of one request (``threshold`` overrides the engine's; ``replay``: the request brings its
+    own depths)."""
+    if replay:
+        return ReplayDepth(limits.max_depth)
     q = limits.exit_threshold if threshold is None else threshold
     if limits.exit_rule is ExitRule.HAZARD:
         return OuroHazard(q, limits.max_depth, limits.min_depth, limits.horizon)

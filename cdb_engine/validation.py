@@ -49,7 +49,9 @@ def validate(
         raise InvalidRequest("stop_strings", "must not contain an empty string")
     if params.exit_threshold is not None:
         if limits.exit_rule in (ExitRule.FIXED, ExitRule.REPLAY):
-            raise InvalidRequest("exit_threshold", f"not used by the exit rule {limits.exit_rule!r}")
+            raise InvalidRequest("exit_threshold", f"not used by the exit rule '{limits.exit_rule}'")
+        if params.replay_depths is not None:
+            raise InvalidRequest("exit_threshold", "not used with replay_depths")
         if kv_policy is KVPolicy.DEPTH_INDEXED:
             raise InvalidRequest("exit_threshold", "kv_policy depth_indexed serves full depth only")
         try:
@@ -58,6 +60,11 @@ def validate(
             raise InvalidRequest("exit_threshold", str(exc)) from None
     if limits.exit_rule is ExitRule.REPLAY and params.replay_depths is None:
         raise InvalidRequest("replay_depths", "required by the exit rule 'replay'")
-    if params.replay_depths is not None and any(not 1 <= d <= limits.max_depth for d in params.replay_depths):
-        raise InvalidRequest("replay_depths", f"depths must be in [1, {limits.max_depth}]")
+    if params.replay_depths is not None:
+        if not limits.replay_allowed:
+            raise InvalidRequest("replay_depths", "refused: the server was not started with --allow-replay-depths")
+        if not params.replay_depths:
+            raise InvalidRequest("replay_depths", "must not be empty")
+        if any(not 1 <= d <= limits.max_depth for d in params.replay_depths):
+            raise InvalidRequest("replay_depths", f"depths must be in [1, {limits.max_depth}]")
     return ids

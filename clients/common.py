@@ -36,6 +36,7 @@ class GenerateOptions(TypedDict, total=False):
     exit_threshold: float
     ignore_eos: bool
     request_id: str
+    replay_depths: Sequence[int]  # benchmarks: servers started with --allow-replay-depths
 
 
 def build_request(prompt: str | Sequence[int], options: GenerateOptions) -> pb.GenerateRequest:
@@ -59,6 +60,7 @@ def build_request(prompt: str | Sequence[int], options: GenerateOptions) -> pb.G
     req.stop_token_ids.extend(options.get("stop_token_ids", ()))
     if "exit_threshold" in options:
         req.exit_threshold = options["exit_threshold"]
+    req.replay_depths.extend(options.get("replay_depths", ()))
     return req
 
 

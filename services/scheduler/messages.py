@@ -47,6 +47,7 @@ def request_to_engine(req: pb.GenerateRequest) -> tuple[str | list[int], Request
         stop_strings=tuple(req.stop_strings),
         exit_threshold=req.exit_threshold if req.HasField("exit_threshold") else None,
         ignore_eos=req.ignore_eos,
+        replay_depths=tuple(req.replay_depths) if req.replay_depths else None,
     )
     return prompt, params
 

@@ -20,7 +20,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -34,25 +34,11 @@ from services.settings import Settings, load_settings
 from services.transport.bank import SharedBank
 from services.transport.convert import bank_spec_to_pb, op_to_pb, result_from_pb, role_to_pb
 from services.transport.fences import FenceBoard
+from services.transport.links import StageLink, channel_options
 
 log = logging.getLogger("cdb.executor")
 
-_END = object()
 _WAKE = object()
-
-
-def channel_options(settings: Settings) -> list[tuple[str, int]]:
-    """Stage channel options: keepalive pings detect a frozen stage; no message size surprises."""
-    keepalive_ms = int(settings.stage_keepalive_s * 1000)
-    return [
-        ("grpc.keepalive_time_ms", keepalive_ms),
-        ("grpc.keepalive_timeout_ms", keepalive_ms),
-        ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.http2.max_pings_without_data", 0),
-        ("grpc.http2.ping_timeout_ms", keepalive_ms),  # other pings in flight would wait 60 s by default
-        ("grpc.max_receive_message_length", 64 << 20),
-        ("grpc.max_send_message_length", 64 << 20),
-    ]
 
 
 @dataclass(slots=True)
@@ -79,41 +65,6 @@ class OpObserver(Protocol):
         ...
 
 
-class _Link:
-    """One stage's persistent Run stream: a send queue feeding gRPC, and a reader thread."""
-
-    def __init__(self, stage: Stage, channel: grpc.Channel, owner: GrpcExecutor) -> None:
-        self.stage = stage
-        self._outbox: queue.SimpleQueue[object] = queue.SimpleQueue()
-        stub = stage_pb2_grpc.StageStub(channel)
-        self.call = stub.Run(iter(self._outbox.get, _END))  # gRPC drains the iterator on its own thread
-        self._owner = owner
-        self._thread = threading.Thread(target=self._read, name=f"cdb-link-{stage.role}", daemon=True)
-        self._thread.start()
-
-    def send(self, msg: pb.StageBatch) -> None:
-        self._outbox.put(msg)
-
-    def _read(self) -> None:
-        replies: Iterator[pb.StageReply] = self.call
-        try:
-            for reply in replies:
-                self._owner._on_reply(self.stage, reply)
-            why = "stream ended"
-        except grpc.RpcError as exc:
-            why = f"{exc.code().name}: {exc.details()}"
-        self._owner._on_broken(f"{self.stage.role} stage failed ({why})")
-
-    def send_end(self) -> None:
-        """Half-close: the stage finishes what it has, then ends the stream."""
-        self._outbox.put(_END)
-
-    def close(self) -> None:
-        self._outbox.put(_END)  # half-close: the stage finishes what it has, then ends the stream
-        self.call.cancel()
-        self._thread.join(timeout=5)
-
-
 class GrpcExecutor:
     """Executes stage ops on three stage servers. Thread-safe ``submit``/``wake``; one poller at a time."""
 
@@ -137,7 +88,7 @@ class GrpcExecutor:
         self._delivered = [-1] * len(Stage)  # seq of the last result delivered, per stage
         self._pongs: dict[int, threading.Event] = {}
         self._closed = False
-        self._links: dict[Stage, _Link] = {}
+        self._links: dict[Stage, StageLink] = {}
         self.channels: dict[Stage, grpc.Channel] = {}
         bank_device = setup.device if setup.device.startswith("cuda") else "cpu"
         self.bank = SharedBank.create(setup.bank_rows, setup.bank_width, setup.dtype, bank_device)
@@ -149,7 +100,7 @@ class GrpcExecutor:
             for stage in Stage:
                 self._configure(stage)
             for stage in Stage:
-                self._links[stage] = _Link(stage, self.channels[stage], self)
+                self._links[stage] = StageLink(stage, self.channels[stage], self)
         except BaseException:
             self.close()
             raise
@@ -246,7 +197,7 @@ class GrpcExecutor:
 
     # --- called by the link threads --------------------------------------------------------------------------
 
-    def _on_reply(self, stage: Stage, reply: pb.StageReply) -> None:
+    def on_reply(self, stage: Stage, reply: pb.StageReply) -> None:
         if reply.pong:
             with self._lock:
                 event = self._pongs.pop(reply.seq, None)
@@ -284,7 +235,7 @@ class GrpcExecutor:
                     self._results.put(result)
                     progress = True
 
-    def _on_broken(self, why: str) -> None:
+    def on_broken(self, why: str) -> None:
         with self._lock:
             if self._closed or self.broken is not None:
                 return

@@ -207,3 +207,16 @@ def test_detokenizer_is_incremental_and_exact_on_a_long_output() -> None:
     assert tok.decoded < 12 * len(ids), f"{tok.decoded} ids decoded for {len(ids)} tokens"
     d2 = Detokenizer(tok, ())
     assert "".join(d2.push(i)[0] for i in ids) + d2.flush() == text
+
+
+def test_replayed_depths_are_refused_unless_allowed_and_served_when_allowed(engine: Engine) -> None:
+    with pytest.raises(InvalidRequest, match="replay_depths: refused"):
+        engine.validate([5, 6], greedy(4, replay_depths=(1, 2, 3)))
+    with Engine(replace(CFG, allow_replay_depths=True)) as eng:
+        with pytest.raises(InvalidRequest, match="replay_depths: depths must be in"):
+            eng.validate([5, 6], greedy(4, replay_depths=(1, 9)))
+        with pytest.raises(InvalidRequest, match="exit_threshold: not used with replay_depths"):
+            eng.validate([5, 6], greedy(4, replay_depths=(1,), exit_threshold=0.5))
+        replayed, live = eng.generate([[5, 6], [5, 6]], [greedy(5, replay_depths=(3, 1, 4, 2)), greedy(5)])
+    assert replayed.depths == [eng.limits.max_depth, 3, 1, 4, 2]
+    assert live.depths[0] == eng.limits.max_depth and len(live.depths) == 5

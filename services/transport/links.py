@@ -1,0 +1,74 @@
+"""One stage's persistent ``Run`` stream (``StageLink``) and the options of the scheduler's stage channels."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterator
+from typing import Protocol
+
+import grpc
+
+from cdb_api.v1 import stage_pb2 as pb
+from cdb_api.v1 import stage_pb2_grpc
+from cdb_scheduler.plan import Stage
+from services.settings import Settings
+
+_END = object()
+
+
+class LinkOwner(Protocol):
+    """What a link reports to (the ``GrpcExecutor``), from its reader thread."""
+
+    def on_reply(self, stage: Stage, reply: pb.StageReply) -> None: ...
+
+    def on_broken(self, why: str) -> None: ...
+
+
+def channel_options(settings: Settings) -> list[tuple[str, int]]:
+    """Stage channel options: keepalive pings detect a frozen stage; no message size surprises."""
+    keepalive_ms = int(settings.stage_keepalive_s * 1000)
+    return [
+        ("grpc.keepalive_time_ms", keepalive_ms),
+        ("grpc.keepalive_timeout_ms", keepalive_ms),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.http2.ping_timeout_ms", keepalive_ms),  # other pings in flight would wait 60 s by default
+        ("grpc.max_receive_message_length", 64 << 20),
+        ("grpc.max_send_message_length", 64 << 20),
+    ]
+
+
+class StageLink:
+    """One stage's persistent Run stream: a send queue feeding gRPC, and a reader thread."""
+
+    def __init__(self, stage: Stage, channel: grpc.Channel, owner: LinkOwner) -> None:
+        self.stage = stage
+        self._outbox: queue.SimpleQueue[object] = queue.SimpleQueue()
+        stub = stage_pb2_grpc.StageStub(channel)
+        self.call = stub.Run(iter(self._outbox.get, _END))  # gRPC drains the iterator on its own thread
+        self._owner = owner
+        self._thread = threading.Thread(target=self._read, name=f"cdb-link-{stage.role}", daemon=True)
+        self._thread.start()
+
+    def send(self, msg: pb.StageBatch) -> None:
+        self._outbox.put(msg)
+
+    def _read(self) -> None:
+        replies: Iterator[pb.StageReply] = self.call
+        try:
+            for reply in replies:
+                self._owner.on_reply(self.stage, reply)
+            why = "stream ended"
+        except grpc.RpcError as exc:
+            why = f"{exc.code().name}: {exc.details()}"
+        self._owner.on_broken(f"{self.stage.role} stage failed ({why})")
+
+    def send_end(self) -> None:
+        """Half-close: the stage finishes what it has, then ends the stream."""
+        self._outbox.put(_END)
+
+    def close(self) -> None:
+        self._outbox.put(_END)  # half-close: the stage finishes what it has, then ends the stream
+        self.call.cancel()
+        self._thread.join(timeout=5)
