@@ -14,7 +14,7 @@ COMMANDS = {
     "generate": ("clients.cli", "generate_main", "stream a generation from a running server"),
     "stage": ("cdb.processes", "stage_main", "run one stage server (prelude | loop | head)"),
     "scheduler": ("cdb.processes", "scheduler_main", "run the scheduler service"),
-    "bench": ("cdb_bench.cli", "main", "benchmarks: offline, services, step (see cdb bench --help)"),
+    "bench": ("cdb_bench.cli", "main", "benchmarks: offline, services, serve, scheduler, step (see cdb bench --help)"),
 }
 
 

@@ -8,6 +8,7 @@ import logging
 from cdb_engine.config import DType
 from cdb_engine.options import add_engine_args, engine_config_from_args
 from cdb_scheduler.plan import Stage
+from services.launcher import die_with_parent
 from services.net import is_host_port, parse_stage_addrs
 
 
@@ -15,6 +16,7 @@ def stage_main(argv: list[str] | None = None) -> int:
     """``cdb stage``: serve one stage of a looped LM (``cdb.v1.Stage``) until SIGTERM/SIGINT."""
     from services.transport.stage_server import run_stage
 
+    die_with_parent()
     parser = argparse.ArgumentParser(prog="cdb stage", description=stage_main.__doc__)
     parser.add_argument("--role", required=True, choices=Stage.roles())
     parser.add_argument("--listen", required=True, help="unix:PATH or a loopback HOST:PORT (port 0: any)")
@@ -35,6 +37,7 @@ def scheduler_main(argv: list[str] | None = None) -> int:
     """``cdb scheduler``: serve ``cdb.v1.Generation`` over stage servers until SIGTERM/SIGINT, then drain."""
     from services.scheduler.server import run_scheduler
 
+    die_with_parent()
     parser = argparse.ArgumentParser(prog="cdb scheduler", description=scheduler_main.__doc__)
     parser.add_argument("--listen", default="127.0.0.1:50051", help="HOST:PORT (port 0: any) or unix:PATH")
     parser.add_argument("--stage", action="append", default=[], metavar="ROLE=ADDR", help="prelude|loop|head")

@@ -1,30 +1,30 @@
-"""``cdb bench``: offline (full depth vs no-refill vs CDB), services (microservices vs in-process), step."""
+"""``cdb bench``: offline (full depth vs no-refill vs CDB), services (microservices vs in-process), serve (open-loop
+serving: rate sweep, latencies, capacity knee), scheduler (planning CPU per loop step), step (loop-step time)."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
+
+# name -> (module with ``main(argv)``, help)
+BENCHMARKS = {
+    "offline": ("cdb_bench.offline", "full-depth vs no-refill vs CDB on one workload (in-process)"),
+    "services": ("cdb_bench.services", "microservices vs in-process on one workload"),
+    "serve": ("cdb_bench.serve.cli", "open-loop serving: rate sweep, latencies, goodput, capacity knee"),
+    "scheduler": ("cdb_bench.scheduler_cost", "the scheduler's CPU per loop step against the step's compute"),
+    "step": ("cdb_bench.step_time", "time one loop step per preset"),
+}
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="cdb bench", description=__doc__)
     sub = parser.add_subparsers(dest="bench", required=True)
-    sub.add_parser("offline", help="full-depth vs no-refill vs CDB on one workload (in-process)", add_help=False)
-    sub.add_parser("services", help="microservices vs in-process on one workload", add_help=False)
-    sub.add_parser("step", help="time one loop step per preset", add_help=False)
-    if not argv or argv[0] not in ("offline", "services", "step"):
+    for name, (_, text) in BENCHMARKS.items():
+        sub.add_parser(name, help=text, add_help=False)
+    if not argv or argv[0] not in BENCHMARKS:
         parser.parse_args(argv)
         return 2
-    name, rest = argv[0], argv[1:]
-    if name == "offline":
-        from cdb_bench import offline
-
-        return offline.main(rest)
-    if name == "services":
-        from cdb_bench import services
-
-        return services.main(rest)
-    from cdb_bench import step_time
-
-    return step_time.main(rest)
+    module = importlib.import_module(BENCHMARKS[argv[0]][0])
+    return int(module.main(argv[1:]) or 0)

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
+from cdb_bench.flops import workload_flop_ratio
 from cdb_bench.workload import Workload, add_workload_args, config_and_workload, make_workload
 from cdb_engine.config import EngineConfig
 from cdb_engine.engine import Completion, Engine
@@ -34,6 +35,9 @@ def run_mode(
         outs = eng.generate(work.prompts, work.params)
         wall = time.perf_counter() - t0
         st = eng.sched_stats
+        s_w = workload_flop_ratio(
+            eng.model_config, [len(o.prompt_ids) for o in outs], [o.depths[1:] for o in outs], eng.limits.max_depth
+        )
     tokens = sum(len(o.token_ids) for o in outs)
     loop_compute = st.compute_s[1]
     return {
@@ -50,6 +54,7 @@ def run_mode(
         "sched_cpu_per_step_over_step_time": (st.sched_cpu_s / max(1, st.loop_steps))
         / max(1e-12, loop_compute / max(1, st.loop_steps)),
         "preemptions": st.preemptions,
+        "workload_flop_ratio_S_w": s_w,
     }
 
 
@@ -111,24 +116,26 @@ def bench_offline(
         "max_depth": r,
         "mean_depth": d,
         "flop_bound_S": bound,
+        "workload_flop_ratio_S_w": adaptive["workload_flop_ratio_S_w"],
         "max_num_seqs": base.max_num_seqs,
         "requests": len(work.prompts),
         "output_tokens": work.output_tokens,
         "modes": results,
     }
     if "full-depth" in results:
-        _add_ratios(results, paired, bound)
+        _add_ratios(results, paired, bound, adaptive["workload_flop_ratio_S_w"])
     return summary
 
 
-def _add_ratios(results: dict[str, dict[str, float]], paired: dict[str, list[float]], bound: float) -> None:
-    """Each mode's ratios to full depth (the median of the paired per-repeat ratios) and to the FLOP bound."""
+def _add_ratios(results: dict[str, dict[str, float]], paired: dict[str, list[float]], bound: float, s_w: float) -> None:
+    """Each mode's ratios to full depth (the median of the paired per-repeat ratios) and to the FLOP bounds."""
     steady_ref = results["full-depth"]["steady_tokens_per_s"]
     for mode, fig in results.items():
         ratios = paired[mode]
         fig["ratio_to_full_depth"] = ratios[len(ratios) // 2]
         fig["repeats_ratio_to_full_depth"] = ratios  # type: ignore[assignment]
         fig["realized_fraction_of_S"] = fig["ratio_to_full_depth"] / bound
+        fig["realized_fraction_of_S_w"] = fig["ratio_to_full_depth"] / s_w
         fig["steady_ratio_to_full_depth"] = fig["steady_tokens_per_s"] / steady_ref
         fig["steady_realized_fraction_of_S"] = fig["steady_ratio_to_full_depth"] / bound
 
@@ -137,16 +144,17 @@ def _table(summary: dict[str, object]) -> str:
     lines = [
         f"model {summary['model']}  F0/Fr {summary['F0_over_Fr']:.3f}  r_max {summary['max_depth']}  "
         f"mean depth {summary['mean_depth']:.2f}  FLOP bound S {summary['flop_bound_S']:.3f}",
-        f"max_num_seqs {summary['max_num_seqs']}",
-        f"{'mode':<11} {'tok/s':>9} {'ratio':>7} {'of S':>6} {'steady':>7} {'of S':>6} {'occup.':>7} {'refills':>8} "
-        f"{'sched/step':>10}",
+        f"workload FLOP ratio S_w {summary['workload_flop_ratio_S_w']:.3f}  max_num_seqs {summary['max_num_seqs']}",
+        f"{'mode':<11} {'tok/s':>9} {'ratio':>7} {'of S':>6} {'of S_w':>6} {'steady':>7} {'of S':>6} {'occup.':>7} "
+        f"{'refills':>8} {'sched/step':>10}",
     ]
     modes = summary["modes"]
     assert isinstance(modes, dict)
     for mode, f in modes.items():
         lines.append(
             f"{mode:<11} {f['tokens_per_s']:>9.1f} {f.get('ratio_to_full_depth', 0):>7.3f} "
-            f"{f.get('realized_fraction_of_S', 0):>6.3f} {f.get('steady_ratio_to_full_depth', 0):>7.3f} "
+            f"{f.get('realized_fraction_of_S', 0):>6.3f} {f.get('realized_fraction_of_S_w', 0):>6.3f} "
+            f"{f.get('steady_ratio_to_full_depth', 0):>7.3f} "
             f"{f.get('steady_realized_fraction_of_S', 0):>6.3f} {f['occupancy']:>7.3f} {f['refill_events']:>8d} "
             f"{f['sched_cpu_per_step_over_step_time']:>10.4f}"
         )

@@ -69,6 +69,7 @@ class EngineConfig:
     max_waiting: int = 256  # bounded waiting queue: beyond it, RESOURCE_EXHAUSTED
     init_seed: int = -1  # Huginn initial state: < 0 zero, else seeded truncated normal per position
     num_threads: int | None = None  # torch intra-op threads for the in-process executor
+    fuse_refill_embed: bool = True  # Ouro: the head op embeds a refill's input token (no prelude op per step)
     allow_replay_depths: bool = False  # accept per-request replayed depths (benchmarks; implied by exit_rule replay)
 
     def __post_init__(self) -> None:

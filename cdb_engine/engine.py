@@ -160,7 +160,7 @@ class Engine:
         if not params.ignore_eos:
             stop.update(self.model_config.stop_token_ids)
         return Request(
-            id=rid,
+            rid=rid,
             prompt=list(prompt_ids),
             max_tokens=params.max_tokens,
             policy=build_policy(self.limits, params.exit_threshold, replay=params.replay_depths is not None),

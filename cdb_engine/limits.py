@@ -41,6 +41,7 @@ class Limits:
             loop_pipeline_depth=cfg.loop_pipeline_depth,
             copy_on_exit=cfg.kv_policy is KVPolicy.LAST_EXITED,
             head_has_kv=mc.num_coda_layers > 0,
+            fuse_refill_embed=cfg.fuse_refill_embed and mc.prelude_is_embedding,
         )
 
 

@@ -152,4 +152,9 @@ class StageWorker:
         tokens, lps = sample(logits, [op.sampling[i] for i in picked], [op.token_index[i] for i in picked])
         sampled_rows = self._long([op.rows[i] for i in picked])
         self.tokens.index_copy_(0, sampled_rows, torch.tensor(tokens, dtype=torch.long).to(self.tokens.device))
+        if op.embed:  # the successors' prelude, fused: their input embedding into the same rows
+            fused = [j for j, i in enumerate(picked) if op.embed[i]]
+            if fused:
+                ids = self._long([tokens[j] for j in fused])
+                self._write(self._long([op.rows[picked[j]] for j in fused]), self.model.embed_input(ids))
         return tuple(tokens), tuple(lps)

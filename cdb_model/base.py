@@ -68,6 +68,10 @@ class LoopedLM(nn.Module, ABC):
     def coda(self, rows: Tensor, positions: Tensor, kv: KVAccess | None) -> Tensor:
         """Bank rows ``[N, W]`` -> final hidden ``[N, hidden]`` ready for ``logits``."""
 
+    def embed_input(self, token_ids: Tensor) -> Tensor:
+        """The bank row of an input token, computed in the HEAD stage (``config.prelude_is_embedding`` only)."""
+        raise NotImplementedError(f"{self.config.name}: the prelude cannot run in the head stage")
+
     @abstractmethod
     def logits(self, hidden: Tensor) -> Tensor:
         """LM head: ``[N, hidden]`` -> float32 logits ``[N, vocab]``."""

@@ -68,6 +68,12 @@ class ModelConfig:
         return self.hidden_size if self.arch == "ouro" else 2 * self.hidden_size
 
     @property
+    def prelude_is_embedding(self) -> bool:
+        """The prelude is a pure embedding lookup (Ouro: no layers, no KV), so the head stage can run it for a
+        successor right after sampling its input (a fused refill)."""
+        return self.arch == "ouro"
+
+    @property
     def q_size(self) -> int:
         return self.num_heads * self.head_dim
 

@@ -58,7 +58,7 @@ class OuroBody(nn.Module):
 
     def __init__(self, c: ModelConfig, stages: frozenset[Stage]) -> None:
         super().__init__()
-        need_embed = Stage.PRELUDE in stages or (Stage.HEAD in stages and c.tie_embeddings)
+        need_embed = Stage.PRELUDE in stages or Stage.HEAD in stages  # the head embeds refills (embed_input)
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size) if need_embed else None
         self.layers: nn.ModuleList | None = None
         self.norm: RMSNorm | None = None
@@ -119,6 +119,11 @@ class OuroLM(LoopedLM):
     def coda(self, rows: Tensor, positions: Tensor, kv: KVAccess | None) -> Tensor:
         self._require(Stage.HEAD)
         return rows
+
+    def embed_input(self, token_ids: Tensor) -> Tensor:
+        self._require(Stage.HEAD)
+        assert self.model.embed_tokens is not None
+        return self.model.embed_tokens(token_ids)  # [N, H], as the prelude computes it
 
     def logits(self, hidden: Tensor) -> Tensor:
         self._require(Stage.HEAD)

@@ -31,6 +31,7 @@ class SchedulerConfig:
     loop_pipeline_depth: int = 2  # loop ops in flight: the stage starts k+1 the moment k ends
     copy_on_exit: bool = False  # KV policy last_exited: on exit after step e, slot e is copied deeper
     head_has_kv: bool = False  # Huginn: the head runs coda blocks over every prompt position (their KV)
+    fuse_refill_embed: bool = False  # the head op embeds a successor's input token (Ouro: no prelude op)
 
     def __post_init__(self) -> None:
         checks = [

@@ -165,14 +165,6 @@ class FixedDepth(ExitPolicy):
     def observe(self, st: ExitState, step: int, signal: float, lookahead: float | None = None) -> None:
         st.observed += 1
 
-    def decision(self, st: ExitState, step: int) -> bool | None:
-        """Whether the token exits after ``step``, if what was observed so far decides it now; None: not yet
-        (the horizon's signal is still to come)."""
-        if not self.needs_signals or step + 1 >= self.max_depth or step + 1 < self.min_depth:
-            return self.exits_after(st, step)
-        decidable = st.observed == (step if self.horizon is Horizon.ONE_AHEAD else step + 1)
-        return self.exits_after(st, step) if decidable else None
-
     def exits_after(self, st: ExitState, step: int) -> bool:
         return step + 1 >= min(self.depth, self.max_depth)
 
@@ -192,14 +184,6 @@ class ReplayDepth(ExitPolicy):
 
     def observe(self, st: ExitState, step: int, signal: float, lookahead: float | None = None) -> None:
         st.observed += 1
-
-    def decision(self, st: ExitState, step: int) -> bool | None:
-        """Whether the token exits after ``step``, if what was observed so far decides it now; None: not yet
-        (the horizon's signal is still to come)."""
-        if not self.needs_signals or step + 1 >= self.max_depth or step + 1 < self.min_depth:
-            return self.exits_after(st, step)
-        decidable = st.observed == (step if self.horizon is Horizon.ONE_AHEAD else step + 1)
-        return self.exits_after(st, step) if decidable else None
 
     def exits_after(self, st: ExitState, step: int) -> bool:
         assert st.target_depth >= 1, "replayed token without a target depth"

@@ -38,9 +38,9 @@ class OpBuilder:
     def forget(self, req: Request) -> None:
         """The request's block table is gone (finished or preempted): stages drop their mirror."""
         for stage in _STAGES:
-            if self._sent[stage].pop(req.id, None) is not None:
-                self._released[stage].append(req.id)
-        self.pending_copies = [c for c in self.pending_copies if c.rid != req.id]
+            if self._sent[stage].pop(req.rid, None) is not None:
+                self._released[stage].append(req.rid)
+        self.pending_copies = [c for c in self.pending_copies if c.rid != req.rid]
 
     def _common(
         self, stage: Stage, rows: Sequence[int], reqs: Iterable[Request]
@@ -61,13 +61,13 @@ class OpBuilder:
         updates = []
         seen: set[int] = set()
         for req in reqs:
-            if req.id in seen:
+            if req.rid in seen:
                 continue
-            seen.add(req.id)
-            known = sent.get(req.id, 0)
+            seen.add(req.rid)
+            known = sent.get(req.rid, 0)
             if len(req.blocks) > known:
-                updates.append(KVUpdate(req.id, tuple(req.blocks[known:])))
-                sent[req.id] = len(req.blocks)
+                updates.append(KVUpdate(req.rid, tuple(req.blocks[known:])))
+                sent[req.rid] = len(req.blocks)
         released = tuple(self._released[stage])
         self._released[stage].clear()
         return seq, fences, tuple(updates), released
@@ -82,7 +82,7 @@ class OpBuilder:
             fences,
             updates,
             released,
-            tuple(r.id for r in reqs),
+            tuple(r.rid for r in reqs),
             tuple(tokens),
             tuple(positions),
             tuple(rows),
@@ -107,7 +107,7 @@ class OpBuilder:
             fences,
             updates,
             released,
-            tuple(r.id for r in reqs),
+            tuple(r.rid for r in reqs),
             tuple(positions),
             tuple(rows),
             tuple(steps),
@@ -123,6 +123,7 @@ class OpBuilder:
         rows: Sequence[int],
         sample: Sequence[bool],
         token_index: Sequence[int],
+        embed: Sequence[bool] = (),
     ) -> HeadOp:
         seq, fences, updates, released = self._common(Stage.HEAD, rows, reqs)
         sampling: tuple[SamplingParams, ...] = tuple(r.sampling for r in reqs)
@@ -131,10 +132,11 @@ class OpBuilder:
             fences,
             updates,
             released,
-            tuple(r.id for r in reqs),
+            tuple(r.rid for r in reqs),
             tuple(positions),
             tuple(rows),
             tuple(sample),
             sampling,
             tuple(token_index),
+            tuple(embed) if any(embed) else (),
         )

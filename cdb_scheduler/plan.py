@@ -139,7 +139,9 @@ class HeadOp(OpBase):
 
     Every token runs the coda (its KV is needed by later tokens); only tokens with ``sample[i]`` are projected
     to logits and sampled, with ``sampling[i]`` and the stream index ``token_index[i]``. Each sampled id is
-    also written to the token bank at its row, where a following PreludeOp picks it up.
+    also written to the token bank at its row, where a following PreludeOp picks it up. With ``embed[i]`` (models
+    whose prelude is a pure embedding lookup: Ouro), the head also writes the embedding of the sampled id into
+    the row: the successor's prelude, fused, so a refill costs no prelude op and no extra hop.
     """
 
     rids: tuple[int, ...]
@@ -148,6 +150,7 @@ class HeadOp(OpBase):
     sample: tuple[bool, ...]
     sampling: tuple[SamplingParams, ...]
     token_index: tuple[int, ...]
+    embed: tuple[bool, ...] = ()  # () : no token embeds its successor
     stage: Stage = field(default=Stage.HEAD, init=False)
 
 

@@ -39,7 +39,7 @@ def grow_blocks(cfg: SchedulerConfig, blocks: BlockAllocator, req: Request, num_
         return True
     if margin and blocks.num_free - need <= cfg.kv_margin * blocks.total:
         return False
-    got = blocks.allocate(req.id, need)
+    got = blocks.allocate(req.rid, need)
     if got is None:
         return False
     req.blocks.extend(got)
@@ -75,16 +75,16 @@ def pick_chunks(
         end = min(cfg.prefill_chunk_size, req.prompt_len)
         if end > budget:
             break
-        row = rows.allocate(req.id)
+        row = rows.allocate(req.rid)
         assert row is not None
         if not grow_blocks(cfg, blocks, req, end, margin=bool(running)):
-            rows.free(req.id, row)
+            rows.free(req.rid, row)
             break
         waiting.popleft()
         req.admitted = req.admitted or time.monotonic()
         req.row = row[0]
         req.status = Status.RUNNING
-        running[req.id] = req
+        running[req.rid] = req
         budget -= end
         picked.append((req, 0, end))
     return picked, False

@@ -36,7 +36,7 @@ class FinishReason(enum.StrEnum):
 class Request:
     """One generation request as the scheduler sees it (token ids only; text lives in the engine)."""
 
-    id: int
+    rid: int  # the engine's id of the request (``request_id`` is the caller's, in the engine)
     prompt: list[int]
     max_tokens: int
     policy: ExitPolicy
@@ -90,6 +90,7 @@ class Item:
     exited: bool = False
     forced_depth: int = 0  # replay after preemption: the depth recorded the first time
     pending_since: int = -1  # loop seq of an issued step whose fate is not yet decided
+    embedded: bool = False  # its input's embedding is already in its row (written by the head op that sampled it)
 
     @property
     def live(self) -> bool:

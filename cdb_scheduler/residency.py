@@ -30,7 +30,7 @@ class Residency:
         """End request ``rid`` (waiting or running) now; [] if it is not live."""
         req = self.running.get(rid)
         if req is None:
-            queued = next((r for r in self.waiting if r.id == rid), None)
+            queued = next((r for r in self.waiting if r.rid == rid), None)
             if queued is None:
                 return []
             self.waiting.remove(queued)
@@ -38,12 +38,12 @@ class Residency:
         return [self.finish(req, reason)]
 
     def release(self, req: Request) -> None:
-        self.running.pop(req.id, None)
+        self.running.pop(req.rid, None)
         if req.row >= 0:
-            self.rows.free(req.id, [req.row])
+            self.rows.free(req.rid, [req.row])
             req.row = -1
         if req.blocks:
-            self.blocks.free(req.id, req.blocks)
+            self.blocks.free(req.rid, req.blocks)
             req.blocks = []
         self._ops.forget(req)
 
@@ -52,7 +52,7 @@ class Residency:
         req.status = Status.FINISHED
         req.finish_reason = reason
         req.error = error
-        return Finished(req.id, reason, len(req.output), req.loop_steps, error)
+        return Finished(req.rid, reason, len(req.output), req.loop_steps, error)
 
     def fail(self, reqs: Iterable[Request], error: str, events: list[Event]) -> None:
         for req in list(reqs):
@@ -65,7 +65,7 @@ class Residency:
         victims = [r for r in self.running.values() if r.alive]
         if not victims:
             return False
-        victim = min(victims, key=lambda r: (r.computed_tokens, -r.id))
+        victim = min(victims, key=lambda r: (r.computed_tokens, -r.rid))
         self.release(victim)
         victim.status = Status.WAITING
         victim.prefilled = 0

@@ -112,19 +112,20 @@ class Scheduler:
         while len(self.head_queue) >= need and len(self._head) < self.cfg.max_head_in_flight:
             items = [self.head_queue.popleft() for _ in range(min(len(self.head_queue), self.cfg.max_num_seqs))]
             reqs = [it.req for it in items]
-            op = self.ops.head(
-                reqs,
-                [it.position for it in items],
-                [r.row for r in reqs],
-                [True] * len(items),
-                [it.index for it in items],
-            )
+            # Successors start now. Their input is the id this op samples: the head embeds it into the row when
+            # the model allows (fused refill), else their prelude reads it from the token bank. A recomputed
+            # token's input is known (recorded) and goes through a prelude op with that id.
+            known = [it.req.output[it.index] if it.index < len(it.req.output) else -1 for it in items]
+            follows = [it.index + 1 < it.req.max_tokens for it in items]
+            fuse = self.cfg.fuse_refill_embed
+            embed = [fuse and f and k < 0 for f, k in zip(follows, known)]
+            rows, positions = [r.row for r in reqs], [it.position for it in items]
+            op = self.ops.head(reqs, positions, rows, [True] * len(items), [it.index for it in items], embed)
             self._head[op.seq] = items
             ops.append(op)
-            for it in items:  # successors start now; their prelude reads the sampled id from the token bank
-                if it.index + 1 < it.req.max_tokens:
-                    known = it.req.output[it.index] if it.index < len(it.req.output) else -1
-                    self._spawn(it.req, it.index + 1, known)
+            for it, f, k, e in zip(items, follows, known, embed):
+                if f:
+                    self._spawn(it.req, it.index + 1, k, embedded=e)
 
     def _issue_refills(self, ops: list[StageOp]) -> None:
         self._drop_stale(self.refills)
@@ -173,7 +174,7 @@ class Scheduler:
         it.exited = True
         it.depth = step + 1
         if self.cfg.copy_on_exit and step + 1 < self.cfg.max_depth:
-            self.ops.pending_copies.append(KVCopy(it.req.id, it.position, step))
+            self.ops.pending_copies.append(KVCopy(it.req.rid, it.position, step))
         self.head_queue.append(it)
 
     @staticmethod
@@ -200,6 +201,7 @@ class Scheduler:
         t0 = time.thread_time()
         events: list[Event] = []
         self.stats.compute_s[res.stage] += res.compute_s
+        self.stats.ops[res.stage] += 1
         pf = self._prefill
         if pf is not None and pf.seqs.get(res.stage) == res.seq:
             self._on_prefill(pf, res, events)
@@ -210,7 +212,7 @@ class Scheduler:
         else:
             items = self._prelude.pop(res.seq)
             if res.error:
-                self.residency.fail({it.req.id: it.req for it in items if it.live}.values(), res.error, events)
+                self.residency.fail({it.req.rid: it.req for it in items if it.live}.values(), res.error, events)
         self.stats.sched_cpu_s += time.thread_time() - t0
         return events
 
@@ -277,7 +279,7 @@ class Scheduler:
             req.depths.append(depth)
             req.loop_steps += depth
             self.stats.on_token(depth)
-            events.append(TokenOut(req.id, index, token, depth, lp))
+            events.append(TokenOut(req.rid, index, token, depth, lp))
         n = len(req.output)
         if index + 1 == n:  # the newest token: does the request end here?
             if token in req.stop_token_ids:
@@ -289,9 +291,10 @@ class Scheduler:
         if index == 0:  # decode successors were spawned when their predecessor went to the head
             self._spawn(req, 1, token)
 
-    def _spawn(self, req: Request, index: int, input_token: int) -> None:
+    def _spawn(self, req: Request, index: int, input_token: int, *, embedded: bool = False) -> None:
         """Queue the item of generated token ``index`` (its input is token ``index - 1``)."""
         it = Item(req, req.epoch, index, req.prompt_len + index - 1, input_token, req.policy.new_state())
+        it.embedded = embedded
         if index < len(req.output):
             it.forced_depth = req.depths[index]  # recomputing after preemption: the recorded depth
         elif req.replay_depths is not None:
@@ -299,10 +302,12 @@ class Scheduler:
         self._place_successor(it)
 
     def _place_successor(self, it: Item) -> None:
-        if self._grow_blocks(it.req, it.position + 1):
-            self.refills.append(it)
-        else:
+        if not self._grow_blocks(it.req, it.position + 1):
             self.stalled.append(it)
+        elif it.embedded:  # its "prelude" is the head op that samples its input: fenced on by row
+            self.refill.place(it, self.ready, self.stats)
+        else:
+            self.refills.append(it)
 
     def _retry_stalled(self) -> None:
         for _ in range(len(self.stalled)):

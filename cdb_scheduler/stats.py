@@ -16,6 +16,7 @@ class SchedulerStats:
     tokens: int = 0  # generated tokens reported
     depth_hist: dict[int, int] = field(default_factory=dict)  # served depth -> tokens
     compute_s: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])  # per stage, from results
+    ops: list[int] = field(default_factory=lambda: [0, 0, 0])  # results consumed, per stage
     sched_cpu_s: float = 0.0  # scheduler thread CPU time in schedule() and on_result()
 
     def on_loop_issue(self, batch: int, width: int) -> None:

@@ -35,14 +35,26 @@ from services.settings import Settings, load_settings
 # --- the process tree -----------------------------------------------------------------------------------------
 
 
-def _child_setup() -> None:  # pragma: no cover - runs in the child between fork and exec
-    os.setsid()  # a terminal's Ctrl-C reaches the launcher only, which stops the children in order
+PARENT_ENV = "CDB_PARENT_PID"
+
+
+def die_with_parent() -> None:
+    """In a child of the tree (``cdb stage`` / ``cdb scheduler``): get SIGTERM when the launcher dies.
+
+    Set by the child itself at start (``PR_SET_PDEATHSIG``), not between fork and exec: running Python code there
+    breaks gRPC's fork handlers when the launching process uses gRPC itself. A launcher already gone by then
+    (the parent is no longer the one recorded in ``CDB_PARENT_PID``) ends the child at once."""
+    parent = os.environ.get(PARENT_ENV)
+    if not parent:
+        return
     try:
         import ctypes
 
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: die with us
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except OSError:
-        pass
+        return
+    if os.getppid() != int(parent):
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 class ServeHandle:
@@ -60,13 +72,10 @@ class ServeHandle:
     def _spawn(self, argv: list[str], log_name: str, env: Mapping[str, str] | None) -> subprocess.Popen[bytes]:
         log = open(os.path.join(self.workdir, log_name), "wb")  # noqa: SIM115 - the child keeps it
         cmd = [sys.executable, *argv]
-        return subprocess.Popen(
-            cmd,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            preexec_fn=_child_setup,
-            env=dict(env) if env is not None else None,
-        )
+        child_env = dict(os.environ if env is None else env)
+        child_env[PARENT_ENV] = str(os.getpid())
+        # A session of its own: a terminal's Ctrl-C reaches the launcher only, which stops the children in order.
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=child_env)
 
     def processes(self) -> list[subprocess.Popen[bytes]]:
         return [p for p in (self.scheduler, *self.stages.values()) if p is not None]

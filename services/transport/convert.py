@@ -79,6 +79,7 @@ def op_to_pb(op: StageOp, traceparent: str = "", trace_contexts: Mapping[int, st
         head.seed.extend(s.seed & _MASK64 for s in op.sampling)
         head.logprobs.extend(s.logprobs for s in op.sampling)
         head.return_logprob.extend(s.return_logprob for s in op.sampling)
+        head.embed.extend(op.embed)
     return msg
 
 
@@ -133,6 +134,7 @@ def op_from_pb(msg: pb.StageBatch) -> StageOp:
             sample=tuple(h.sample),
             sampling=sampling,
             token_index=tuple(h.token_index),
+            embed=tuple(h.embed),
         )
     raise ValueError(f"batch {msg.seq} carries no stage work ({which})")
 

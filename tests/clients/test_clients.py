@@ -5,26 +5,23 @@ from __future__ import annotations
 import asyncio
 import io
 import json
-from collections.abc import Iterator
 
 import grpc
 import pytest
 
-from cdb_engine.config import EngineConfig
 from clients.async_client import AsyncClient
 from clients.cli import generate_main
 from clients.common import StreamFinish, StreamToken
 from clients.sync_client import Client
 from services.launcher import ServeHandle
-from tests.services.tree import process_tree
+from tests.services.tree import SHARED_CONFIG, SharedTree
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 
-@pytest.fixture(scope="module")
-def tree() -> Iterator[ServeHandle]:
-    with process_tree(EngineConfig(model="ouro-tiny", max_num_seqs=4, num_kv_blocks=256)) as handle:
-        yield handle
+@pytest.fixture
+def tree(ouro_tiny_tree: SharedTree) -> ServeHandle:
+    return ouro_tiny_tree.handle
 
 
 def test_sync_client_generate_stream_info_health(tree: ServeHandle) -> None:
@@ -59,7 +56,7 @@ def test_async_client(tree: ServeHandle) -> None:
             streamed = [i async for i in c.stream([5, 6, 7], max_tokens=5, ignore_eos=True, temperature=0.9, seed=4)]
             assert [i.id for i in streamed if isinstance(i, StreamToken)] == whole.token_ids
             info = await c.info()
-            assert info.counters["total_kv_blocks"] == 256
+            assert info.counters["total_kv_blocks"] == SHARED_CONFIG.num_kv_blocks
             assert await c.abort("unknown") is False
 
     asyncio.run(main())

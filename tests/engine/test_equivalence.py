@@ -4,7 +4,7 @@ equal those of the sequential reference path with the same settings (float64, se
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -17,7 +17,7 @@ from cdb_model.kv import KVLayout, KVPolicy
 from cdb_model.loader import load_model
 from cdb_model.reference import reference_generate
 from cdb_scheduler.exit_policy import FixedDepth
-from cdb_scheduler.plan import SamplingParams
+from cdb_scheduler.plan import SamplingParams, Stage
 
 _MODELS: dict[str, LoopedLM] = {}
 
@@ -210,3 +210,20 @@ def test_staggered_arrivals_match_reference() -> None:
             assert done.acquire(timeout=120)
         want = run_reference(model, eng, work, cfg)
     assert list(zip(outs, depths)) == [tuple(w) for w in want]
+
+
+def test_fused_refill_embedding_saves_the_prelude_ops_and_changes_nothing() -> None:
+    """Ouro's head op embeds each refill's input (no prelude op per decode step); results equal the unfused
+    engine's and the reference's."""
+    model = model64("ouro-tiny")
+    base = EngineConfig(model="ouro-tiny", dtype="float64", exit_threshold=0.5, max_num_seqs=4, kv_block_size=4)
+    rng = random.Random(5)
+    work = workload(rng, 12)
+    runs = {}
+    for fuse in (True, False):
+        got, eng = run_engine(model, replace(base, fuse_refill_embed=fuse), work)
+        runs[fuse] = (got, eng.sched_stats.ops[Stage.PRELUDE], eng.sched_stats.ops[Stage.LOOP])
+    assert runs[True][0] == runs[False][0] == run_reference(model, eng, work, base)
+    decode_tokens = sum(len(t) - 1 for t, _ in runs[True][0])
+    assert runs[False][1] - runs[True][1] >= decode_tokens // base.max_num_seqs > 0, "prelude ops were saved"
+    # (fusion is the default: test_tiny_pool_preempts_and_still_matches_reference runs it through recomputation)

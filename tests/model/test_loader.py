@@ -79,7 +79,8 @@ def test_stage_subsets() -> None:
     with pytest.raises(StageNotLoadedError, match="HEAD"):
         loop.logits(torch.zeros(1, 64))
     head = load_model(ouro, stages={Stage.HEAD})
-    assert set(head.state_dict()) == {"lm_head.weight"}
+    assert set(head.state_dict()) == {"lm_head.weight", "model.embed_tokens.weight"}  # the head embeds refills
+    assert torch.equal(head.embed_input(torch.tensor([5])), full["model.embed_tokens.weight"][5:6])
     huginn = load_model(str(golden_dir("huginn-tiny")), stages={Stage.HEAD}, dtype=torch.float64)
     names = set(huginn.state_dict())
     assert "transformer.wte.weight" in names  # the tied LM head

@@ -22,7 +22,7 @@ def make_requests(rng: random.Random, n: int, horizon: Horizon, q: float = 0.5) 
         prompt = [rng.randrange(50) for _ in range(rng.randint(1, 40))]
         reqs.append(
             Request(
-                id=rid,
+                rid=rid,
                 prompt=prompt,
                 max_tokens=rng.randint(1, 12),
                 policy=OuroHazard(q, MAX_DEPTH, 1, horizon),
@@ -34,7 +34,7 @@ def make_requests(rng: random.Random, n: int, horizon: Horizon, q: float = 0.5) 
 
 def drive(sched: Scheduler, ex: FakeExecutor, reqs: list[Request], arrivals: int = 1) -> dict[int, list]:
     """Run to completion, adding ``arrivals`` requests per round; checks invariants after every step."""
-    events: dict[int, list] = {r.id: [] for r in reqs}
+    events: dict[int, list] = {r.rid: [] for r in reqs}
     pending = list(reqs)
     for _ in range(100_000):
         for _ in range(arrivals):
@@ -75,11 +75,11 @@ def config(**kw) -> SchedulerConfig:
 
 def check_against_expected(reqs: list[Request], events: dict[int, list]) -> None:
     for r in reqs:
-        toks = [e for e in events[r.id] if isinstance(e, TokenOut)]
-        fin = [e for e in events[r.id] if isinstance(e, Finished)]
+        toks = [e for e in events[r.rid] if isinstance(e, TokenOut)]
+        fin = [e for e in events[r.rid] if isinstance(e, Finished)]
         assert len(fin) == 1 and fin[0].reason in (FinishReason.STOP, FinishReason.LENGTH)
         assert [e.index for e in toks] == list(range(len(toks))), "tokens must leave in order"
-        want_tokens, want_depths = expected(r.id, r.prompt_len, r.max_tokens, r.policy)
+        want_tokens, want_depths = expected(r.rid, r.prompt_len, r.max_tokens, r.policy)
         assert [e.token_id for e in toks] == want_tokens
         assert [e.depth for e in toks] == want_depths
 
@@ -117,8 +117,8 @@ def test_same_step_exits_one_step_earlier_than_one_ahead() -> None:
         events = drive(Scheduler(config()), FakeExecutor(), reqs)
         for r in reqs:
             same = OuroHazard(0.5, MAX_DEPTH, 1, Horizon.SAME_STEP)
-            _, base = expected(r.id, r.prompt_len, r.max_tokens, same)
-            got = [e.depth for e in events[r.id] if isinstance(e, TokenOut)]
+            _, base = expected(r.rid, r.prompt_len, r.max_tokens, same)
+            got = [e.depth for e in events[r.rid] if isinstance(e, TokenOut)]
             assert got[1:] == [min(d + shift, MAX_DEPTH) for d in base[1 : len(got)]]
 
 
@@ -162,7 +162,7 @@ def test_abort_frees_row_and_blocks_at_once() -> None:
             sched.on_result(res)
     assert len(sched.running) == 4
     for r in reqs:
-        (ev,) = sched.abort(r.id)
+        (ev,) = sched.abort(r.rid)
         assert isinstance(ev, Finished) and ev.reason is FinishReason.CANCELLED
         sched.check_invariants()
     assert sched.rows.num_used == 0 and sched.blocks.num_used == 0

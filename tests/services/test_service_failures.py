@@ -13,7 +13,7 @@ from cdb_engine.config import EngineConfig
 from cdb_scheduler.plan import Stage
 from clients.common import GenerateOptions
 from clients.sync_client import Client
-from tests.services.tree import StreamRun, process_tree
+from tests.services.tree import StreamRun, process_tree, wait_for_counters
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -24,9 +24,7 @@ def test_overload_is_resource_exhausted_at_once() -> None:
     config = EngineConfig(model="ouro-tiny", max_num_seqs=2, max_waiting=2, num_kv_blocks=512)
     with process_tree(config) as tree, Client(tree.address, timeout=60) as client:
         runs = [StreamRun(client, "busy", GenerateOptions(LONG, request_id=f"r{i}")).start() for i in range(4)]
-        deadline = time.monotonic() + 30
-        while (c := client.info().counters)["running"] + c["waiting"] < 4 and time.monotonic() < deadline:
-            pass  # wait until all four are admitted or queued
+        wait_for_counters(client, lambda c: c["running"] + c["waiting"] >= 4, "all four admitted or queued", 30)
         t0 = time.monotonic()
         with pytest.raises(grpc.RpcError) as err:
             list(client.stream("one too many", max_tokens=5))

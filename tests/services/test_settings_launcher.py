@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -95,3 +96,36 @@ def test_metrics_listen_option() -> None:
         scheduler_main(["--in-process", "--metrics-listen", "nowhere"])
     with pytest.raises(SystemExit):
         serve_main(["--metrics-listen", "nowhere"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_children_die_with_a_killed_launcher(tmp_path: Path) -> None:
+    """kill -9 of the process that started the tree: every child gets SIGTERM (PR_SET_PDEATHSIG, set by the child
+    itself) and exits; none is left serving."""
+    script = (
+        "import sys, time\n"
+        "from cdb_engine.config import EngineConfig\n"
+        "from services.launcher import serve_all\n"
+        "h = serve_all(EngineConfig(model='ouro-tiny'), '127.0.0.1:0')\n"
+        "print(' '.join(str(p.pid) for p in h.processes()), flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    launcher = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=tmp_path)
+    assert launcher.stdout is not None
+    pids = [int(p) for p in launcher.stdout.readline().split()]
+    assert len(pids) == 4
+    launcher.kill()
+    launcher.wait()
+    for pid in pids:  # each child exits on its own; wait for it to be gone (reaped by init)
+        deadline = time.monotonic() + 60
+        while _alive(pid):
+            assert time.monotonic() < deadline, f"child {pid} outlived its launcher"
+            time.sleep(0.05)  # polling /proc: a foreign process offers no wait primitive
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import socket
 import threading
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -14,9 +16,25 @@ from cdb_engine.config import EngineConfig
 from clients.common import GenerateOptions, StreamFinish, StreamToken
 from clients.sync_client import Client
 from services.launcher import ServeHandle, serve_all
+from services.telemetry.otlp_receiver import OtlpReceiver
 
 # Faster readiness transitions than production defaults, so failures show up quickly in tests.
 TEST_ENV = {"CDB_HEALTH_INTERVAL_S": "0.1", "CDB_STAGE_KEEPALIVE_S": "2", "CDB_STAGE_PROBE_TIMEOUT_S": "1"}
+
+# The tree shared by every test that neither kills, stops nor reconfigures it (``ouro_tiny_tree`` in
+# tests/conftest.py). float64, so its tokens equal an in-process engine's exactly whatever the batching.
+SHARED_CONFIG = EngineConfig(
+    model="ouro-tiny",
+    dtype="float64",
+    max_num_seqs=8,
+    num_kv_blocks=512,
+    max_input_tokens=200,
+    max_total_tokens=400,
+    max_waiting=64,
+)
+
+HELD = ("waiting", "running", "held_rows", "used_kv_blocks")
+IDLE = dict.fromkeys(HELD, 0)
 
 
 @contextmanager
@@ -27,6 +45,69 @@ def process_tree(config: EngineConfig, **env: str) -> Iterator[ServeHandle]:
         yield handle
     finally:
         handle.stop(drain_timeout=5.0)
+
+
+@dataclass(frozen=True)
+class SharedTree:
+    """A running tree that exports its spans to ``receiver`` and serves Prometheus metrics at ``metrics_url``."""
+
+    handle: ServeHandle
+    receiver: OtlpReceiver
+    metrics_url: str
+    config: EngineConfig = SHARED_CONFIG
+
+    @property
+    def address(self) -> str:
+        return self.handle.address
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextmanager
+def traced_process_tree(config: EngineConfig = SHARED_CONFIG) -> Iterator[SharedTree]:
+    """A tree with tracing on (every process exports to an in-process OTLP receiver) and a metrics endpoint."""
+    with OtlpReceiver() as receiver:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_") and k != "CDB_METRICS_ADDR"}
+        env.update(TEST_ENV)
+        env.update(
+            OTEL_TRACES_EXPORTER="otlp",
+            OTEL_EXPORTER_OTLP_ENDPOINT=receiver.endpoint,
+            OTEL_BSP_SCHEDULE_DELAY="100",
+        )
+        metrics = f"127.0.0.1:{free_port()}"
+        handle = serve_all(config, "127.0.0.1:0", env=env, metrics_listen=metrics)
+        try:
+            yield SharedTree(handle, receiver, f"http://{metrics}/metrics", config)
+        finally:
+            handle.stop(drain_timeout=5.0)
+
+
+def wait_for_counters(
+    client: Client, done: Callable[[dict[str, int]], bool], what: str, timeout: float = 20.0
+) -> dict[str, int]:
+    """Poll ``Info`` until ``done(counters)``; return those counters. For states the server exposes only through
+    ``Info`` (queue lengths, held rows and blocks), where there is no event to wait on. Raises AssertionError
+    naming ``what`` and the last counters seen after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not done(counters := client.info().counters):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not reached within {timeout}s; last counters {counters}")
+        time.sleep(0.02)  # the poll interval
+    return counters
+
+
+def wait_idle(client: Client, timeout: float = 20.0) -> dict[str, int]:
+    """Wait until nothing is waiting, running or held (aborts and cancels are applied asynchronously); return
+    those counters (all zero), or the last ones seen after ``timeout`` seconds."""
+    try:
+        counters = wait_for_counters(client, lambda c: not any(c[k] for k in HELD), "idle", timeout)
+    except AssertionError:
+        counters = client.info().counters
+    return {k: counters[k] for k in HELD}
 
 
 @dataclass

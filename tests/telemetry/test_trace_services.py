@@ -1,7 +1,7 @@
-"""Real spans from the real process tree: scheduler + three stage servers export to an OTLP receiver started by
-the test; one request's trace must cover every stage hop with the right parentage, and every stage's batch spans
-must link to it. ``-s`` prints the request's trace (span names and durations). The same tree serves its
-Prometheus metrics (``--metrics-listen``), scraped before and after requests.
+"""Real spans from the real process tree: scheduler + three stage servers export to an OTLP receiver in the test
+process (the session's shared tree, tests/conftest.py); one request's trace must cover every stage hop with the
+right parentage, and every stage's batch spans must link to it. ``-s`` prints the request's trace (span names and
+durations). The same tree serves its Prometheus metrics (``--metrics-listen``), scraped before and after requests.
 
 Wiring contract this test checks: the scheduler calls ``init_tracing("cdb-scheduler")`` and each stage server
 ``init_tracing(f"cdb-{role}")`` at start, ``shutdown_tracing()`` at exit; the request span is the child of the
@@ -11,10 +11,7 @@ caller's context from the gRPC metadata; the executor sends ``contexts_for_op`` 
 
 from __future__ import annotations
 
-import os
-import socket
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
 
@@ -34,6 +31,7 @@ from services.telemetry.otlp_receiver import (
     linked_to,
     one,
 )
+from tests.services.tree import SHARED_CONFIG, SharedTree
 
 ROOT = Path(__file__).resolve().parents[2]
 STAGES = ("prelude", "loop", "head")
@@ -46,31 +44,12 @@ class Tree(NamedTuple):
     metrics_url: str
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@pytest.fixture(scope="module")
-def traced_tree() -> Iterator[Tree]:
-    from cdb_engine.config import EngineConfig
-    from services.launcher import serve_all
-
-    config = EngineConfig(model="ouro-tiny", max_num_seqs=4, num_kv_blocks=256)
-    with OtlpReceiver() as receiver:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_") and k != "CDB_METRICS_ADDR"}
-        env.update(
-            OTEL_TRACES_EXPORTER="otlp",
-            OTEL_EXPORTER_OTLP_ENDPOINT=receiver.endpoint,
-            OTEL_BSP_SCHEDULE_DELAY="100",
-        )
-        metrics = f"127.0.0.1:{_free_port()}"
-        handle = serve_all(config, "127.0.0.1:0", env=env, metrics_listen=metrics)
-        try:
-            yield Tree(receiver, handle.address, f"http://{metrics}/metrics")
-        finally:
-            handle.stop(drain_timeout=5.0)
+@pytest.fixture
+def traced_tree(ouro_tiny_tree: SharedTree) -> Tree:
+    """The shared tree, which exports to its receiver; spans of earlier tests are dropped first (the checks below
+    look for one request's spans, so stragglers of earlier requests do not matter)."""
+    ouro_tiny_tree.receiver.clear()
+    return Tree(ouro_tiny_tree.receiver, ouro_tiny_tree.address, ouro_tiny_tree.metrics_url)
 
 
 def _request_spans(spans: list[CollectedSpan], request_id: str) -> list[CollectedSpan]:
@@ -201,6 +180,6 @@ def test_scheduler_serves_metrics_of_real_requests(traced_tree: Tree) -> None:
     for stage in STAGES:
         assert delta(f'cdb_stage_compute_seconds_count{{stage="{stage}"}}') >= 1, stage
     assert delta("cdb_loop_batch_size_count") >= 3 and delta("cdb_loop_batch_occupancy_count") >= 3
-    assert after["cdb_kv_blocks_total"] == 256 and after["cdb_bank_rows_total"] > 4
+    assert after["cdb_kv_blocks_total"] == SHARED_CONFIG.num_kv_blocks and after["cdb_bank_rows_total"] > 4
     assert after["cdb_requests_waiting"] == 0 and after["cdb_requests_running"] == 0
     assert after['cdb_model_info{model="ouro-tiny"}'] == 1

@@ -1,0 +1,113 @@
+"""``cdb bench scheduler``: the scheduler's own CPU per loop step, against the loop step's compute.
+
+The scheduler runs alone against instant stages (every op completes the moment it is polled), in steady state:
+``--max-num-seqs`` resident requests with replayed depths, a new request arriving as each one ends. Its thread CPU
+in ``schedule()`` and ``on_result()`` per loop step is divided by the time one real loop step over that many
+tokens takes on the model (``cdb_bench.step_time.time_loop_step``). Planning overlaps with compute on its own
+thread, so this fraction is what it costs on the CPU, not latency.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from collections import deque
+
+from cdb_bench.step_time import time_loop_step
+from cdb_bench.workload import depth_sampler
+from cdb_model.presets import preset_config
+from cdb_scheduler.config import Mode, SchedulerConfig
+from cdb_scheduler.exit_policy import ReplayDepth
+from cdb_scheduler.plan import HeadOp, LoopOp, SamplingParams, Stage, StageOp, StageResult
+from cdb_scheduler.request import Finished, Request
+from cdb_scheduler.scheduler import Scheduler
+
+
+class InstantStages:
+    """Completes every op when polled, in submission order; no model (a head op samples token 5)."""
+
+    def __init__(self) -> None:
+        self.queue: deque[StageOp] = deque()
+
+    def submit(self, op: StageOp) -> None:
+        self.queue.append(op)
+
+    def poll(self, timeout: float | None) -> StageResult | None:
+        if not self.queue:
+            return None
+        op = self.queue.popleft()
+        if isinstance(op, LoopOp) and not op.prefill:
+            return StageResult(Stage.LOOP, op.seq, 0.0, signals=(0.0,) * len(op.rows))
+        if isinstance(op, HeadOp):
+            return StageResult(Stage.HEAD, op.seq, 0.0, token_ids=(5,) * sum(op.sample))
+        return StageResult(op.stage, op.seq, 0.0)
+
+
+def scheduler_cpu_per_step(
+    max_num_seqs: int, max_depth: int, steps: int, depth_mean: float, seed: int = 0, mode: Mode = Mode.CDB
+) -> dict[str, float]:
+    """Drive a scheduler for ``steps`` decode loop steps in steady state; its CPU seconds per loop step."""
+    rng = random.Random(seed)
+    draw = depth_sampler(rng, depth_mean, 1, max_depth)
+    cfg = SchedulerConfig(
+        max_depth=max_depth, mode=mode, max_num_seqs=max_num_seqs, num_kv_blocks=max_num_seqs * 64, kv_block_size=16
+    )
+    sched, stages = Scheduler(cfg), InstantStages()
+    next_rid = 0
+
+    def arrive() -> None:
+        nonlocal next_rid
+        next_rid += 1
+        n = rng.randint(64, 256)
+        req = Request(rid=next_rid, prompt=[3] * rng.randint(16, 64), max_tokens=n, policy=ReplayDepth(max_depth))
+        req.sampling, req.replay_depths = SamplingParams(), [draw() for _ in range(n)]
+        sched.add(req)
+
+    for _ in range(max_num_seqs * 2):
+        arrive()
+    warm = start = None
+    while sched.stats.loop_steps < steps:
+        for op in sched.schedule():
+            stages.submit(op)
+        res = stages.poll(None)
+        if res is None:
+            continue
+        for ev in sched.on_result(res):
+            if isinstance(ev, Finished):
+                arrive()
+        if warm is None and sched.stats.loop_steps >= steps // 10:  # past the admission ramp
+            warm, start = (sched.stats.sched_cpu_s, sched.stats.loop_steps), time.perf_counter()
+    assert warm is not None and start is not None
+    cpu, n = sched.stats.sched_cpu_s - warm[0], sched.stats.loop_steps - warm[1]
+    return {"sched_cpu_s_per_step": cpu / n, "occupancy": sched.stats.occupancy, "loop_steps": n}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="cdb bench scheduler", description=__doc__.splitlines()[0] if __doc__ else "")
+    p.add_argument("--model", default="ouro-bench", help="preset whose loop step is the reference")
+    p.add_argument("--max-num-seqs", type=int, nargs="+", default=[64, 256])
+    p.add_argument("--steps", type=int, default=2000)
+    p.add_argument("--depth-mean", type=float, default=2.5)
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    max_depth = preset_config(args.model).max_depth
+    rows = []
+    for width in args.max_num_seqs:
+        fig = scheduler_cpu_per_step(width, max_depth, args.steps, args.depth_mean)
+        step_ms = time_loop_step(args.model, tokens=width)
+        fig.update(max_num_seqs=width, loop_step_ms=step_ms)
+        fig["sched_cpu_over_step_compute"] = 1e3 * fig["sched_cpu_s_per_step"] / step_ms
+        rows.append(fig)
+    if args.json:
+        print(json.dumps({"model": args.model, "depth_mean": args.depth_mean, "widths": rows}, indent=2))
+    else:
+        print(f"model {args.model}  depth mean {args.depth_mean}")
+        print(f"{'max_num_seqs':>12} {'sched µs/step':>14} {'step ms':>8} {'ratio':>7} {'occupancy':>9}")
+        for r in rows:
+            print(
+                f"{r['max_num_seqs']:>12} {1e6 * r['sched_cpu_s_per_step']:>14.1f} {r['loop_step_ms']:>8.2f} "
+                f"{r['sched_cpu_over_step_compute']:>7.4f} {r['occupancy']:>9.3f}"
+            )
+    return 0

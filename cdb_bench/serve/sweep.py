@@ -1,0 +1,160 @@
+"""The rate sweep of every mode, its capacity knee, and the comparisons between modes.
+
+Per mode: one target (a fresh engine or process tree), warmed up with a few short requests; then every swept
+rate, then ``bisect`` midpoints between the highest passing and the lowest failing rate (``knee``). Full depth
+runs first, so that every other mode is also measured at full depth's knee rate: the normalized-latency cut
+there is 1 - NL_mode / NL_full-depth. A run with a failed request counts as over the bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from tqdm import tqdm
+
+from cdb_bench.serve.driver import drive
+from cdb_bench.serve.knee import Knee, find_knee, knee_ratio, latency_cut, passes
+from cdb_bench.serve.metrics import RequestRecord, Slo, itl_lists, lag_stats, queue_summary, summarize_run
+from cdb_bench.serve.requests import RequestSet, ServeRequest, warmup_requests
+from cdb_bench.serve.targets import Target, open_target
+from cdb_engine.config import EngineConfig
+from cdb_engine.setup import torch_dtype
+from cdb_model.loader import load_model
+from cdb_scheduler.config import Mode
+
+REFERENCE = "full-depth"
+
+
+@dataclass(frozen=True, slots=True)
+class SweepConfig:
+    target: str
+    modes: tuple[str, ...]
+    rates: tuple[float, ...]
+    slo: Slo
+    latency_bound: float  # seconds per output token
+    bisect: int = 0
+    warmup: int = 4
+    sample_interval: float = 0.1
+    request_timeout: float = 600.0
+    progress: bool = True
+
+
+def mean_nl(run: dict[str, Any]) -> float | None:
+    """A run's mean normalized latency; None (over any bound) if a request failed."""
+    return None if run["failed"] else run["normalized_latency_s"]["mean"]
+
+
+async def _session(
+    target: Target, requests: Sequence[ServeRequest], sc: SweepConfig, on_done: Callable[[], None] | None
+) -> tuple[list[RequestRecord], list[tuple[float, int, int]]]:
+    conn = await target.connect()
+    try:
+        return await drive(conn, requests, sample_interval=sc.sample_interval, on_done=on_done)
+    finally:
+        await target.disconnect(conn)
+
+
+def measure(
+    target: Target, requests: Sequence[ServeRequest], rate: float, sc: SweepConfig, label: str
+) -> tuple[dict[str, Any], list[list[float]]]:
+    """One open-loop run: its summary (``metrics.summarize_run`` + ``queue``) and every request's ITLs."""
+    bar = tqdm(total=len(requests), desc=label, unit="req", leave=False, disable=not sc.progress, file=sys.stderr)
+    try:
+        records, samples = asyncio.run(_session(target, requests, sc, lambda: bar.update(1)))
+    finally:
+        bar.close()
+    summary = summarize_run(records, rate, sc.slo)
+    summary["queue"] = queue_summary(samples, sc.sample_interval)
+    return summary, itl_lists(records)
+
+
+@dataclass(slots=True)
+class ModeRuns:
+    """Every run of one mode, by rate."""
+
+    mode: str
+    runs: dict[float, dict[str, Any]]
+    itls: dict[float, list[list[float]]]
+    knee: Knee | None = None
+
+
+def sweep_mode(target: Target, mode: str, reqs: RequestSet, sc: SweepConfig, extra_rate: float | None) -> ModeRuns:
+    """Warm-up, the swept rates, the knee's bisection, and ``extra_rate`` (the reference's knee) if new."""
+    out = ModeRuns(mode, {}, {})
+    asyncio.run(_session(target, warmup_requests(reqs, sc.warmup), sc, None))
+
+    def at(rate: float, source: str) -> float | None:
+        if rate not in out.runs:
+            run, itl = measure(target, reqs.at(rate), rate, sc, f"{mode} @ {rate:.4g} req/s")
+            run["source"] = source
+            out.runs[rate], out.itls[rate] = run, itl
+            nl = mean_nl(run)
+            verdict = "under" if passes(nl, sc.latency_bound) else "over"
+            shown = f"{1e3 * nl:.2f} ms/token" if nl is not None else f"{run['failed']} failed"
+            if sc.progress:
+                tqdm.write(f"{mode:<10} {rate:>8.4g} req/s  mean NL {shown}  ({verdict} the bound)", file=sys.stderr)
+        return mean_nl(out.runs[rate])
+
+    for rate in sc.rates:
+        at(rate, "sweep")
+    swept = {r: mean_nl(out.runs[r]) for r in sc.rates}
+    out.knee = find_knee(swept, sc.latency_bound, sc.bisect, lambda r: at(r, "bisect"))
+    if extra_rate is not None:
+        at(extra_rate, "reference-knee")
+    return out
+
+
+ItlLists = dict[str, dict[float, list[list[float]]]]  # mode -> rate -> each request's inter-token latencies
+
+
+def run_sweep(base: EngineConfig, reqs: RequestSet, sc: SweepConfig) -> tuple[dict[str, Any], ItlLists]:
+    """Every mode of ``sc`` on ``reqs``: the figures (per-mode runs and knees, the knee ratio, the cut, the
+    client's lag) and every run's per-request ITL lists."""
+    model = None
+    if sc.target == "in-process":
+        model = load_model(base.model, dtype=torch_dtype(base.dtype), device=base.device)
+    order = sorted(sc.modes, key=lambda m: m != REFERENCE)
+    results: dict[str, ModeRuns] = {}
+    for mode in order:
+        ref = results.get(REFERENCE)
+        extra = ref.knee.rate if ref is not None and ref.knee is not None else None
+        cfg = replace(base, mode=Mode(mode))
+        with open_target(sc.target, cfg, model=model, max_live=len(reqs.requests), timeout=sc.request_timeout) as t:
+            results[mode] = sweep_mode(t, mode, reqs, sc, extra)
+    return assemble(results, [m for m in sc.modes if m in results]), {m: r.itls for m, r in results.items()}
+
+
+def assemble(results: dict[str, ModeRuns], modes: Sequence[str]) -> dict[str, Any]:
+    """The figures of every mode and the comparisons (knee ratio cdb / full-depth, NL cut at its knee)."""
+    knees = {m: r.knee for m, r in results.items() if r.knee is not None}
+    out_modes = {
+        m: {"runs": [results[m].runs[r] for r in sorted(results[m].runs)], "knee": knees[m].as_dict()} for m in modes
+    }
+    lags = [
+        x
+        for r in results.values()
+        for run in r.runs.values()
+        for x in run["per_request"]["client_lag_s"]
+        if x is not None
+    ]
+    return {
+        "modes": out_modes,
+        "knees": {m: k.rate for m, k in knees.items()},
+        "knee_ratio_cdb_over_full_depth": knee_ratio(knees),
+        "cut_at_full_depth_knee": _cut(results),
+        "client_lag": lag_stats(lags),
+    }
+
+
+def _cut(results: dict[str, ModeRuns]) -> dict[str, Any] | None:
+    ref = results.get(REFERENCE)
+    if ref is None or ref.knee is None or ref.knee.rate is None:
+        return None
+    rate = ref.knee.rate
+    nl = {m: mean_nl(r.runs[rate]) if rate in r.runs else None for m, r in results.items()}
+    cuts = {m: latency_cut(v, nl[REFERENCE]) for m, v in nl.items() if m != REFERENCE}
+    return {"rate": rate, "normalized_latency_s": nl, "cut": cuts, "cdb": cuts.get("cdb")}

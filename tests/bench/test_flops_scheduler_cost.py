@@ -1,0 +1,39 @@
+"""The workload FLOP ratio S_w and the scheduler-cost benchmark."""
+
+from __future__ import annotations
+
+import pytest
+
+from cdb_bench.flops import request_flops, workload_flop_ratio
+from cdb_bench.scheduler_cost import scheduler_cpu_per_step
+from cdb_model.presets import preset_config
+
+
+def test_full_depth_everywhere_gives_one_and_fewer_steps_give_more() -> None:
+    mc = preset_config("ouro-bench")
+    assert workload_flop_ratio(mc, [8, 16], [[4] * 10, [4] * 3], 4) == pytest.approx(1.0)
+    shallow = workload_flop_ratio(mc, [8], [[1] * 50], 4)
+    deeper = workload_flop_ratio(mc, [8], [[3] * 50], 4)
+    assert shallow > deeper > 1.0
+
+
+def test_s_w_approaches_the_papers_bound_without_prompts_and_attention() -> None:
+    """A one-token prompt and a modest output: prefill and attention are small, so S_w is close to S."""
+    mc = preset_config("ouro-bench")
+    f0, fr = mc.param_counts()
+    s = (f0 + 4 * fr) / (f0 + 2 * fr)
+    assert workload_flop_ratio(mc, [1], [[2] * 60], 4) == pytest.approx(s, rel=0.05)
+
+
+def test_prompt_tokens_cost_the_same_in_both_modes_and_dilute_the_ratio() -> None:
+    mc = preset_config("huginn-bench")
+    short = workload_flop_ratio(mc, [4], [[6] * 20], 16)
+    long = workload_flop_ratio(mc, [400], [[6] * 20], 16)
+    assert short > long > 1.0
+    assert request_flops(mc, 10, [], 16) < request_flops(mc, 11, [], 16)
+
+
+def test_scheduler_cpu_per_step_is_measured_in_steady_state() -> None:
+    fig = scheduler_cpu_per_step(max_num_seqs=16, max_depth=4, steps=200, depth_mean=2.5)
+    assert fig["loop_steps"] >= 150 and 0 < fig["sched_cpu_s_per_step"] < 0.05
+    assert fig["occupancy"] > 0.8, "steady state keeps the loop batch full"

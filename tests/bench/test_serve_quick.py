@@ -1,0 +1,81 @@
+"""``cdb bench serve --quick`` end to end: in-process (all three modes) and one deployment mode via the public API."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cdb_bench.cli import main as bench_main
+
+STATS = ("mean", "p50", "p90", "p99")
+LATENCIES = ("ttft_s", "tpot_s", "itl_s", "e2e_s", "normalized_latency_s")
+
+
+def _run(capsys: pytest.CaptureFixture[str], *args: str) -> dict[str, Any]:
+    assert bench_main(["serve", "--quick", "--json", "--no-progress", *args]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def _check_run(run: dict[str, Any], rate: float, requests: int) -> None:
+    assert run["rate"] == rate and run["requests"] == requests and run["completed"] == requests
+    for key in ("output_throughput", "request_throughput", "goodput", "duration_s"):
+        assert run[key] > 0, key
+    for key in LATENCIES:
+        assert all(run[key][s] is not None and run[key][s] >= 0 for s in STATS), key
+    assert run["ttft_s"]["p50"] <= run["ttft_s"]["p99"] <= run["e2e_s"]["p99"]
+    per = run["per_request"]
+    assert len(per["normalized_latency_s"]) == requests and None not in per["tpot_s"]
+    q = run["queue"]
+    times = [t for t, _, _ in q["samples"]]
+    assert times and times == sorted(times) and all(w >= 0 and r >= 0 for _, w, r in q["samples"])
+    assert q["interval_s"] == 0.1 and q["max_running"] == max(r for _, _, r in q["samples"])
+    assert set(run["client_lag"]) == {"mean_s", "p99_s", "max_s"} and run["client_lag"]["max_s"] >= 0
+
+
+def _check_common(s: dict[str, Any], modes: list[str]) -> None:
+    assert s["config"]["quick"] and s["config"]["rates"] == [8.0, 24.0] and s["model"]["name"] == "ouro-tiny"
+    assert s["workload"]["depth"] == {"mean": 2.5, "min": 1, "max": 4}
+    assert list(s["modes"]) == modes
+    tokens = {m: [r["output_tokens"] for r in s["modes"][m]["runs"]] for m in modes}
+    assert len({t for ts in tokens.values() for t in ts}) == 1  # the same requests for every mode and rate
+    for m in modes:
+        runs = s["modes"][m]["runs"]
+        assert [r["rate"] for r in runs] == [8.0, 24.0]
+        for r in runs:
+            _check_run(r, r["rate"], s["workload"]["requests"])
+        assert s["modes"][m]["knee"]["bound"] == s["config"]["latency_bound_s"]
+        assert s["knees"][m] == s["modes"][m]["knee"]["rate"]
+    assert s["client_lag"]["max_s"] is not None
+
+
+def test_quick_in_process_reports_every_figure(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    s = _run(capsys, "--target", "in-process", "--out", str(tmp_path))
+    _check_common(s, ["cdb", "no-refill", "full-depth"])
+    fd = s["modes"]["full-depth"]["runs"]
+    assert all(r["mean_depth"] == 4.0 for r in fd)  # full depth ignores the replayed depths
+    assert all(r["mean_depth"] < 3.5 for r in s["modes"]["cdb"]["runs"])  # cdb serves them (mean 2.5 + prefill)
+    ratio = s["knee_ratio_cdb_over_full_depth"]
+    assert ratio == pytest.approx(s["knees"]["cdb"] / s["knees"]["full-depth"])
+    cut = s["cut_at_full_depth_knee"]
+    assert cut["rate"] == s["knees"]["full-depth"] and set(cut["cut"]) == {"cdb", "no-refill"}
+    nl = cut["normalized_latency_s"]
+    assert cut["cdb"] == pytest.approx(1 - nl["cdb"] / nl["full-depth"])
+    saved = json.loads((tmp_path / "serve.json").read_text())
+    itls = saved["modes"]["cdb"]["runs"][0]["per_request"]["itl_s"]
+    outs = saved["modes"]["cdb"]["runs"][0]["per_request"]["output_tokens"]
+    assert [len(x) for x in itls] == [n - 1 for n in outs]
+    for name in ("nl_vs_rate.png", "ttft_p99_vs_rate.png", "nl_cdf_at_knee.png"):
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_quick_deployment_one_mode_through_the_public_api(capsys: pytest.CaptureFixture[str]) -> None:
+    s = _run(capsys, "--target", "deployment", "--modes", "cdb")
+    _check_common(s, ["cdb"])
+    assert s["config"]["target"] == "deployment"
+    assert all(r["mean_depth"] < 3.5 for r in s["modes"]["cdb"]["runs"])  # replayed depths crossed the API
+    assert s["knee_ratio_cdb_over_full_depth"] is None and s["cut_at_full_depth_knee"] is None
