@@ -1,4 +1,4 @@
-"""The ``cdb`` command: serve, demo, generate, stage, scheduler, bench, presets."""
+"""The ``cdb`` command: serve, demo, generate, stage, scheduler, train, bench, presets."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ COMMANDS = {
     "generate": ("clients.cli", "generate_main", "stream a generation from a running server"),
     "stage": ("cdb.processes", "stage_main", "run one stage server (prelude | loop | head)"),
     "scheduler": ("cdb.processes", "scheduler_main", "run the scheduler service"),
+    "train": ("cdb_train.cli", "main", "train the shipped looped model (prepare | train | lookahead | card)"),
     "bench": ("cdb_bench.cli", "main", "benchmarks: offline, services, serve, scheduler, step (see cdb bench --help)"),
 }
 

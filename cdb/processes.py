@@ -8,7 +8,7 @@ import logging
 from cdb_engine.config import DType
 from cdb_engine.options import add_engine_args, engine_config_from_args
 from cdb_scheduler.plan import Stage
-from services.launcher import die_with_parent
+from services.launcher import die_with_parent, pin_cpus
 from services.net import is_host_port, parse_stage_addrs
 
 
@@ -25,6 +25,7 @@ def stage_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--ready-file", help="write the bound address here once serving")
     args = parser.parse_args(argv)
+    pin_cpus(args.role)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.role} %(levelname)s %(message)s")
     try:
         run_stage(args.role, args.model, args.listen, dtype=args.dtype, device=args.device, ready_file=args.ready_file)
@@ -50,6 +51,7 @@ def scheduler_main(argv: list[str] | None = None) -> int:
     )
     add_engine_args(parser)
     args = parser.parse_args(argv)
+    pin_cpus("scheduler")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s scheduler %(levelname)s %(message)s")
     try:
         stage_addrs = None if args.in_process else parse_stage_addrs(args.stage)

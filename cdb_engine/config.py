@@ -63,6 +63,7 @@ class EngineConfig:
     prefill_token_budget: int = 2048
     prefill_chunk_size: int = 512
     min_head_batch_size: int | None = None  # None: 1 for Ouro, max_num_seqs/4 for Huginn
+    max_head_wait_steps: int = 4  # ... but an exited token waits for that batch at most this many loop ops
     loop_pipeline_depth: int = 2
     max_input_tokens: int | None = None  # None: model max positions - 1
     max_total_tokens: int | None = None  # None: model max positions

@@ -26,9 +26,7 @@ from cdb_engine.limits import Limits, build_policy, resolve_limits
 from cdb_engine.setup import StageSetup
 from cdb_engine.stream import RequestStream
 from cdb_engine.validation import validate
-from cdb_model.config import ModelConfig
 from cdb_model.loader import load_config, load_tokenizer
-from cdb_model.presets import preset_config, preset_names
 from cdb_scheduler.plan import Executor
 from cdb_scheduler.request import Finished, FinishReason, Request, TokenOut
 from cdb_scheduler.scheduler import Scheduler
@@ -47,16 +45,12 @@ class _Live:
     detok: Detokenizer
 
 
-def load_model_config(source: str) -> ModelConfig:
-    return preset_config(source) if source in preset_names() else load_config(source)
-
-
 class Engine:
     """Continuous depth batching over an executor (in-process by default)."""
 
     def __init__(self, config: EngineConfig, executor_factory: Callable[[StageSetup], Executor] | None = None) -> None:
         self.config = config
-        self.model_config = load_model_config(config.model)
+        self.model_config = load_config(config.model)
         self.tokenizer = load_tokenizer(config.model)
         self.limits: Limits = resolve_limits(config, self.model_config)
         self.scheduler = Scheduler(self.limits.scheduler_config(config, self.model_config))
@@ -286,7 +280,12 @@ class Engine:
             ids = self.validate(prompt, p)
             out = Completion("", ids)
             outs.append(out)
-            out.request_id = self.submit(ids, p, _collector(out, done.release), force=True)
+
+            def sink(ev: Event, out: Completion = out) -> None:
+                if out.record(ev):
+                    done.release()
+
+            out.request_id = self.submit(ids, p, sink, force=True)
         for _ in outs:
             done.acquire()
         return outs
@@ -309,22 +308,3 @@ class Engine:
     @property
     def sched_stats(self) -> SchedulerStats:
         return self.scheduler.stats
-
-
-def _collector(out: Completion, done: Callable[[], None]) -> Callable[[Event], None]:
-    """A sink filling ``out`` (offline ``generate``); calls ``done`` at the finish event."""
-
-    def sink(ev: Event) -> None:
-        if isinstance(ev, TokenEvent):
-            out.token_ids.append(ev.token_id)
-            out.depths.append(ev.depth)
-            out.text += ev.text
-            out.logprobs.append(ev.logprobs)
-            out.token_times.append(time.perf_counter())
-        else:
-            out.text += ev.text
-            out.finish_reason = ev.finish_reason
-            out.total_loop_steps = ev.total_loop_steps
-            done()
-
-    return sink

@@ -6,6 +6,7 @@ Names: ``request_id`` (str) is the caller's id of a request, from the public API
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -51,6 +52,20 @@ class Completion:
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     total_loop_steps: int = 0
     token_times: list[float] = field(default_factory=list)  # time.perf_counter() when each token was reported
+
+    def record(self, ev: Event) -> bool:
+        """Add one event of the request; True at its finish."""
+        if isinstance(ev, TokenEvent):
+            self.token_ids.append(ev.token_id)
+            self.depths.append(ev.depth)
+            self.text += ev.text
+            self.logprobs.append(ev.logprobs)
+            self.token_times.append(time.perf_counter())
+            return False
+        self.text += ev.text
+        self.finish_reason = ev.finish_reason
+        self.total_loop_steps = ev.total_loop_steps
+        return True
 
 
 @dataclass(frozen=True, slots=True)

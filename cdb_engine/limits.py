@@ -38,6 +38,7 @@ class Limits:
             prefill_token_budget=cfg.prefill_token_budget,
             prefill_chunk_size=cfg.prefill_chunk_size,
             min_head_batch_size=self.min_head_batch_size,
+            max_head_wait_steps=cfg.max_head_wait_steps,
             loop_pipeline_depth=cfg.loop_pipeline_depth,
             copy_on_exit=cfg.kv_policy is KVPolicy.LAST_EXITED,
             head_has_kv=mc.num_coda_layers > 0,

@@ -37,6 +37,10 @@ __all__ = [
     "load_tokenizer",
 ]
 
+# Models shipped with the project: ``models/<name>`` of the source tree (or of the working directory, as in the image).
+SHIPPED_MODELS = (Path(__file__).resolve().parents[1] / "models", Path("models"))
+DEFAULT_MODEL = "ouro-kjv"  # the trained model ``cdb serve`` and ``cdb demo`` start with
+
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
@@ -71,8 +75,21 @@ def _names(names: Iterable[str], limit: int = 20) -> str:
     return ", ".join(s[:limit]) + more
 
 
+def resolve_source(source: str) -> str:
+    """The folder of a shipped model's name (``ouro-kjv``); a preset name or a path is returned unchanged."""
+    if source in preset_names() or Path(source).exists() or "/" in source:
+        return source
+    for base in SHIPPED_MODELS:
+        if (base / source / "config.json").is_file():
+            return str(base / source)
+    return source
+
+
 def load_config(folder: str | Path) -> ModelConfig:
-    path = Path(folder)
+    """The ``ModelConfig`` of a preset name, a shipped model or a checkpoint folder (its ``config.json``)."""
+    if isinstance(folder, str) and folder in preset_names():
+        return preset_config(folder)
+    path = Path(resolve_source(str(folder)))
     if not path.is_dir():
         raise CheckpointNotFoundError(
             f"checkpoint folder {str(path)!r} does not exist and is not a preset ({', '.join(preset_names())})"
@@ -175,7 +192,7 @@ def load_model(
     (None: all). Raises a ``CheckpointError`` subclass naming the problem."""
     if source in preset_names():
         return build_preset(source, dtype=dtype, device=device, stages=stages)
-    return _load_folder(Path(source), dtype, device, stages)
+    return _load_folder(Path(resolve_source(source)), dtype, device, stages)
 
 
 def load_tokenizer(source: str) -> Tokenizer:
@@ -184,7 +201,7 @@ def load_tokenizer(source: str) -> Tokenizer:
         cfg = preset_config(source)
         return ByteTokenizer(cfg.vocab_size, cfg.stop_token_ids)
     config = load_config(source)
-    tok_file = Path(source) / "tokenizer.json"
+    tok_file = Path(resolve_source(source)) / "tokenizer.json"
     if tok_file.is_file():
         return HFTokenizer(tok_file, config.stop_token_ids, config.vocab_size)
     return ByteTokenizer(config.vocab_size, config.stop_token_ids)

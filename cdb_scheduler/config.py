@@ -28,6 +28,7 @@ class SchedulerConfig:
     prefill_chunk_size: int = 512  # prompts are chunked at multiples of this (result-defining: see docs)
     min_head_batch_size: int = 1
     max_head_in_flight: int = 2
+    max_head_wait_steps: int = 1 << 30  # an exited token waits for a head batch at most this many loop ops
     loop_pipeline_depth: int = 2  # loop ops in flight: the stage starts k+1 the moment k ends
     copy_on_exit: bool = False  # KV policy last_exited: on exit after step e, slot e is copied deeper
     head_has_kv: bool = False  # Huginn: the head runs coda blocks over every prompt position (their KV)
@@ -47,6 +48,7 @@ class SchedulerConfig:
             ),
             (self.min_head_batch_size >= 1, "min_head_batch_size must be >= 1"),
             (self.max_head_in_flight >= 1, "max_head_in_flight must be >= 1"),
+            (self.max_head_wait_steps >= 1, "max_head_wait_steps must be >= 1"),
             (self.loop_pipeline_depth >= 1, "loop_pipeline_depth must be >= 1"),
         ]
         for ok, message in checks:

@@ -90,6 +90,7 @@ class Item:
     exited: bool = False
     forced_depth: int = 0  # replay after preemption: the depth recorded the first time
     pending_since: int = -1  # loop seq of an issued step whose fate is not yet decided
+    exited_at: int = 0  # loop ops issued when it joined the head queue
     embedded: bool = False  # its input's embedding is already in its row (written by the head op that sampled it)
 
     @property

@@ -108,7 +108,10 @@ class Scheduler:
         if gate is None:
             return
         flush = flush or gate
-        need = 1 if flush else self.cfg.min_head_batch_size
+        # Head ops are batched (min_head_batch_size > 1: Huginn's coda is as large as its loop block, and a small
+        # batch re-reads all its weights), but an exited token waits at most max_head_wait_steps loop ops.
+        waited = self.stats.loop_steps - self.head_queue[0].exited_at if self.head_queue else 0
+        need = 1 if flush or waited >= self.cfg.max_head_wait_steps else self.cfg.min_head_batch_size
         while len(self.head_queue) >= need and len(self._head) < self.cfg.max_head_in_flight:
             items = [self.head_queue.popleft() for _ in range(min(len(self.head_queue), self.cfg.max_num_seqs))]
             reqs = [it.req for it in items]
@@ -175,6 +178,7 @@ class Scheduler:
         it.depth = step + 1
         if self.cfg.copy_on_exit and step + 1 < self.cfg.max_depth:
             self.ops.pending_copies.append(KVCopy(it.req.rid, it.position, step))
+        it.exited_at = self.stats.loop_steps
         self.head_queue.append(it)
 
     @staticmethod

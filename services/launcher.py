@@ -30,12 +30,20 @@ from cdb_engine.config import EngineConfig
 from cdb_engine.options import engine_config_to_argv
 from cdb_scheduler.plan import Stage
 from services.net import wait_ready_file
-from services.settings import Settings, load_settings
+from services.settings import Settings, cpu_map, load_settings
 
 # --- the process tree -----------------------------------------------------------------------------------------
 
 
 PARENT_ENV = "CDB_PARENT_PID"
+
+
+def pin_cpus(role: str, settings: Settings | None = None) -> None:
+    """Pin this process (``role`` of the tree) to the CPUs ``CDB_CPUS`` gives it, if any: on a small host the
+    loop stage can then own a core instead of time-sharing it with the head, prelude and scheduler."""
+    cpus = cpu_map((settings or load_settings()).cpus).get(role)
+    if cpus:
+        os.sched_setaffinity(0, cpus)
 
 
 def die_with_parent() -> None:

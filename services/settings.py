@@ -15,6 +15,7 @@
 | ``CDB_READY_TIMEOUT_S`` | 180 | ``serve_all``: how long to wait for every child to become ready |
 | ``CDB_UVLOOP`` | 1 | run the public server's event loop on uvloop when installed |
 | ``CDB_METRICS_ADDR`` | (unset) | ``HOST:PORT`` of the scheduler's Prometheus endpoint (``:9464``: all interfaces) |
+| ``CDB_CPUS`` | (unset) | pin the processes to CPUs, e.g. ``loop:1,head:0,prelude:0,scheduler:0`` (``+``: several) |
 """
 
 from __future__ import annotations
@@ -47,10 +48,14 @@ class Settings:
     ready_timeout_s: float = 180.0
     uvloop: bool = True
     metrics_addr: str = ""
+    cpus: str = ""
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
+            if f.name == "cpus":
+                cpu_map(value)
+                continue
             if isinstance(value, str):
                 if value and not is_host_port(value):
                     raise SettingsError(f"CDB_{f.name.upper()} must be HOST:PORT (or :PORT), got {value!r}")
@@ -63,6 +68,25 @@ class Settings:
                 ok = value > 0
             if not ok:
                 raise SettingsError(f"CDB_{f.name.upper()} must be positive, got {value}")
+
+
+PROCESS_ROLES = ("prelude", "loop", "head", "scheduler")
+
+
+def cpu_map(spec: str) -> dict[str, set[int]]:
+    """``loop:1,head:0+1`` -> CPUs by process role; SettingsError naming the problem."""
+    out: dict[str, set[int]] = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        role, sep, cpus = part.partition(":")
+        try:
+            if not sep or role not in PROCESS_ROLES:
+                raise ValueError
+            out[role] = {int(c) for c in cpus.split("+")}
+        except ValueError:
+            raise SettingsError(
+                f"CDB_CPUS must be ROLE:CPU[+CPU...] pairs with ROLE in {'|'.join(PROCESS_ROLES)}, got {part!r}"
+            ) from None
+    return out
 
 
 def _parse(name: str, raw: str, kind: type) -> int | float | bool | str:

@@ -88,6 +88,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-kv-blocks", type=int, default=2048)
     p.add_argument("--kv-policy", default="single")
     p.add_argument("--min-head", type=int, default=None, help="min_head_batch_size (default: the model's)")
+    p.add_argument(
+        "--fuse-refill-embed",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="Ouro: the head op embeds each refill's input (no prelude op per decode step)",
+    )
     p.add_argument("--dtype", default="float32")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=None, help="in-process: torch intra-op threads")
@@ -129,6 +135,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         kv_policy=args.kv_policy,
         min_head_batch_size=args.min_head,
         num_threads=args.threads,
+        fuse_refill_embed=args.fuse_refill_embed,
         allow_replay_depths=True,
     )
 

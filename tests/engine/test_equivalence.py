@@ -55,6 +55,15 @@ CASES = (
         if not (seed >= 0 and hz == "same-step")  # the seeded-state variant once per horizon is enough
     ]
     + [
+        # the shipped trained model, its own gate and lookahead gate deciding
+        Case("ouro-kjv", None, kv, hz, mode)
+        for kv, hz, mode in [
+            ("last_exited", "one-ahead", "cdb"),
+            ("single", "same-step", "cdb"),
+            ("last_exited", "one-ahead", "no-refill"),
+        ]
+    ]
+    + [
         # depth_indexed serves full depth only (the upstream-exact layout); first_then_shared(2) needs min depth 2
         Case(m, q, "depth_indexed", hz, "full-depth")
         for m, q in [("ouro-tiny", 0.5), ("huginn-tiny", None)]
@@ -227,3 +236,18 @@ def test_fused_refill_embedding_saves_the_prelude_ops_and_changes_nothing() -> N
     decode_tokens = sum(len(t) - 1 for t, _ in runs[True][0])
     assert runs[False][1] - runs[True][1] >= decode_tokens // base.max_num_seqs > 0, "prelude ops were saved"
     # (fusion is the default: test_tiny_pool_preempts_and_still_matches_reference runs it through recomputation)
+
+
+def test_one_ahead_never_exits_after_the_first_step_with_the_shipped_lookahead_gate() -> None:
+    """Nothing is observed before step 0 runs, so a one-ahead decision cannot exit after it: with the shipped
+    model's lookahead gate at a low threshold (where same-step decisions do exit at depth 1) every decode token is
+    served at depth >= 2, and most at exactly 2."""
+    model = model64("ouro-kjv")
+    work = workload(random.Random(9), 8)
+    depths = {}
+    for horizon in ("same-step", "one-ahead"):
+        cfg = EngineConfig(model="ouro-kjv", dtype="float64", exit_threshold=0.05, horizon=horizon, max_num_seqs=4)
+        got, _ = run_engine(model, cfg, work)
+        depths[horizon] = [d for _, ds in got for d in ds[1:]]
+    assert 1 in depths["same-step"]
+    assert min(depths["one-ahead"]) == 2 and depths["one-ahead"].count(2) > len(depths["one-ahead"]) // 2

@@ -129,3 +129,13 @@ def _alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_cpu_pinning_setting_parses_and_names_bad_parts() -> None:
+    from services.settings import cpu_map
+
+    assert cpu_map("loop:1, head:0+1,scheduler:0") == {"loop": {1}, "head": {0, 1}, "scheduler": {0}}
+    assert load_settings({"CDB_CPUS": "prelude:0"}).cpus == "prelude:0"
+    for bad in ("loop", "coda:1", "loop:x"):
+        with pytest.raises(SettingsError, match="CDB_CPUS"):
+            load_settings({"CDB_CPUS": bad})
