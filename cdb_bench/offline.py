@@ -40,7 +40,7 @@ def run_mode(
         )
     tokens = sum(len(o.token_ids) for o in outs)
     loop_compute = st.compute_s[1]
-    return {
+    fig = {
         "wall_s": wall,
         "tokens": tokens,
         "tokens_per_s": tokens / wall,
@@ -56,6 +56,8 @@ def run_mode(
         "preemptions": st.preemptions,
         "workload_flop_ratio_S_w": s_w,
     }
+    fig["depth_histogram"] = {str(d): n for d, n in sorted(st.depth_hist.items())}  # type: ignore[assignment]
+    return fig
 
 
 def steady_throughput(outs: Sequence[Completion], width: int) -> float | None:

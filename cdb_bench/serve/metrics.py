@@ -132,6 +132,7 @@ def summarize_run(records: Sequence[RequestRecord], rate: float, slo: Slo) -> di
         "goodput": per_second(good),
         "slo_attainment": good / len(records) if records else 0.0,
         "mean_depth": sum(depths) / len(depths) if depths else None,
+        "depth_histogram": {str(d): depths.count(d) for d in sorted(set(depths))},  # served depth -> tokens
         "ttft_s": describe([t.ttft for t in times]),
         "tpot_s": describe([t.tpot for t in times if t.tpot is not None]),
         "itl_s": describe([x for t in times for x in t.itl]),

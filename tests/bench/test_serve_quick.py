@@ -57,6 +57,8 @@ def test_quick_in_process_reports_every_figure(capsys: pytest.CaptureFixture[str
     fd = s["modes"]["full-depth"]["runs"]
     assert all(r["mean_depth"] == 4.0 for r in fd)  # full depth ignores the replayed depths
     assert all(r["mean_depth"] < 3.5 for r in s["modes"]["cdb"]["runs"])  # cdb serves them (mean 2.5 + prefill)
+    hist = s["modes"]["cdb"]["runs"][0]["depth_histogram"]  # the measured depth distribution, served depth -> tokens
+    assert set(hist) <= {"1", "2", "3", "4"} and len(hist) > 1 and sum(hist.values()) > 0
     ratio = s["knee_ratio_cdb_over_full_depth"]
     assert ratio == pytest.approx(s["knees"]["cdb"] / s["knees"]["full-depth"])
     cut = s["cut_at_full_depth_knee"]
