@@ -1,4 +1,4 @@
-"""The ``cdb`` command: serve, demo, generate, stage, scheduler, train, bench, presets."""
+"""The ``cdb`` command: serve, demo, generate, stage, scheduler, train, bench, eval, presets."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ COMMANDS = {
     "scheduler": ("cdb.processes", "scheduler_main", "run the scheduler service"),
     "train": ("cdb_train.cli", "main", "train the shipped looped model (prepare | train | lookahead | card)"),
     "bench": ("cdb_bench.cli", "main", "benchmarks: offline, services, serve, scheduler, step (see cdb bench --help)"),
+    "eval": ("cdb_train.quality", "main", "quality against depth: perplexity, greedy agreement per exit threshold q"),
 }
 
 
