@@ -11,21 +11,14 @@ import torch
 
 from cdb.cli import main as cdb_main
 from cdb_model.kv import KVLayout, KVPolicy
-from cdb_model.loader import load_model, load_tokenizer
+from cdb_model.loader import load_tokenizer
 from cdb_model.ouro import OuroLM
 from cdb_model.reference import reference_generate
 from cdb_train.evaluate import score, windows
 from cdb_train.quality import POLICIES, exit_policy, forced, greedy
 from cdb_train.quality_report import agreement, knee
 
-FOLDER = Path(__file__).resolve().parents[2] / "models" / "ouro-kjv"
-
-
-@pytest.fixture(scope="module")
-def model() -> OuroLM:
-    m = load_model(str(FOLDER))
-    assert isinstance(m, OuroLM)
-    return m
+from .conftest import FOLDER
 
 
 @pytest.fixture(scope="module")

@@ -4,14 +4,13 @@ the training forward equals the serving / reference path on its weights."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
 from cdb_model.attention import DenseKVCache
 from cdb_model.kv import KVLayout, KVPolicy
-from cdb_model.loader import load_model, load_tokenizer
+from cdb_model.loader import load_tokenizer
 from cdb_model.ouro import OuroLM
 from cdb_model.reference import reference_generate
 from cdb_model.tokenizer import HFTokenizer
@@ -19,14 +18,7 @@ from cdb_scheduler.exit_policy import FixedDepth
 from cdb_train.evaluate import score, summarise
 from cdb_train.model import loop_forward
 
-FOLDER = Path(__file__).resolve().parents[2] / "models" / "ouro-kjv"
-
-
-@pytest.fixture(scope="module")
-def model() -> OuroLM:
-    m = load_model(str(FOLDER))
-    assert isinstance(m, OuroLM)
-    return m
+from .conftest import FOLDER
 
 
 @pytest.fixture(scope="module")
