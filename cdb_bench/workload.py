@@ -69,6 +69,7 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-policy", default="single")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--device", default="cpu", help="torch device of the stages (cuda: the bank is shared by CUDA IPC)")
     p.add_argument("--threads", type=int, default=None, help="torch threads of the in-process executor")
 
 
@@ -79,6 +80,7 @@ def config_and_workload(args: argparse.Namespace, **engine: Any) -> tuple[Engine
     cfg = EngineConfig(
         model=args.model,
         dtype=args.dtype,
+        device=args.device,
         max_num_seqs=args.max_num_seqs,
         kv_policy=args.kv_policy,
         exit_rule=ExitRule.REPLAY if replay else ExitRule.AUTO,

@@ -131,7 +131,7 @@ def preset_config(name: str) -> ModelConfig:
         raise KeyError(f"unknown preset {name!r} (presets: {', '.join(_PRESETS)})") from None
 
 
-def _init(preset: str, name: str, shape: tuple[int, ...], c: ModelConfig) -> torch.Tensor:
+def init_tensor(preset: str, name: str, shape: tuple[int, ...], c: ModelConfig) -> torch.Tensor:
     """Deterministic float32 values of one tensor."""
     g = torch.Generator().manual_seed(zlib.crc32(f"{preset}/{name}".encode()))
 
@@ -166,6 +166,8 @@ def build_preset(
     c = preset_config(name)
     with torch.device("meta"):
         model = build_model(c, stages)
-    sd = {k: _init(name, k, tuple(t.shape), c).to(device=device, dtype=dtype) for k, t in model.state_dict().items()}
+    sd = {
+        k: init_tensor(name, k, tuple(t.shape), c).to(device=device, dtype=dtype) for k, t in model.state_dict().items()
+    }
     model.load_state_dict(sd, strict=True, assign=True)
     return model.eval().requires_grad_(False)
