@@ -1,4 +1,4 @@
-"""The scheduler process's wiring of ``services.metrics`` and ``services.telemetry`` around the engine.
+"""The scheduler process's wiring of ``services.telemetry.metrics`` and the tracing helpers around the engine.
 
 - ``OpRecorder``: per stage op, on the engine thread (the gRPC executor calls it; ``ObservedExecutor`` does for
   the in-process executor): stage compute and loop-batch metrics always, trace contexts and hop spans when
@@ -24,7 +24,7 @@ _NO_CONTEXTS: Mapping[int, str] = {}
 
 
 class OpRecorder:
-    """``services.grpc_executor.OpObserver`` feeding per-op metrics and, when given, the request traces.
+    """``services.transport.executor.OpObserver`` feeding per-op metrics and, when given, the request traces.
 
     Cost per op with tracing off: two histogram observations (≈1 µs) and one call that returns at once."""
 

@@ -53,7 +53,7 @@ class StageCounters:
 
 
 class OpObserver(Protocol):
-    """Optional per-op hooks, both called on the engine thread (``services.observability.OpRecorder``: metrics, and
+    """Optional per-op hooks, both called on the engine thread (``services.telemetry.recorder.OpRecorder``: metrics, and
     ``services.telemetry.RequestTraces`` when tracing is on)."""
 
     def contexts_for_op(self, op: StageOp) -> Mapping[int, str]:

@@ -1,4 +1,4 @@
-"""``python -m services.bench_services`` runs end to end on a tiny workload and reports its figures."""
+"""``cdb bench services`` runs end to end on a tiny workload and reports its figures."""
 
 from __future__ import annotations
 

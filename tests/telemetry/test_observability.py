@@ -1,4 +1,4 @@
-"""The scheduler's wiring of metrics and traces around the engine (``services.observability``), without processes."""
+"""The scheduler's wiring of metrics and traces around the engine (``services.telemetry.recorder``), no processes."""
 
 from __future__ import annotations
 
