@@ -37,7 +37,7 @@ OURO_14B: dict[str, Any] = {
     "rms_norm_eps": 1e-6,
     "tie_word_embeddings": False,
     "total_ut_steps": 4,
-    "early_exit_threshold": 0.5,
+    "early_exit_threshold": 1.0,
     "eos_token_id": 0,
 }
 HUGINN_0125: dict[str, Any] = {
@@ -57,7 +57,12 @@ HUGINN_0125: dict[str, Any] = {
     "tie_embeddings": True,
     "mean_recurrence": 32,
 }
-RELEASED = {"ouro-1.4b": (OURO_14B, "ouro-bench"), "huginn-0125": (HUGINN_0125, "huginn-bench")}
+# The released configs (above, as published), what the written ones change (Ouro: early exit on, as served here),
+# and the preset whose init recipe shapes the exit signals.
+RELEASED = {
+    "ouro-1.4b": (OURO_14B, {"early_exit_threshold": 0.5}, "ouro-bench"),
+    "huginn-0125": (HUGINN_0125, {}, "huginn-bench"),
+}
 
 
 def write_random_checkpoint(
@@ -69,8 +74,8 @@ def write_random_checkpoint(
 ) -> ModelConfig:
     """Write the folder; returns its config. ``overrides``: released ``config.json`` fields to change (shrinking
     the model for a CPU test)."""
-    raw, recipe = RELEASED[model]
-    raw = {**raw, **(overrides or {})}
+    released, served, recipe = RELEASED[model]
+    raw = {**released, **served, **(overrides or {})}
     config = ModelConfig.from_hf(raw, name=model)
     with torch.device("meta"):
         shapes = {k: tuple(t.shape) for k, t in build_model(config).state_dict().items()}

@@ -6,6 +6,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from cdb_bench.random_checkpoint import HUGINN_0125 as HUGINN
+from cdb_bench.random_checkpoint import OURO_14B
 from cdb_model.attention import DenseKVCache
 from cdb_model.config import ModelConfig, UnknownModelTypeError
 from cdb_model.kv import KVLayout, KVPolicy
@@ -18,41 +20,6 @@ from cdb_scheduler.plan import SamplingParams, Stage
 
 from .conftest import golden_dir
 from .driver import drive_workers
-
-OURO_14B = {
-    "model_type": "ouro",
-    "hidden_size": 2048,
-    "num_hidden_layers": 24,
-    "num_attention_heads": 16,
-    "num_key_value_heads": 16,
-    "head_dim": 128,
-    "intermediate_size": 5632,
-    "vocab_size": 49152,
-    "max_position_embeddings": 65536,
-    "rope_theta": 1e6,
-    "rms_norm_eps": 1e-6,
-    "tie_word_embeddings": False,
-    "total_ut_steps": 4,
-    "early_exit_threshold": 1.0,
-    "eos_token_id": 0,
-}
-HUGINN = {
-    "model_type": "huginn_raven",
-    "n_embd": 5280,
-    "n_heads": 55,
-    "n_layers_in_prelude": 2,
-    "n_layers_in_recurrent_block": 4,
-    "n_layers_in_coda": 2,
-    "intermediate_size": 17920,
-    "vocab_size": 65536,
-    "padded_vocab_size": 65536,
-    "block_size": 4096,
-    "rope_base": 50000,
-    "norm_eps": 1e-6,
-    "qk_bias": True,
-    "tie_embeddings": True,
-    "mean_recurrence": 32,
-}
 
 
 def test_released_configs_and_param_counts() -> None:
