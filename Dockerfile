@@ -1,7 +1,13 @@
 # syntax=docker/dockerfile:1
-# One image for the scheduler and the three stage servers (docker-compose.yml picks the command).
+# One image for the whole process tree. Its default command serves: `cdb serve` runs the scheduler and the three
+# stage servers in this one container, on the shipped model (ouro-kjv); docker-compose.yml and the Kubernetes
+# manifests (deploy/k8s) instead run each process in a container of its own (`cdb stage` / `cdb scheduler`).
 #   docker build -t cdb:latest .                                    CPU torch (default)
 #   docker build -t cdb:gpu --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 .
+#   docker run --init --shm-size 1g -p 127.0.0.1:50051:50051 -p 127.0.0.1:8000:8000 cdb:latest
+# Inside the container it listens on 0.0.0.0; what the host publishes decides the exposure (keep 127.0.0.1 unless
+# TLS or API keys are configured: CDB_TLS_CERT/CDB_TLS_KEY, CDB_API_KEYS_FILE). With --read-only, also pass
+# --tmpfs /tmp: `cdb serve` keeps its sockets and stage secret in a private folder there.
 ARG PYTHON_VERSION=3.11
 
 FROM python:${PYTHON_VERSION}-slim
@@ -25,11 +31,20 @@ COPY . /app
 RUN pip install /app \
     && python -c "import cdb.processes, services.scheduler.server, services.transport.stage_server, services.healthcheck"
 
-# Checkpoint folders are mounted here (CDB_MODEL=/models/NAME); presets such as ouro-tiny need no files.
-RUN useradd --create-home --uid 10001 cdb && mkdir -p /models && chown cdb /models
-USER cdb
+# A numeric user (Kubernetes' runAsNonRoot can check it) and the paths it writes besides /tmp and /dev/shm:
+# /models is where checkpoint folders are mounted (CDB_MODEL=/models/NAME); /var/lib/cdb/secret is where
+# compose's stage-secret volume is mounted (a new named volume takes this folder's owner and mode).
+RUN groupadd --gid 10001 cdb \
+    && useradd --uid 10001 --gid 10001 --create-home --shell /usr/sbin/nologin cdb \
+    && mkdir -p /models /var/lib/cdb/secret \
+    && chown 10001:10001 /models /var/lib/cdb /var/lib/cdb/secret \
+    && chmod 0700 /var/lib/cdb/secret
+USER 10001:10001
 
-# 50051: public gRPC API (scheduler); 9464: Prometheus metrics (scheduler, CDB_METRICS_ADDR).
-EXPOSE 50051 9464
+# The scheduler's OpenAI-compatible HTTP API (the stages ignore it).
+ENV CDB_HTTP_ADDR=0.0.0.0:8000
 
-CMD ["python", "-m", "cdb", "scheduler", "--help"]
+# 50051: public gRPC API; 8000: OpenAI-compatible HTTP API; 9464: Prometheus metrics (all the scheduler's).
+EXPOSE 50051 8000 9464
+
+CMD ["python", "-m", "cdb", "serve", "--listen", "0.0.0.0:50051", "--metrics-listen", "0.0.0.0:9464"]

@@ -1,4 +1,4 @@
-"""The ``cdb`` command: serve, demo, generate, stage, scheduler, train, bench, eval, presets."""
+"""The ``cdb`` command: serve, demo, generate, stage, scheduler, secret, trace, train, bench, eval, presets."""
 
 from __future__ import annotations
 
@@ -17,6 +17,8 @@ COMMANDS = {
     "train": ("cdb_train.cli", "main", "train the shipped looped model (prepare | train | lookahead | card)"),
     "bench": ("cdb_bench.cli", "main", "benchmarks: offline, services, serve, scheduler, step (see cdb bench --help)"),
     "eval": ("cdb_train.quality", "main", "quality against depth: perplexity, greedy agreement per exit threshold q"),
+    "secret": ("cdb.processes", "secret_main", "make the stage plane's secret file (0600) if it does not exist"),
+    "trace": ("services.telemetry.trace_cli", "main", "receive OTLP spans here and print each request's trace tree"),
 }
 
 

@@ -3,42 +3,87 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
+from cdb.processes import add_config_arg, add_public_port_args, new_parser, public_port_env, read_configuration
+from cdb_engine.config_source import CONFIG_ENV
 from cdb_engine.options import add_engine_args, engine_config_from_args
+from cdb_engine.preflight import ConfigError, check_config
 from cdb_model.loader import DEFAULT_MODEL
 from clients.common import StreamToken
 from clients.sync_client import Client
 from services.launcher import serve_all, serve_forever
-from services.net import is_host_port
-from services.settings import load_settings
+from services.net import ListenError, check_can_listen, is_host_port
+from services.scheduler.security import PortSecurity, read_api_keys
+from services.settings import Configuration, SettingsError, load_settings
 
 
-def _serve_parser(prog: str, description: str) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=prog, description=description)
+def _tree_parser(prog: str, description: str | None, conf: Configuration) -> argparse.ArgumentParser:
+    parser = new_parser(prog, description)
     parser.add_argument("--listen", default="127.0.0.1:50051", help="public address, HOST:PORT (port 0: any)")
-    add_engine_args(parser)
-    parser.set_defaults(model=DEFAULT_MODEL)  # the shipped trained model (models/ouro-kjv)
+    add_config_arg(parser)
+    add_engine_args(parser, {"model": DEFAULT_MODEL, **conf.engine})  # default: the shipped model, models/ouro-kjv
+    return parser
+
+
+def _share_config_file(conf: Configuration) -> None:
+    """The launcher hands this environment to its children: they read the same config file (absolute path)."""
+    if conf.config_file:
+        os.environ[CONFIG_ENV] = conf.config_file
+
+
+def serve_parser(conf: Configuration) -> argparse.ArgumentParser:
+    parser = _tree_parser("cdb serve", serve_main.__doc__, conf)
+    parser.add_argument(
+        "--metrics-listen",
+        metavar="HOST:PORT",
+        default=conf.settings.metrics_addr,
+        help="the scheduler's Prometheus endpoint, http://HOST:PORT/metrics; empty: none (also CDB_METRICS_ADDR)",
+    )
+    parser.add_argument(
+        "--http",
+        metavar="HOST:PORT",
+        default=conf.settings.http_addr,
+        help="also serve the OpenAI-compatible HTTP API, e.g. 127.0.0.1:8000; empty: none (also CDB_HTTP_ADDR)",
+    )
+    add_public_port_args(parser)
     return parser
 
 
 def serve_main(argv: list[str] | None = None) -> int:
     """``cdb serve``: the scheduler and the three stages on this machine, until Ctrl-C / SIGTERM."""
-    parser = _serve_parser("cdb serve", serve_main.__doc__ or "")
-    parser.add_argument(
-        "--metrics-listen",
-        metavar="HOST:PORT",
-        default=load_settings().metrics_addr,
-        help="the scheduler's Prometheus endpoint, http://HOST:PORT/metrics (default: $CDB_METRICS_ADDR; empty: none)",
-    )
+    try:
+        conf = read_configuration(argv, prog="cdb serve")
+    except SettingsError as exc:
+        print(f"cdb serve: error: {exc}", file=sys.stderr)
+        return 2
+    parser = serve_parser(conf)
     args = parser.parse_args(argv)
     try:
         config = engine_config_from_args(args)
-        if args.metrics_listen and not is_host_port(args.metrics_listen):
-            raise ValueError(f"--metrics-listen must be HOST:PORT, got {args.metrics_listen!r}")
+        for flag, value in (("--metrics-listen", args.metrics_listen), ("--http", args.http)):
+            if value and not is_host_port(value):
+                raise ValueError(f"{flag} must be HOST:PORT, got {value!r}")
+        # The launcher hands this environment to its children: the scheduler child reads the flags from it.
+        _share_config_file(conf)
+        os.environ.update(public_port_env(args))
+        os.environ["CDB_HTTP_ADDR"] = args.http or ""
+        PortSecurity.from_settings(load_settings())  # bad TLS files or keys: fail before the tree starts
     except ValueError as exc:
         parser.error(str(exc))
-    return serve_forever(config, args.listen, args.metrics_listen)
+    try:
+        check_config(config)  # a bad model path, preset, dtype or device: one line, before any child starts
+    except ConfigError as exc:
+        print(f"{parser.prog}: {exc}", file=sys.stderr)
+        return 2
+    try:
+        for address in filter(None, (args.listen, args.http)):
+            check_can_listen(address)
+    except ListenError as exc:
+        print(f"{parser.prog}: {exc}", file=sys.stderr)
+        return 1
+    return serve_forever(config, args.listen, args.metrics_listen, http=args.http or None)
 
 
 _DEPTH_COLOURS = {1: "32", 2: "36", 3: "33", 4: "31"}  # ANSI: green, cyan, yellow, red; deeper: magenta
@@ -58,23 +103,42 @@ def _depth_summary(depths: list[int], max_depth: int) -> str:
     return f"served depths  {hist}\nmean depth {mean:.2f} of {max_depth}: {100 * saved:.0f} % of the loop compute saved"
 
 
+def demo_parser(conf: Configuration) -> argparse.ArgumentParser:
+    parser = _tree_parser("cdb demo", demo_main.__doc__, conf)
+    parser.set_defaults(listen="127.0.0.1:0")
+    parser.add_argument("--prompt", default="And God said unto Moses,", help="the prompt of the generation")
+    parser.add_argument("--max-tokens", dest="demo_max_tokens", type=int, default=48, help="tokens to generate")
+    parser.add_argument(
+        "--temperature", dest="demo_temperature", type=float, default=0.8, help="sampling temperature (0: greedy)"
+    )
+    parser.add_argument("--seed", dest="demo_seed", type=int, default=7, help="sampling seed")
+    parser.add_argument(
+        "--no-colour",
+        dest="demo_colour",
+        action="store_false",
+        help="mark depths as token[d] instead of colours (default: colours on a terminal)",
+    )
+    return parser
+
+
 def demo_main(argv: list[str] | None = None) -> int:
     """``cdb demo``: serve the embedded default, stream one generation (each token marked by its depth), stop."""
-    parser = _serve_parser("cdb demo", demo_main.__doc__ or "")
-    parser.set_defaults(listen="127.0.0.1:0")
-    parser.add_argument("--prompt", default="And God said unto Moses,")
-    parser.add_argument("--max-tokens", dest="demo_max_tokens", type=int, default=48)
-    parser.add_argument("--temperature", dest="demo_temperature", type=float, default=0.8)
-    parser.add_argument("--seed", dest="demo_seed", type=int, default=7)
-    parser.add_argument("--no-colour", dest="demo_colour", action="store_false", help="mark depths as token[d]")
+    try:
+        conf = read_configuration(argv, prog="cdb demo")
+    except SettingsError as exc:
+        print(f"cdb demo: error: {exc}", file=sys.stderr)
+        return 2
+    parser = demo_parser(conf)
     args = parser.parse_args(argv)
     try:
         config = engine_config_from_args(args)
     except ValueError as exc:
         parser.error(str(exc))
+    _share_config_file(conf)
     colour = args.demo_colour and sys.stdout.isatty()
     print(f"starting the prelude, loop and head stages and the scheduler for {config.model} ...", flush=True)
-    with serve_all(config, args.listen) as handle, Client(handle.address) as client:
+    keys = read_api_keys(load_settings())  # a tree with API keys on: the demo calls it as its first key's holder
+    with serve_all(config, args.listen) as handle, Client(handle.address, api_key=keys[0] if keys else None) as client:
         max_depth = client.info().max_depth
         legend = "  ".join(_show(f"depth {d}", d, colour) for d in range(1, max_depth + 1))
         print(f"serving on {handle.address}; one generation, each token by its served loop depth ({legend}):")

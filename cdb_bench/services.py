@@ -41,7 +41,7 @@ from services.transport.executor import GrpcExecutor, GrpcExecutorFactory
 
 def run_stages(cfg: EngineConfig, work: Workload, tree: ServeHandle) -> dict[str, float]:
     """The workload on an in-process scheduler driving the stage processes; adds the executor's counters."""
-    factory = GrpcExecutorFactory(tree.stage_addrs, load_settings())
+    factory = GrpcExecutorFactory(tree.stage_addrs, tree.settings)
     fig = run_mode(cfg, work, factory)
     assert factory.executor is not None
     loop = factory.executor.counters[Stage.LOOP]
@@ -54,7 +54,7 @@ def run_stages(cfg: EngineConfig, work: Workload, tree: ServeHandle) -> dict[str
 
 def ping_loop_stage(cfg: EngineConfig, tree: ServeHandle, n: int) -> dict[str, float]:
     """Round trips of empty batches on an idle loop-stage Run stream."""
-    ex = GrpcExecutor(Engine(cfg).setup, tree.stage_addrs, load_settings())
+    ex = GrpcExecutor(Engine(cfg).setup, tree.stage_addrs, tree.settings)
     try:
         for _ in range(20):
             ex.ping(Stage.LOOP)  # warm the stream

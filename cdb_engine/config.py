@@ -2,13 +2,15 @@
 
 Every choice is a typed enum (``StrEnum``: a value is also its string, so ``mode="cdb"`` and ``Mode.CDB`` are the
 same); strings given to ``EngineConfig`` are converted once, here, with an error naming the field and the choices.
+``cdb_engine.preflight.check_config`` is the cheap pre-flight of a whole configuration that a launcher runs
+before it starts any process.
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from cdb_model.kv import KVPolicy
 from cdb_scheduler.config import Mode
@@ -22,6 +24,10 @@ class DType(enum.StrEnum):
     BFLOAT16 = "bfloat16"  # CUDA
     FLOAT16 = "float16"
 
+
+# ``EngineConfig.dtype``'s default: bfloat16 on a CUDA device, float32 elsewhere (resolved at construction, so a
+# config's dtype is always a ``DType`` afterwards).
+AUTO_DTYPE = cast(DType, "auto")
 
 _CHOICES: dict[str, type[enum.StrEnum]] = {
     "dtype": DType,
@@ -41,39 +47,93 @@ def parse_choice(name: str, kind: type[enum.StrEnum], value: Any) -> Any:
         raise ValueError(f"{name} must be one of {allowed}; got {value!r}") from None
 
 
+def _help(text: str) -> dict[str, str]:
+    """A field's help: the one text of its ``--option``, its ``CDB_*`` variable and its config-file key."""
+    return {"help": text}
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
-    """Everything that shapes the engine. ``None`` fields take the model's defaults."""
+    """Everything that shapes the engine. ``None`` fields take the model's defaults (``auto`` as an option).
 
-    model: str = "ouro-tiny"  # preset name or local checkpoint folder
-    dtype: DType = DType.FLOAT32
-    device: str = "cpu"
-    mode: Mode = Mode.CDB
-    max_num_seqs: int = 32  # resident requests = the width of the loop batch
-    num_kv_blocks: int = 2048
-    kv_block_size: int = 16
-    kv_policy: KVPolicy = KVPolicy.LAST_EXITED
-    kv_shared_after: int = 2  # first_then_shared: private slots for the first k-1 steps
-    max_depth: int | None = None
-    exit_rule: ExitRule = ExitRule.AUTO
-    exit_threshold: float | None = None  # None: the model's default
-    min_depth: int = 1
-    fixed_depth: int | None = None  # exit_rule "fixed" (None: max depth)
-    horizon: Horizon = Horizon.ONE_AHEAD
-    prefill_token_budget: int = 2048
-    prefill_chunk_size: int = 512
-    min_head_batch_size: int | None = None  # None: 1 for Ouro, max_num_seqs/4 for Huginn
-    max_head_wait_steps: int = 4  # ... but an exited token waits for that batch at most this many loop ops
-    loop_pipeline_depth: int = 2
-    max_input_tokens: int | None = None  # None: model max positions - 1
-    max_total_tokens: int | None = None  # None: model max positions
-    max_waiting: int = 256  # bounded waiting queue: beyond it, RESOURCE_EXHAUSTED
-    init_seed: int = -1  # Huginn initial state: < 0 zero, else seeded truncated normal per position
-    num_threads: int | None = None  # torch intra-op threads for the in-process executor
-    fuse_refill_embed: bool = True  # Ouro: the head op embeds a refill's input token (no prelude op per step)
-    allow_replay_depths: bool = False  # accept per-request replayed depths (benchmarks; implied by exit_rule replay)
+    Each field's ``metadata["help"]`` is its documentation: ``cdb_engine.options`` turns it into the option's
+    help, ``services.settings`` into the row of its ``CDB_*`` variable.
+    """
+
+    model: str = field(default="ouro-tiny", metadata=_help("a preset name (cdb presets) or a local checkpoint folder"))
+    dtype: DType = field(default=AUTO_DTYPE, metadata=_help("compute dtype; auto: bfloat16 on CUDA, float32 elsewhere"))
+    device: str = field(default="cpu", metadata=_help("compute device of every process: cpu, cuda or cuda:N"))
+    mode: Mode = field(
+        default=Mode.CDB,
+        metadata=_help("cdb: refill freed loop slots at once; no-refill: lockstep waves; full-depth: no early exit"),
+    )
+    max_num_seqs: int = field(default=32, metadata=_help("resident requests = the width of the loop batch"))
+    num_kv_blocks: int = field(default=2048, metadata=_help("KV-cache blocks per pool"))
+    kv_block_size: int = field(default=16, metadata=_help("tokens per KV-cache block"))
+    kv_policy: KVPolicy = field(
+        default=KVPolicy.LAST_EXITED,
+        metadata=_help("which loop-KV depth slot a token writes and reads (depth_indexed: as trained)"),
+    )
+    kv_shared_after: int = field(
+        default=2, metadata=_help("first_then_shared: private KV slots for the first k-1 loop steps, then one shared")
+    )
+    max_depth: int | None = field(default=None, metadata=_help("loop steps per token at most; auto: the model's"))
+    exit_rule: ExitRule = field(
+        default=ExitRule.AUTO,
+        metadata=_help("what ends a token's loop; auto: the family's own (Ouro hazard, Huginn latent-diff)"),
+    )
+    exit_threshold: float | None = field(
+        default=None,
+        metadata=_help("Ouro gate CDF q in (0, 1], Huginn latent diff >= 0; auto: the model's or 0.5 / 0.1"),
+    )
+    early_exit: bool = field(
+        default=True,
+        metadata=_help("false (--no-early-exit): the server's default threshold serves every token at full depth"),
+    )
+    min_depth: int = field(default=1, metadata=_help("loop steps every token runs before it may exit"))
+    fixed_depth: int | None = field(
+        default=None, metadata=_help("exit rule fixed: every token at this depth; auto: the max depth")
+    )
+    horizon: Horizon = field(
+        default=Horizon.ONE_AHEAD,
+        metadata=_help("one-ahead: exit decisions one loop step ahead; same-step: upstream's rule"),
+    )
+    prefill_token_budget: int = field(default=2048, metadata=_help("prompt tokens prefilled per scheduling step"))
+    prefill_chunk_size: int = field(default=512, metadata=_help("prompt tokens per prefill chunk"))
+    min_head_batch_size: int | None = field(
+        default=None, metadata=_help("exited tokens the head waits for; auto: 1 for Ouro, max_num_seqs/4 for Huginn")
+    )
+    max_head_wait_steps: int = field(
+        default=4,
+        metadata=_help("an exited token waits at most this many loop ops for a head batch of that size"),
+    )
+    loop_pipeline_depth: int = field(default=2, metadata=_help("loop ops in flight at once"))
+    max_input_tokens: int | None = field(
+        default=None, metadata=_help("longest prompt accepted; auto: the model's max positions - 1")
+    )
+    max_total_tokens: int | None = field(
+        default=None, metadata=_help("prompt + max_tokens at most; auto: the model's max positions")
+    )
+    max_waiting: int = field(
+        default=256, metadata=_help("bounded waiting queue: beyond it, requests get RESOURCE_EXHAUSTED")
+    )
+    init_seed: int = field(
+        default=-1, metadata=_help("Huginn initial state: < 0 zero, else a seeded truncated normal per position")
+    )
+    num_threads: int | None = field(
+        default=None, metadata=_help("torch intra-op threads of the in-process executor; auto: torch's default")
+    )
+    fuse_refill_embed: bool = field(
+        default=True, metadata=_help("Ouro: the head op embeds a refill's input token (no prelude op per step)")
+    )
+    allow_replay_depths: bool = field(
+        default=False,
+        metadata=_help("accept per-request replayed depths (benchmarks; implied by exit rule replay)"),
+    )
 
     def __post_init__(self) -> None:
+        if self.dtype == AUTO_DTYPE:
+            object.__setattr__(self, "dtype", DType.BFLOAT16 if self.device.startswith("cuda") else DType.FLOAT32)
         for name, kind in _CHOICES.items():
             object.__setattr__(self, name, parse_choice(name, kind, getattr(self, name)))
         for name in ("max_num_seqs", "num_kv_blocks", "kv_block_size", "max_waiting", "loop_pipeline_depth"):

@@ -27,7 +27,7 @@ from cdb_engine.setup import StageSetup
 from cdb_engine.stream import RequestStream
 from cdb_engine.validation import validate
 from cdb_model.loader import load_config, load_tokenizer
-from cdb_scheduler.plan import Executor
+from cdb_scheduler.plan import Executor, StageLoss
 from cdb_scheduler.request import Finished, FinishReason, Request, TokenOut
 from cdb_scheduler.scheduler import Scheduler
 from cdb_scheduler.stats import SchedulerStats
@@ -190,7 +190,10 @@ class Engine:
                 for op in sched.schedule():
                     ex.submit(op)
                 res = ex.poll(None)
-                if res is not None:
+                if isinstance(res, StageLoss):
+                    log.warning("%s: recomputing %d running requests", res.reason, len(sched.running))
+                    self._dispatch(sched.recover())
+                elif res is not None:
                     self.last_progress = time.monotonic()
                     self._dispatch(sched.on_result(res))
         except Exception as exc:  # a scheduler bug must not hang clients: fail everything loudly
@@ -303,6 +306,8 @@ class Engine:
             last_progress_monotonic=self.last_progress,
             healthy=self.error is None and self._thread is not None and self._thread.is_alive(),
             error=self.error,
+            recoveries=s.stats.recoveries,
+            recomputed=s.stats.recomputed,
         )
 
     @property

@@ -80,6 +80,8 @@ class EngineStats:
     last_progress_monotonic: float
     healthy: bool
     error: str | None
+    recoveries: int = 0  # stage losses healed (``Scheduler.recover``)
+    recomputed: int = 0  # requests recomputed by them
 
 
 class RequestObserver(Protocol):

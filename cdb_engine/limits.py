@@ -1,14 +1,49 @@
-"""One engine's resolved limits and defaults (the model's defaults applied), and the exit policy per request."""
+"""One engine's resolved limits and defaults (the model's defaults applied), and the exit policy per request.
+
+The server's exit threshold, first match wins (``ThresholdSource``):
+1. ``--exit-threshold Q`` (``EngineConfig.exit_threshold``);
+2. ``--no-early-exit`` (``EngineConfig.early_exit = False``): the rule's full-depth value (Ouro 1.0, Huginn 0.0);
+3. the model's own value when it turns exit on: a checkpoint's ``early_exit_threshold`` in ``config.json`` below
+   1.0 (``models/ouro-kjv``: its measured knee, 0.5), or a preset's;
+4. otherwise the family default (``FAMILY_EXIT_THRESHOLD``), so a released checkpoint serves depth-adaptively.
+   The released Ouro ``config.json`` says 1.0 (every token at full depth) and its model card names no lower
+   value; the default q = 0.5 is the middle of the CDB paper's Ouro sweep (0.2 / 0.4 / 0.5 / 0.7) and the
+   perplexity / greedy-agreement knee measured on ``ouro-kjv`` (README "Quality against depth"). Huginn's release
+   has no exit field; its cheap criterion is latent-diff and the default 0.1 is the most conservative of the CDB
+   paper's sweep (0.28 / 0.16 / 0.1).
+``describe(limits)`` is the one-line summary of what is in effect and why.
+"""
 
 from __future__ import annotations
 
+import enum
+import math
 from dataclasses import dataclass
 
 from cdb_engine.config import EngineConfig
 from cdb_model.config import ModelConfig
 from cdb_model.kv import KVPolicy
+from cdb_model.loader import is_preset
 from cdb_scheduler.config import Mode, SchedulerConfig
 from cdb_scheduler.exit_policy import ExitPolicy, ExitRule, FixedDepth, Horizon, LatentDiff, OuroHazard, ReplayDepth
+
+# Default threshold per threshold rule when the model's own value serves full depth (see the module docstring).
+FAMILY_EXIT_THRESHOLD = {ExitRule.HAZARD: 0.5, ExitRule.LATENT_DIFF: 0.1}
+# The threshold that serves every token at full depth: Ouro's exit CDF reaches 1 only when the last step takes the
+# remaining mass; no relative latent change is below 0.
+FULL_DEPTH_THRESHOLD = {ExitRule.HAZARD: 1.0, ExitRule.LATENT_DIFF: 0.0}
+_RULE_NAME = {ExitRule.HAZARD: "Ouro exit-gate CDF", ExitRule.LATENT_DIFF: "latent-diff"}
+
+
+class ThresholdSource(enum.StrEnum):
+    """Where the server's exit threshold came from (first match wins; module docstring)."""
+
+    OPTION = "option"  # --exit-threshold
+    NO_EARLY_EXIT = "no-early-exit"  # --no-early-exit: the full-depth value
+    CHECKPOINT = "checkpoint"  # the checkpoint's config.json early_exit_threshold
+    PRESET = "preset"  # the built-in preset's threshold
+    FAMILY_DEFAULT = "family-default"  # FAMILY_EXIT_THRESHOLD (the model's own value serves full depth)
+    UNUSED = "unused"  # the exit rule needs no threshold (fixed, replay)
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,6 +61,20 @@ class Limits:
     vocab_size: int
     min_head_batch_size: int
     replay_allowed: bool  # requests may carry replayed depths
+    threshold_source: ThresholdSource = ThresholdSource.UNUSED
+    model_threshold: float = 1.0  # the model's own early_exit_threshold (config.json or preset)
+    mode: Mode = Mode.CDB
+
+    @property
+    def early_exit(self) -> bool:
+        """True when tokens may leave the loop before ``max_depth`` by default."""
+        if self.mode is Mode.FULL_DEPTH:
+            return False
+        if self.exit_rule is ExitRule.FIXED:
+            return self.fixed_depth < self.max_depth
+        if self.exit_rule is ExitRule.REPLAY:
+            return True
+        return self.exit_threshold != FULL_DEPTH_THRESHOLD[self.exit_rule]
 
     def scheduler_config(self, cfg: EngineConfig, mc: ModelConfig) -> SchedulerConfig:
         """The scheduler core's configuration for this engine."""
@@ -53,7 +102,7 @@ def resolve_limits(cfg: EngineConfig, mc: ModelConfig) -> Limits:
         rule = ExitRule.HAZARD if mc.arch == "ouro" else ExitRule.LATENT_DIFF
     if rule is ExitRule.HAZARD and mc.arch != "ouro":
         raise ValueError("exit_rule 'hazard' needs an Ouro model (Huginn has no exit gate)")
-    q = cfg.exit_threshold if cfg.exit_threshold is not None else mc.early_exit_threshold
+    q, source = _threshold(cfg, mc, rule)
     budget_kv = cfg.num_kv_blocks * cfg.kv_block_size
     max_total = min(cfg.max_total_tokens or mc.max_positions, mc.max_positions, budget_kv)
     max_input = min(cfg.max_input_tokens or max_total - 1, max_total - 1)
@@ -70,10 +119,69 @@ def resolve_limits(cfg: EngineConfig, mc: ModelConfig) -> Limits:
         vocab_size=mc.vocab_size,
         min_head_batch_size=min_head,
         replay_allowed=cfg.allow_replay_depths or rule is ExitRule.REPLAY,
+        threshold_source=source,
+        model_threshold=mc.early_exit_threshold,
+        mode=cfg.mode,
     )
-    build_policy(limits, None)  # validates threshold and depths once
+    try:
+        build_policy(limits, None)  # validates threshold and depths once
+    except ValueError as exc:
+        raise ValueError(f"{exc} ({source} threshold of {mc.name})") from None
     _check_kv_policy(cfg, limits)
     return limits
+
+
+def _threshold(cfg: EngineConfig, mc: ModelConfig, rule: ExitRule) -> tuple[float, ThresholdSource]:
+    """The server's exit threshold and where it came from (the module docstring's order)."""
+    if rule not in FAMILY_EXIT_THRESHOLD:  # fixed, replay: no threshold is used
+        return (
+            cfg.exit_threshold if cfg.exit_threshold is not None else mc.early_exit_threshold
+        ), ThresholdSource.UNUSED
+    full = FULL_DEPTH_THRESHOLD[rule]
+    if cfg.exit_threshold is not None:
+        if not math.isfinite(cfg.exit_threshold):
+            raise ValueError(f"--exit-threshold must be a finite number, got {cfg.exit_threshold}")
+        if not cfg.early_exit and cfg.exit_threshold != full:
+            raise ValueError(
+                f"--no-early-exit contradicts --exit-threshold {cfg.exit_threshold} (full depth is {full} for the "
+                f"{_RULE_NAME[rule]} rule)"
+            )
+        return cfg.exit_threshold, ThresholdSource.OPTION
+    if not cfg.early_exit:
+        return full, ThresholdSource.NO_EARLY_EXIT
+    native = ExitRule.HAZARD if mc.arch == "ouro" else ExitRule.LATENT_DIFF
+    if rule is native and mc.early_exit_threshold != full:
+        return mc.early_exit_threshold, ThresholdSource.PRESET if is_preset(cfg.model) else ThresholdSource.CHECKPOINT
+    return FAMILY_EXIT_THRESHOLD[rule], ThresholdSource.FAMILY_DEFAULT
+
+
+def describe(limits: Limits) -> str:
+    """One line: the depth policy in effect and where its threshold came from (for a startup log line)."""
+    depths = f"depths {limits.min_depth}-{limits.max_depth}, {limits.horizon} decisions"
+    if limits.mode is Mode.FULL_DEPTH:
+        return f"early exit off: every token at full depth {limits.max_depth} (mode full-depth)"
+    if limits.exit_rule is ExitRule.FIXED:
+        state = "off" if limits.fixed_depth == limits.max_depth else "fixed"
+        return f"early exit {state}: every token at depth {limits.fixed_depth} of {limits.max_depth} (exit rule fixed)"
+    if limits.exit_rule is ExitRule.REPLAY:
+        return f"depths replayed per request (exit rule replay), max depth {limits.max_depth}"
+    q, rule = limits.exit_threshold, _RULE_NAME[limits.exit_rule]
+    why = {
+        ThresholdSource.OPTION: "--exit-threshold",
+        ThresholdSource.NO_EARLY_EXIT: "--no-early-exit",
+        ThresholdSource.CHECKPOINT: "the checkpoint's early_exit_threshold",
+        ThresholdSource.PRESET: "the preset's threshold",
+        ThresholdSource.FAMILY_DEFAULT: (
+            f"family default, as the model's early_exit_threshold {limits.model_threshold:g} serves full depth; "
+            "--no-early-exit for that"
+            if limits.exit_rule is ExitRule.HAZARD
+            else "family default, as the model names no latent-diff threshold; --no-early-exit for full depth"
+        ),
+        ThresholdSource.UNUSED: "unused",
+    }[limits.threshold_source]
+    if not limits.early_exit:
+        return f"early exit off: every token at full depth {limits.max_depth} ({rule} q = {q:g}, {why})"
+    return f"early exit on: {rule} q = {q:g} ({why}), {depths}"
 
 
 def _check_kv_policy(cfg: EngineConfig, limits: Limits) -> None:

@@ -1,7 +1,10 @@
 """``EngineConfig`` <-> command-line options: one ``--option`` per field, both directions.
 
-Every process of the tree takes the same engine options (``add_engine_args``); the launcher passes a config to a
-child as the options that reproduce it (``engine_config_to_argv``).
+Every process of the tree takes the same engine options (``add_engine_args``): each one's help is its field's
+``metadata["help"]``, its default the value the settings source gives (``CDB_<FIELD>``, the config file, else the
+field's default; ``cdb_engine.config_source``), its choices the field's enum. A ``None`` default is spelt ``auto``
+(the model's own value). The launcher passes a config to a child as the options that reproduce it
+(``engine_config_to_argv``), over whatever the child's environment and config file say.
 """
 
 from __future__ import annotations
@@ -11,60 +14,115 @@ import dataclasses
 import enum
 import types
 import typing
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from cdb_engine.config import EngineConfig
+from cdb_engine.config_source import AUTO, engine_source
 
 _HINTS = typing.get_type_hints(EngineConfig)
+FIELDS = {f.name: f for f in dataclasses.fields(EngineConfig)}
 
 
-def _field_kind(f: dataclasses.Field[Any]) -> type | None:
-    """The option's value type: a ``StrEnum`` (choices), bool, int, float or str; None: not an option."""
-    hint = _HINTS[f.name]
+def field_kind(name: str) -> tuple[type, bool]:
+    """A field's value type (a ``StrEnum``, bool, int, float or str) and whether ``None`` (``auto``) is allowed."""
+    hint = _HINTS[name]
     args = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
     kinds = [a for a in args if a is not type(None)]
-    return kinds[0] if len(kinds) == 1 and isinstance(kinds[0], type) else None
+    assert len(kinds) == 1 and isinstance(kinds[0], type), f"EngineConfig.{name}: one type (or None) per field"
+    return kinds[0], len(kinds) < len(args)
 
 
-def _flag(f: dataclasses.Field[Any]) -> str:
-    return "--" + f.name.replace("_", "-")
+def field_help(name: str) -> str:
+    """The one help text of an engine field (its option, its ``CDB_*`` variable, its config-file key)."""
+    return str(FIELDS[name].metadata["help"])
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """One ``--option`` per ``EngineConfig`` field (``max_num_seqs`` -> ``--max-num-seqs``)."""
-    group = parser.add_argument_group("engine")
-    for f in dataclasses.fields(EngineConfig):
-        kind = _field_kind(f)
-        if kind is None:
-            continue
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _choice_type(kind: type[enum.StrEnum], sentinel: str | None) -> Callable[[str], Any]:
+    def convert(text: str) -> Any:
+        if sentinel is not None and text.lower() == sentinel:
+            return sentinel
+        try:
+            return kind(text)
+        except ValueError:
+            return text  # not a choice: argparse's "invalid choice" error lists them
+
+    convert.__name__ = kind.__name__
+    return convert
+
+
+def _auto_or(kind: type) -> Callable[[str], Any]:
+    def convert(text: str) -> Any:
+        return None if text.lower() == AUTO else kind(text)
+
+    convert.__name__ = kind.__name__  # argparse's error: "invalid int value: 'x'"
+    return convert
+
+
+def add_engine_args(
+    parser: argparse.ArgumentParser,
+    defaults: Mapping[str, Any] | None = None,
+    *,
+    only: Iterable[str] | None = None,
+) -> None:
+    """One ``--option`` per ``EngineConfig`` field (``max_num_seqs`` -> ``--max-num-seqs``), or the fields in
+    ``only``. ``defaults``: the options' defaults over the fields' own (None: what the settings source of this
+    process's environment sets, ``cdb_engine.config_source.engine_source()``; raises its ``SourceError``)."""
+    given = engine_source().values if defaults is None else defaults
+    group = parser.add_argument_group(
+        "engine", "each option is also CDB_<OPTION> and a config-file key (services/settings.py)"
+    )
+    for name in FIELDS if only is None else only:
+        kind, optional = field_kind(name)
+        field_default = FIELDS[name].default
+        value = given.get(name, field_default)
+        help_ = field_help(name)
         if kind is bool:
-            group.add_argument(_flag(f), action=argparse.BooleanOptionalAction, default=None)
+            group.add_argument(_flag(name), action=argparse.BooleanOptionalAction, default=value, help=help_)
         elif issubclass(kind, enum.StrEnum):
-            group.add_argument(_flag(f), type=kind, choices=list(kind), default=None)
+            sentinel = field_default if isinstance(field_default, str) and field_default not in set(kind) else None
+            choices = [m.value for m in kind] + ([sentinel] if sentinel else [])  # strings: readable errors
+            group.add_argument(
+                _flag(name), type=_choice_type(kind, sentinel), choices=choices, default=value, help=help_
+            )
+        elif optional:
+            default = AUTO if value is None else value  # argparse converts a string default: auto -> None
+            group.add_argument(
+                _flag(name), type=_auto_or(kind), default=default, metavar=f"{kind.__name__.upper()}|{AUTO}", help=help_
+            )
         else:
-            group.add_argument(_flag(f), type=kind, default=None, metavar=kind.__name__.upper())
+            plain = None if kind is str else kind.__name__.upper()  # a string: the option's name (--model MODEL)
+            group.add_argument(_flag(name), type=kind, default=value, metavar=plain, help=help_)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    """``EngineConfig`` from ``add_engine_args`` options (unset options keep the defaults)."""
-    values = {
-        f.name: getattr(args, f.name)
-        for f in dataclasses.fields(EngineConfig)
-        if getattr(args, f.name, None) is not None
-    }
+    """``EngineConfig`` from ``add_engine_args`` options (fields without an option keep their defaults)."""
+    values = {name: getattr(args, name) for name in FIELDS if getattr(args, name, None) is not None}
     return EngineConfig(**values)
 
 
-def engine_config_to_argv(config: EngineConfig) -> list[str]:
-    """The options that reproduce ``config`` (fields equal to the default are left out)."""
+def engine_config_to_argv(config: EngineConfig, environ: Mapping[str, str] | None = None) -> list[str]:
+    """The options that reproduce ``config`` in a child whose environment is ``environ`` (default: this
+    process's, which a child inherits): every field that differs from its default (the dtype's default depends on
+    the device: compared on that device), and every field that environment or its config file sets, so that the
+    options win over them."""
     default = EngineConfig()
+    on_device = EngineConfig(device=config.device)  # the dtype's default depends on the device
+    ambient = engine_source(environ).values
     argv: list[str] = []
-    for f in dataclasses.fields(EngineConfig):
-        value = getattr(config, f.name)
-        if value == getattr(default, f.name) or value is None or _field_kind(f) is None:
+    for name in FIELDS:
+        value = getattr(config, name)
+        base = getattr(on_device if name == "dtype" else default, name)
+        if value == base and name not in ambient:
             continue
-        if isinstance(value, bool):
-            argv.append(_flag(f) if value else "--no-" + _flag(f)[2:])
+        if value is None:
+            argv += [_flag(name), AUTO]
+        elif isinstance(value, bool):
+            argv.append(_flag(name) if value else "--no-" + _flag(name)[2:])
         else:
-            argv += [_flag(f), repr(value) if isinstance(value, float) else str(value)]
+            argv += [_flag(name), repr(value) if isinstance(value, float) else str(value)]
     return argv

@@ -1,4 +1,13 @@
-"""Request validation: token ids of a prompt, or ``InvalidRequest`` naming the field and the limit."""
+"""Request validation: token ids of a prompt, or ``InvalidRequest`` naming the field and the limit.
+
+Per-request ``exit_threshold`` ranges, per exit rule (the API documents the same): Ouro's gate CDF q in (0, 1]
+(1 = full depth; 0 would exit every token at once and is refused), Huginn's latent diff q >= 0 (0 = full depth),
+always a finite number.
+
+Importing this module makes the tokenizers raise ``InvalidRequest`` for a caller's bad input (a chat for a model
+without a chat template, malformed messages), so that a chat endpoint's errors map like every other request
+error.
+"""
 
 from __future__ import annotations
 
@@ -8,10 +17,12 @@ from cdb_engine.config import RequestParams
 from cdb_engine.errors import InvalidRequest
 from cdb_engine.limits import Limits, build_policy
 from cdb_model.kv import KVPolicy
-from cdb_model.tokenizer import Tokenizer
+from cdb_model.tokenizer import Tokenizer, use_request_error
 from cdb_scheduler.exit_policy import ExitRule
 
 MAX_LOGPROBS = 20
+
+use_request_error(InvalidRequest)
 
 
 def validate(
@@ -48,6 +59,8 @@ def validate(
     if any(not s for s in params.stop_strings):
         raise InvalidRequest("stop_strings", "must not contain an empty string")
     if params.exit_threshold is not None:
+        if not math.isfinite(params.exit_threshold):
+            raise InvalidRequest("exit_threshold", f"must be a finite number, got {params.exit_threshold}")
         if limits.exit_rule in (ExitRule.FIXED, ExitRule.REPLAY):
             raise InvalidRequest("exit_threshold", f"not used by the exit rule '{limits.exit_rule}'")
         if params.replay_depths is not None:

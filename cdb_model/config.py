@@ -81,6 +81,12 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    def kv_bytes_per_token(self, loop_slots: int, dtype_bytes: int) -> int:
+        """KV-cache bytes of one position: K and V of every prelude and coda layer (Huginn), and of every loop
+        layer in each of its ``loop_slots`` depth slots (the KV policy's ``KVLayout.n_slots``)."""
+        layers = self.num_prelude_layers + self.num_coda_layers + self.num_loop_layers * loop_slots
+        return 2 * self.kv_size * dtype_bytes * layers
+
     def param_counts(self) -> tuple[int, int]:
         """(F0, Fr): parameters of the non-looped compute and of ONE loop step.
 

@@ -1,8 +1,12 @@
 """Load a looped LM from a preset name or a local Hugging Face-style folder (never the network).
 
 A folder holds the released ``config.json`` and either one ``model.safetensors`` or shards listed in
-``model.safetensors.index.json``. Only the weights of the requested stages are read; the checkpoint's key set and
-shapes are nevertheless checked in full (headers only) so a broken checkpoint fails early with a named problem.
+``model.safetensors.index.json``; optionally ``generation_config.json`` (its ``eos_token_id``s join the stop ids)
+and the tokenizer files (``tokenizer.json`` + ``tokenizer_config.json``: ``HFTokenizer``; none: the byte
+tokenizer). Only the weights of the requested stages are read; the checkpoint's key set and shapes are
+nevertheless checked in full (headers only) so a broken checkpoint fails early with a named problem.
+``check_source`` is the cheap version of those checks (files present, config parsed) for a launcher to run before
+it starts any process.
 """
 
 from __future__ import annotations
@@ -17,22 +21,36 @@ from safetensors import safe_open
 
 from cdb_model.base import LoopedLM
 from cdb_model.config import CheckpointError, ModelConfig, UnknownModelTypeError
+from cdb_model.generation import GenerationConfigError, GenerationDefaults, read_generation_defaults
 from cdb_model.models import build_model
 from cdb_model.presets import build_preset, preset_config, preset_names
-from cdb_model.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+from cdb_model.tokenizer import (
+    TOKENIZER_CONFIG,
+    TOKENIZER_JSON,
+    ByteTokenizer,
+    HFTokenizer,
+    Tokenizer,
+    TokenizerLoadError,
+)
 from cdb_scheduler.plan import Stage
 
 __all__ = [
     "CheckpointError",
     "CheckpointNotFoundError",
+    "GenerationConfigError",
     "MissingConfigError",
     "MissingTensorsError",
     "MissingWeightsError",
     "ShapeMismatchError",
+    "TokenizerLoadError",
     "UnexpectedTensorsError",
     "UnknownModelTypeError",
     "build_model",
+    "check_source",
+    "expected_tensors",
+    "is_preset",
     "load_config",
+    "load_generation_defaults",
     "load_model",
     "load_tokenizer",
 ]
@@ -50,7 +68,7 @@ class CheckpointNotFoundError(CheckpointError):
 
 
 class MissingConfigError(CheckpointError):
-    """``config.json`` is absent, unreadable or lacks a required field."""
+    """``config.json`` is absent, unreadable, lacks a required field or holds an invalid value."""
 
 
 class MissingWeightsError(CheckpointError):
@@ -85,25 +103,89 @@ def resolve_source(source: str) -> str:
     return source
 
 
-def load_config(folder: str | Path) -> ModelConfig:
-    """The ``ModelConfig`` of a preset name, a shipped model or a checkpoint folder (its ``config.json``)."""
-    if isinstance(folder, str) and folder in preset_names():
-        return preset_config(folder)
-    path = Path(resolve_source(str(folder)))
+def is_preset(source: str | Path) -> bool:
+    """True for a built-in preset name (random weights, no files)."""
+    return isinstance(source, str) and source in preset_names()
+
+
+def _folder(source: str | Path) -> Path:
+    path = Path(resolve_source(str(source)))
     if not path.is_dir():
         raise CheckpointNotFoundError(
             f"checkpoint folder {str(path)!r} does not exist and is not a preset ({', '.join(preset_names())})"
         )
+    return path
+
+
+def load_config(folder: str | Path) -> ModelConfig:
+    """The ``ModelConfig`` of a preset name, a shipped model or a checkpoint folder (its ``config.json``; the
+    ``eos_token_id``s of its ``generation_config.json`` join the stop ids)."""
+    if is_preset(folder):
+        return preset_config(str(folder))
+    path = _folder(folder)
     cfg_path = path / "config.json"
     if not cfg_path.is_file():
         raise MissingConfigError(f"missing config.json in checkpoint folder {str(path)!r}")
     try:
         d = json.loads(cfg_path.read_text())
-        return ModelConfig.from_hf(d, name=path.name)
+        config = ModelConfig.from_hf(d, name=path.name)
     except json.JSONDecodeError as e:
         raise MissingConfigError(f"{cfg_path} is not valid JSON: {e}") from e
     except KeyError as e:
         raise MissingConfigError(f"{cfg_path} lacks the required field {e.args[0]!r}") from e
+    except (TypeError, ValueError) as e:
+        if isinstance(e, CheckpointError):
+            raise
+        raise MissingConfigError(f"{cfg_path} holds an invalid value: {e}") from e
+    extra = read_generation_defaults(path).eos_token_ids
+    stop = tuple(dict.fromkeys([*config.stop_token_ids, *(t for t in extra if t < config.vocab_size)]))
+    return replace(config, stop_token_ids=stop) if stop != config.stop_token_ids else config
+
+
+def load_generation_defaults(source: str | Path) -> GenerationDefaults:
+    """A checkpoint's ``generation_config.json`` (stop ids, sampling defaults); presets and folders without the
+    file: the empty defaults (greedy)."""
+    if is_preset(source):
+        return GenerationDefaults()
+    return read_generation_defaults(_folder(source))
+
+
+def check_source(source: str | Path) -> ModelConfig:
+    """Cheap checks of a model source before anything is started: a preset, or a folder whose ``config.json``
+    parses, whose weight files (the single file, or the index and every shard it names) exist, and whose
+    ``generation_config.json`` and ``tokenizer_config.json`` (if any) parse. Raises the ``CheckpointError``
+    subclass naming the problem."""
+    config = load_config(source)
+    if is_preset(source):
+        return config
+    path = _folder(source)
+    index = path / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            shards = sorted(set(weight_map.values()))
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+            raise MissingWeightsError(f"{index} is not a valid safetensors index: {e!r}") from e
+        absent = [f for f in shards if not (path / f).is_file()]
+        if absent:
+            raise MissingWeightsError(f"missing weights shard(s) named in {INDEX_FILE}: {', '.join(absent)}")
+    elif not (path / SINGLE_FILE).is_file():
+        raise MissingWeightsError(f"missing weights file: neither {SINGLE_FILE} nor {INDEX_FILE} in {str(path)!r}")
+    tok_cfg = path / TOKENIZER_CONFIG
+    if tok_cfg.is_file():
+        try:
+            if not isinstance(json.loads(tok_cfg.read_text()), dict):
+                raise TokenizerLoadError(f"{tok_cfg} must hold a JSON object")
+        except json.JSONDecodeError as e:
+            raise TokenizerLoadError(f"{tok_cfg} is not valid JSON: {e}") from e
+    return config
+
+
+def expected_tensors(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor name of the full model under its upstream name, with the shape ``config`` implies (built on
+    the meta device: no memory, no weights)."""
+    with torch.device("meta"):
+        return {k: tuple(t.shape) for k, t in build_model(config).state_dict().items()}
 
 
 def _weight_files(path: Path) -> dict[str, Path]:
@@ -141,8 +223,8 @@ def _load_folder(path: Path, dtype: torch.dtype, device: torch.device | str, sta
     located = _weight_files(path)
     if config.arch == "ouro" and "model.lookahead_exit_gate.weight" in located:
         config = replace(config, has_lookahead_gate=True)
+    full = expected_tensors(config)
     with torch.device("meta"):
-        full = build_model(config).state_dict()
         model = build_model(config, stages)
     want = model.state_dict()
 
@@ -162,11 +244,11 @@ def _load_folder(path: Path, dtype: torch.dtype, device: torch.device | str, sta
     if unexpected:
         raise UnexpectedTensorsError(f"checkpoint {str(path)!r} has unexpected tensors: {_names(unexpected)}")
     shapes = _shapes(located)
-    for name, t in full.items():
+    for name, shape in full.items():
         got = shapes[source[name]]
-        if got != tuple(t.shape):
+        if got != shape:
             raise ShapeMismatchError(
-                f"tensor {source[name]!r}: checkpoint shape {list(got)} != shape {list(t.shape)} implied by config.json"
+                f"tensor {source[name]!r}: checkpoint shape {list(got)} != shape {list(shape)} implied by config.json"
             )
 
     by_file: dict[Path, list[str]] = {}
@@ -196,12 +278,15 @@ def load_model(
 
 
 def load_tokenizer(source: str) -> Tokenizer:
-    """Presets and folders without ``tokenizer.json``: the byte tokenizer; else a ``tokenizer.json`` wrapper."""
-    if source in preset_names():
-        cfg = preset_config(source)
-        return ByteTokenizer(cfg.vocab_size, cfg.stop_token_ids)
+    """The tokenizer of a model source: a folder with ``tokenizer_config.json`` gets ``transformers``'
+    ``AutoTokenizer`` (local files only), one with only ``tokenizer.json`` the ``tokenizers`` wrapper, presets and
+    folders without tokenizer files the byte tokenizer. Stop ids: the model config's (``load_config``)."""
     config = load_config(source)
-    tok_file = Path(resolve_source(source)) / "tokenizer.json"
-    if tok_file.is_file():
-        return HFTokenizer(tok_file, config.stop_token_ids, config.vocab_size)
+    if is_preset(source):
+        return ByteTokenizer(config.vocab_size, config.stop_token_ids)
+    path = _folder(source)
+    if (path / TOKENIZER_CONFIG).is_file():
+        return HFTokenizer(path, config.stop_token_ids, config.vocab_size)
+    if (path / TOKENIZER_JSON).is_file():
+        return HFTokenizer(path / TOKENIZER_JSON, config.stop_token_ids, config.vocab_size)
     return ByteTokenizer(config.vocab_size, config.stop_token_ids)

@@ -42,6 +42,14 @@ class OpBuilder:
                 self._released[stage].append(req.rid)
         self.pending_copies = [c for c in self.pending_copies if c.rid != req.rid]
 
+    def reset(self) -> None:
+        """The stages lost their state (re-attached fresh): no block table is mirrored, no row has a writer in
+        flight and no copy or release is owed. Sequence numbers go on (they stay unique per stage)."""
+        self._row_last.clear()
+        self._sent = [{}, {}, {}]
+        self._released = [[], [], []]
+        self.pending_copies.clear()
+
     def _common(
         self, stage: Stage, rows: Sequence[int], reqs: Iterable[Request]
     ) -> tuple[int, tuple[Fence, ...], tuple[KVUpdate, ...], tuple[int, ...]]:

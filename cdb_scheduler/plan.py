@@ -186,16 +186,28 @@ class StageResult:
     error: str | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class StageLoss:
+    """What ``Executor.poll`` returns when the stages lost their state (a stage process died or its stream broke;
+    the executor re-attaches every stage with fresh state). Every op issued before it is void: no result will
+    come for any of them, and ops submitted between the loss and this ``poll`` are dropped. The scheduler
+    recomputes its running requests (``Scheduler.recover``); ops submitted after this ``poll`` run on the
+    re-attached stages (queued by the executor until they are back)."""
+
+    reason: str
+
+
 class Executor(Protocol):
     """Executes stage ops. Implementations: in-process worker thread, gRPC stage clients.
 
     ``submit`` never blocks on compute; ``poll`` returns the next completed op's result (any stage), waiting at
-    most ``timeout`` seconds (None: forever); it returns None on timeout.
+    most ``timeout`` seconds (None: forever); it returns None on timeout, and a ``StageLoss`` (only executors
+    over separate processes) when the stages lost their state.
     """
 
     def submit(self, op: StageOp) -> None: ...
 
-    def poll(self, timeout: float | None) -> StageResult | None: ...
+    def poll(self, timeout: float | None) -> StageResult | StageLoss | None: ...
 
     def wake(self) -> None:
         """Make a concurrent ``poll`` return None at once (new requests arrived)."""

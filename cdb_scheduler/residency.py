@@ -66,11 +66,24 @@ class Residency:
         if not victims:
             return False
         victim = min(victims, key=lambda r: (r.computed_tokens, -r.rid))
-        self.release(victim)
-        victim.status = Status.WAITING
-        victim.prefilled = 0
-        victim.epoch += 1
-        victim.num_preemptions += 1
+        self.requeue(victim)
         self._stats.preemptions += 1
         self.waiting.appendleft(victim)
         return True
+
+    def requeue(self, req: Request) -> None:
+        """Free ``req``'s row and blocks and make it a recomputation: its items so far are stale, its prompt is
+        prefilled again and its tokens replayed at their recorded depths (the caller queues it)."""
+        self.release(req)
+        req.status = Status.WAITING
+        req.prefilled = 0
+        req.epoch += 1
+        req.num_preemptions += 1
+
+    def requeue_all(self) -> int:
+        """Every running request becomes a recomputation, ahead of the waiting ones, in arrival order."""
+        victims = sorted((r for r in self.running.values() if r.alive), key=lambda r: r.rid)
+        for req in victims:
+            self.requeue(req)
+        self.waiting.extendleft(reversed(victims))
+        return len(victims)

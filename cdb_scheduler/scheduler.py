@@ -66,6 +66,24 @@ class Scheduler:
         and stage order; their results for it are dropped)."""
         return self.residency.abort(rid, reason)
 
+    def recover(self) -> list[Event]:
+        """The stages lost their state (``StageLoss``: a stage died; all were re-attached fresh). Every op in
+        flight is void; every running request is recomputed from its prompt and the tokens already reported, at
+        their recorded depths (``Residency.requeue``), so its continuation is exactly what it would have been and
+        nothing is reported twice. Waiting requests keep their place behind them."""
+        self._loop.clear()
+        self._head.clear()
+        self._prelude.clear()
+        self._prefill = None
+        self._prefill_starved = False
+        for q in (self.ready, self.head_queue, self.refills, self.stalled):
+            q.clear()
+        self.refill = refill_policy(self.cfg.mode)
+        self.stats.recomputed += self.residency.requeue_all()  # frees every row and block: stages start empty
+        self.ops.reset()
+        self.stats.recoveries += 1
+        return []
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 

@@ -13,6 +13,8 @@ class SchedulerStats:
     refill_events: int = 0  # a step-0 item joined a non-empty ready queue
     prefill_tokens: int = 0
     preemptions: int = 0
+    recoveries: int = 0  # stage losses recovered from (every running request recomputed)
+    recomputed: int = 0  # requests re-queued for recomputation by those recoveries
     tokens: int = 0  # generated tokens reported
     depth_hist: dict[int, int] = field(default_factory=dict)  # served depth -> tokens
     compute_s: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])  # per stage, from results

@@ -3,6 +3,16 @@
     cdb generate "Once upon a time" --max-tokens 32            # text as it is generated
     cdb generate "Once upon a time" --show-depth               # each token followed by its loop depth
     cdb generate "Once upon a time" --json                     # one JSON object per token, then the finish
+    cdb generate "Hi" --address host:50051 --tls-ca ca.crt --api-key-file key.txt   # a secured server
+    cdb generate "Hi" --tls-ca ca.crt --tls-cert me.crt --tls-key me.key             # mTLS
+    cdb generate "Hi" --address 10.0.0.5:50051,10.0.0.6:50051                         # any of several replicas
+    cdb generate "Hi" --address dns:///cdb-headless.cdb.svc.cluster.local:50051       # every address of a name
+
+The API key comes from ``--api-key-file`` or else ``$CDB_API_KEY`` (never a flag: command lines are visible to
+other users). ``--tls`` alone uses the system's trusted CAs. Several replicas: ``--address`` takes IP:PORT
+addresses separated by commas or a gRPC target such as ``dns:///NAME:PORT``; ``--lb-policy`` picks gRPC's
+policy (``round_robin``, the default, or ``pick_first``); a call refused with UNAVAILABLE or RESOURCE_EXHAUSTED
+before its first token is sent again, ``--max-attempts`` times in all (1: never; see ``clients.balancing``).
 
 Exit status: 0 on success, 1 when the server reports an error (the gRPC status is printed to stderr).
 """
@@ -10,20 +20,38 @@ Exit status: 0 on success, 1 when the server reports an error (the gRPC status i
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import os
 import sys
 from typing import TextIO
 
 import grpc
 
-from clients.common import GenerateOptions, StreamFinish, StreamToken
+from clients.balancing import LbPolicy, RetryPolicy, channel_target
+from clients.common import (
+    DEFAULT_RETRY,
+    GenerateOptions,
+    StreamFinish,
+    StreamToken,
+    TlsOptions,
+    api_key_metadata,
+    read_api_key_file,
+)
 from clients.sync_client import Client
+
+API_KEY_ENV = "CDB_API_KEY"
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="cdb generate", description="Stream a generation from a cdb server.")
     p.add_argument("prompt", help="prompt text ('-' reads stdin)")
-    p.add_argument("--address", default="127.0.0.1:50051", help="server address (default %(default)s)")
+    p.add_argument(
+        "--address",
+        default="127.0.0.1:50051",
+        help="server address; several IP:PORT separated by commas, or a gRPC target such as dns:///NAME:PORT "
+        "(default %(default)s)",
+    )
     p.add_argument("--max-tokens", type=int, help="tokens to generate (server default 16)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=0)
@@ -37,7 +65,47 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, help="deadline in seconds")
     p.add_argument("--show-depth", action="store_true", help="print each token's loop depth after it")
     p.add_argument("--json", action="store_true", help="JSON lines: one per token, then the finish")
+    lb = p.add_argument_group("several replicas")
+    lb.add_argument("--lb-policy", choices=[x.value for x in LbPolicy], default=LbPolicy.ROUND_ROBIN.value)
+    lb.add_argument(
+        "--max-attempts",
+        type=int,
+        default=DEFAULT_RETRY.max_attempts,
+        help="attempts of a call refused before its first token, 1 (no retry) to 5 (default %(default)s)",
+    )
+    sec = p.add_argument_group("secured server")
+    sec.add_argument("--tls", action="store_true", help="connect with TLS (implied by --tls-ca / --tls-cert)")
+    sec.add_argument("--tls-ca", metavar="PEM", help="CA bundle that signed the server's certificate")
+    sec.add_argument("--tls-cert", metavar="PEM", help="client certificate (mTLS; with --tls-key)")
+    sec.add_argument("--tls-key", metavar="PEM", help="private key of --tls-cert")
+    sec.add_argument("--tls-server-name", metavar="NAME", help="name to expect in the server's certificate")
+    sec.add_argument("--api-key-file", metavar="FILE", help=f"file holding the API key (default: ${API_KEY_ENV})")
     return p
+
+
+def connection_from_args(args: argparse.Namespace) -> tuple[TlsOptions | None, str | None]:
+    """The TLS options and API key of the command line (and ``$CDB_API_KEY``); raises ValueError."""
+    tls = None
+    if args.tls or args.tls_ca or args.tls_cert or args.tls_key or args.tls_server_name:
+        tls = TlsOptions.from_files(args.tls_ca, args.tls_cert, args.tls_key, args.tls_server_name)
+    api_key = read_api_key_file(args.api_key_file) if args.api_key_file else os.environ.get(API_KEY_ENV) or None
+    api_key_metadata(api_key)  # checks the key
+    return tls, api_key
+
+
+def balancing_from_args(args: argparse.Namespace) -> RetryPolicy | None:
+    """The retry policy of ``--max-attempts`` (None for 1); checks ``--address``. Raises ValueError naming the
+    flag."""
+    try:
+        channel_target(args.address)
+    except ValueError as exc:
+        raise ValueError(f"--{exc}") from None
+    if args.max_attempts == 1:
+        return None
+    try:
+        return dataclasses.replace(DEFAULT_RETRY, max_attempts=args.max_attempts)
+    except ValueError:
+        raise ValueError(f"--max-attempts: 1 to 5, got {args.max_attempts}") from None
 
 
 def options_from_args(args: argparse.Namespace) -> GenerateOptions:
@@ -78,11 +146,20 @@ def _print_item(item: StreamToken | StreamFinish, args: argparse.Namespace, out:
 
 def generate_main(argv: list[str] | None = None, out: TextIO | None = None) -> int:
     """Entry point of ``cdb generate``; returns the exit status."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        tls, api_key = connection_from_args(args)
+        retry = balancing_from_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
     out = out or sys.stdout
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     try:
-        with Client(args.address, timeout=args.timeout) as client:
+        client = Client(
+            args.address, timeout=args.timeout, tls=tls, api_key=api_key, lb_policy=args.lb_policy, retry=retry
+        )
+        with client:
             for item in client.stream(prompt, **options_from_args(args)):
                 _print_item(item, args, out)
                 if isinstance(item, StreamFinish) and item.finish_reason == "error":

@@ -4,7 +4,14 @@
         for item in c.stream("Hello", max_tokens=16):
             print(item.text if item.is_token else item.finish_reason)
 
-Leaving a ``stream`` loop early cancels the call, which aborts the request on the server.
+Leaving a ``stream`` loop early cancels the call, which aborts the request on the server. A secured server:
+``Client(address, tls=TlsOptions.from_files(ca="ca.crt"), api_key=KEY)`` (see ``clients.common``).
+
+Several replicas: ``Client(["10.0.0.5:50051", "10.0.0.6:50051"])``, ``Client("10.0.0.5:50051,10.0.0.6:50051")``
+or ``Client("dns:///cdb-headless.cdb.svc.cluster.local:50051")``: each call goes to the next replica
+(``round_robin``), and a call that fails with UNAVAILABLE or RESOURCE_EXHAUSTED before its first token is sent
+again elsewhere (``clients.balancing``). ``health``, ``wait_for_status`` and ``info`` ask the replica the
+policy picks for that call.
 """
 
 from __future__ import annotations
@@ -19,13 +26,20 @@ from typing_extensions import Unpack
 
 from cdb_api.v1 import generation_pb2 as pb
 from cdb_api.v1 import generation_pb2_grpc
+from clients.balancing import LbPolicy, RetryPolicy
 from clients.common import (
+    DEFAULT_RETRY,
+    ChannelOptions,
     GenerateOptions,
     GenerateResult,
     ServerInfo,
     StreamFinish,
     StreamToken,
+    TlsOptions,
+    address_text,
+    api_key_metadata,
     build_request,
+    open_channel,
     stream_item,
 )
 
@@ -33,18 +47,36 @@ Metadata = Sequence[tuple[str, str]]
 
 
 class Client:
-    """A channel to one server. ``timeout`` is the default deadline of each call (None: no deadline)."""
+    """A channel to one server or several replicas. ``timeout`` is the default deadline of each call, all its
+    attempts included (None: no deadline); ``tls``: TLS (and mTLS) options, else plaintext; ``api_key``: sent as
+    ``authorization: Bearer KEY`` on every call; ``lb_policy`` (``round_robin`` or ``pick_first``), ``retry``
+    (None: no retries) and ``options`` (more channel arguments): see ``clients.common.open_channel``."""
 
-    def __init__(self, address: str, *, timeout: float | None = None, metadata: Metadata = ()) -> None:
-        self.address = address
+    def __init__(
+        self,
+        address: str | Sequence[str],
+        *,
+        timeout: float | None = None,
+        metadata: Metadata = (),
+        tls: TlsOptions | None = None,
+        api_key: str | None = None,
+        lb_policy: LbPolicy | str = LbPolicy.ROUND_ROBIN,
+        retry: RetryPolicy | None = DEFAULT_RETRY,
+        options: ChannelOptions = (),
+    ) -> None:
+        self.address = address_text(address)
         self.timeout = timeout
         self.metadata = tuple(metadata)  # e.g. W3C ``traceparent``, sent with every call
-        self.channel = grpc.insecure_channel(address)
+        self._auth = api_key_metadata(api_key)
+        self.channel = open_channel(address, tls=tls, lb_policy=lb_policy, retry=retry, options=options)
         self._stub = generation_pb2_grpc.GenerationStub(self.channel)
         self._health = health_pb2_grpc.HealthStub(self.channel)
 
     def _kw(self, timeout: float | None, metadata: Metadata) -> dict[str, object]:
-        return {"timeout": self.timeout if timeout is None else timeout, "metadata": self.metadata + tuple(metadata)}
+        return {
+            "timeout": self.timeout if timeout is None else timeout,
+            "metadata": self.metadata + self._auth + tuple(metadata),
+        }
 
     def generate(
         self,

@@ -4,17 +4,22 @@
 - ``parse_stage_addrs``: ``--stage ROLE=ADDRESS`` options into addresses by stage.
 - ``write_ready_file`` / ``wait_ready_file``: a child publishes its bound address once it serves (atomic
   rename); the launcher waits for it and fails fast if the child exits first.
+- ``NO_REUSEPORT`` / ``check_can_listen`` / ``listen_on``: gRPC servers listen alone on their port (gRPC's
+  default ``SO_REUSEPORT`` lets a second server share a busy port silently); a port that cannot be bound is a
+  ``ListenError`` with one line, ``cannot listen on ADDR: address already in use``.
 """
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import os
+import socket
 import subprocess
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from cdb_scheduler.plan import Stage
 
@@ -86,3 +91,82 @@ def wait_ready_file(path: str, proc: subprocess.Popen[Any], timeout: float, what
         if time.monotonic() > deadline:
             raise RuntimeError(f"{what} not ready after {timeout:.0f}s")
         time.sleep(0.02)  # polling a file for a child's readiness
+
+
+# gRPC server option: never share a port with another process (gRPC sets SO_REUSEPORT by default).
+NO_REUSEPORT: tuple[tuple[str, int], ...] = (("grpc.so_reuseport", 0),)
+
+_REASONS = {
+    errno.EADDRINUSE: "address already in use",
+    errno.EACCES: "permission denied",
+    errno.EADDRNOTAVAIL: "address not available on this host",
+}
+
+
+class ListenError(OSError):
+    """An address cannot be listened on; the message is one line, ``cannot listen on ADDR: REASON``."""
+
+
+class PortServer(Protocol):
+    """What ``listen_on`` needs of a ``grpc.Server`` or ``grpc.aio.Server``."""
+
+    def add_insecure_port(self, address: str) -> int: ...
+
+    def add_secure_port(self, address: str, server_credentials: Any) -> int: ...
+
+
+def _unix_path(listen: str) -> str:
+    rest = listen.removeprefix("unix:")
+    return rest[2:] if rest.startswith("//") else rest  # unix:///abs/path or unix:relative/path
+
+
+def check_can_listen(listen: str) -> None:
+    """Raise ``ListenError`` if ``listen`` (``HOST:PORT`` or ``unix:PATH``) is taken or cannot be bound here.
+
+    A probe bind without ``SO_REUSEPORT`` on every address the host resolves to (port 0: nothing to check); for a
+    Unix socket, a server answering on its path. Done before gRPC binds, whose own failure also writes a log
+    line of the gRPC core to stderr."""
+    if listen.startswith("unix:"):
+        path = _unix_path(listen)
+        if not os.path.exists(path):
+            return
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            probe.settimeout(1.0)
+            try:
+                probe.connect(path)
+            except OSError:
+                return  # a stale socket file (gRPC replaces it) or not a socket (gRPC's bind reports it)
+        raise ListenError(f"cannot listen on {listen}: address already in use")
+    host, sep, port = listen.rpartition(":")
+    if not sep or not port.isdigit() or int(port) == 0:
+        return
+    name = host.strip("[]") or None
+    try:
+        infos = socket.getaddrinfo(name, int(port), type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror:
+        raise ListenError(f"cannot listen on {listen}: unknown host {host!r}") from None
+    for family, kind, proto, _, sockaddr in dict.fromkeys(infos):
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC does: TIME_WAIT is no conflict
+            try:
+                probe.bind(sockaddr)
+            except OSError as exc:
+                reason = _REASONS.get(exc.errno or 0, (exc.strerror or str(exc)).lower())
+                raise ListenError(f"cannot listen on {listen}: {reason}") from None
+
+
+def listen_on(server: PortServer, listen: str, credentials: Any = None) -> int:
+    """Add ``listen`` to ``server`` (TLS with ``credentials``, a ``grpc.ServerCredentials``) and return the bound
+    port; raise ``ListenError`` if it cannot be bound. Create the server with ``options=NO_REUSEPORT`` (plus
+    its own) so that a port held by another process is refused, not shared."""
+    check_can_listen(listen)
+    try:
+        if credentials is not None:
+            port = server.add_secure_port(listen, credentials)
+        else:
+            port = server.add_insecure_port(listen)
+    except RuntimeError:
+        port = 0  # gRPC >= 1.5x raises where older versions returned 0
+    if port == 0:
+        raise ListenError(f"cannot listen on {listen}: the gRPC server could not bind it")
+    return port

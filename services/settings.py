@@ -1,7 +1,15 @@
-"""Every ``CDB_*`` environment variable of the services, read in this one place into a frozen, typed record.
+"""A deployment's configuration, read in this one place: the services' operational knobs (``Settings``) and the
+engine options (``cdb_engine.config.EngineConfig``), one typed source (``cdb_engine.config_source``, on
+pydantic-settings). Each value comes from, highest first: the process's command-line flag (``cdb serve``,
+``cdb scheduler``, ``cdb stage``, ``cdb demo``), the ``CDB_*`` environment variable, the config file named by
+``--config FILE`` or ``CDB_CONFIG`` (TOML, or YAML for ``.yaml``/``.yml``; its keys are the variables' names
+without ``CDB_``, in lower case: ``max_num_seqs = 16``), the default below. ``auto`` (the model's own value) is
+allowed where the default says so. The tables are the fields' own help (``metadata["help"]``):
+``python -m services.settings`` prints them and a test holds this docstring equal to it.
 
 | variable | default | meaning |
 |---|---|---|
+| ``CDB_CONFIG`` | (unset) | config file (TOML; YAML: .yaml/.yml) of any keys below; ``--config`` overrides it |
 | ``CDB_STAGE_THREADS`` | 1 | torch intra-op threads per stage process (three stages share the host's cores) |
 | ``CDB_FENCE_TIMEOUT_S`` | 30 | a stage fails a batch whose fences are not satisfied within this time |
 | ``CDB_FENCE_SPIN_S`` | 0.0002 | busy-wait this long on a fence before backing off with tiny sleeps |
@@ -13,64 +21,159 @@
 | ``CDB_DRAIN_TIMEOUT_S`` | 30 | SIGTERM: how long in-flight streams may finish before they are cancelled |
 | ``CDB_MAX_CONCURRENT_RPCS`` | 1024 | hard cap of concurrent RPCs of the public server (RESOURCE_EXHAUSTED beyond) |
 | ``CDB_READY_TIMEOUT_S`` | 180 | ``serve_all``: how long to wait for every child to become ready |
-| ``CDB_UVLOOP`` | 1 | run the public server's event loop on uvloop when installed |
+| ``CDB_UVLOOP`` | true | run the public server's event loop on uvloop when installed |
 | ``CDB_METRICS_ADDR`` | (unset) | ``HOST:PORT`` of the scheduler's Prometheus endpoint (``:9464``: all interfaces) |
 | ``CDB_CPUS`` | (unset) | pin the processes to CPUs, e.g. ``loop:1,head:0,prelude:0,scheduler:0`` (``+``: several) |
+| ``CDB_STAGE_SECRET`` | (unset) | the stage plane's shared secret (prefer ``CDB_STAGE_SECRET_FILE``) |
+| ``CDB_STAGE_SECRET_FILE`` | (unset) | file (mode 0600) holding the stage plane's secret; ``cdb serve`` makes one |
+| ``CDB_STAGE_DOWN_LIMIT_S`` | 60 | a stage missing this long: requests fail ``UNAVAILABLE``, the scheduler exits 1 |
+| ``CDB_RECONNECT_BACKOFF_S`` | 0.05 | first delay between reconnect attempts to a lost stage (doubles up to 2 s) |
+| ``CDB_TLS_CERT`` | (unset) | PEM certificate chain of the public port (with ``CDB_TLS_KEY``: TLS on) |
+| ``CDB_TLS_KEY`` | (unset) | PEM private key of the public port |
+| ``CDB_TLS_CLIENT_CA`` | (unset) | PEM CA bundle: the public port requires client certificates signed by it (mTLS) |
+| ``CDB_API_KEYS`` | (unset) | comma-separated API keys accepted as ``authorization: Bearer KEY`` on the public port |
+| ``CDB_API_KEYS_FILE`` | (unset) | file with one API key per line (``#`` comments), merged with ``CDB_API_KEYS`` |
+| ``CDB_MAX_STREAMS_PER_CONNECTION`` | 256 | HTTP/2 max concurrent streams per client connection of the public port |
+| ``CDB_KEEPALIVE_MIN_TIME_S`` | 10 | clients may ping no more often than this (more often: GOAWAY) |
+| ``CDB_HTTP_ADDR`` | (unset) | ``HOST:PORT`` of the OpenAI-compatible HTTP API (``cdb serve --http``) |
+
+The engine options, the same for the four processes of a tree (each also ``--option`` of ``cdb serve``, ``cdb
+scheduler`` and ``cdb demo``; ``cdb stage`` takes ``--model``, ``--dtype`` and ``--device``):
+
+| variable | default | meaning |
+|---|---|---|
+| ``CDB_MODEL`` | ouro-tiny | a preset name (cdb presets) or a local checkpoint folder |
+| ``CDB_DTYPE`` | auto | compute dtype; auto: bfloat16 on CUDA, float32 elsewhere |
+| ``CDB_DEVICE`` | cpu | compute device of every process: cpu, cuda or cuda:N |
+| ``CDB_MODE`` | cdb | cdb: refill freed loop slots at once; no-refill: lockstep waves; full-depth: no early exit |
+| ``CDB_MAX_NUM_SEQS`` | 32 | resident requests = the width of the loop batch |
+| ``CDB_NUM_KV_BLOCKS`` | 2048 | KV-cache blocks per pool |
+| ``CDB_KV_BLOCK_SIZE`` | 16 | tokens per KV-cache block |
+| ``CDB_KV_POLICY`` | last_exited | which loop-KV depth slot a token writes and reads (depth_indexed: as trained) |
+| ``CDB_KV_SHARED_AFTER`` | 2 | first_then_shared: private KV slots for the first k-1 loop steps, then one shared |
+| ``CDB_MAX_DEPTH`` | auto | loop steps per token at most; auto: the model's |
+| ``CDB_EXIT_RULE`` | auto | what ends a token's loop; auto: the family's own (Ouro hazard, Huginn latent-diff) |
+| ``CDB_EXIT_THRESHOLD`` | auto | Ouro gate CDF q in (0, 1], Huginn latent diff >= 0; auto: the model's or 0.5 / 0.1 |
+| ``CDB_EARLY_EXIT`` | true | false (--no-early-exit): the server's default threshold serves every token at full depth |
+| ``CDB_MIN_DEPTH`` | 1 | loop steps every token runs before it may exit |
+| ``CDB_FIXED_DEPTH`` | auto | exit rule fixed: every token at this depth; auto: the max depth |
+| ``CDB_HORIZON`` | one-ahead | one-ahead: exit decisions one loop step ahead; same-step: upstream's rule |
+| ``CDB_PREFILL_TOKEN_BUDGET`` | 2048 | prompt tokens prefilled per scheduling step |
+| ``CDB_PREFILL_CHUNK_SIZE`` | 512 | prompt tokens per prefill chunk |
+| ``CDB_MIN_HEAD_BATCH_SIZE`` | auto | exited tokens the head waits for; auto: 1 for Ouro, max_num_seqs/4 for Huginn |
+| ``CDB_MAX_HEAD_WAIT_STEPS`` | 4 | an exited token waits at most this many loop ops for a head batch of that size |
+| ``CDB_LOOP_PIPELINE_DEPTH`` | 2 | loop ops in flight at once |
+| ``CDB_MAX_INPUT_TOKENS`` | auto | longest prompt accepted; auto: the model's max positions - 1 |
+| ``CDB_MAX_TOTAL_TOKENS`` | auto | prompt + max_tokens at most; auto: the model's max positions |
+| ``CDB_MAX_WAITING`` | 256 | bounded waiting queue: beyond it, requests get RESOURCE_EXHAUSTED |
+| ``CDB_INIT_SEED`` | -1 | Huginn initial state: < 0 zero, else a seeded truncated normal per position |
+| ``CDB_NUM_THREADS`` | auto | torch intra-op threads of the in-process executor; auto: torch's default |
+| ``CDB_FUSE_REFILL_EMBED`` | true | Ouro: the head op embeds a refill's input token (no prelude op per step) |
+| ``CDB_ALLOW_REPLAY_DEPTHS`` | false | accept per-request replayed depths (benchmarks; implied by exit rule replay) |
 """
 
 from __future__ import annotations
 
-import os
+import dataclasses
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
+from typing import Any
 
+from cdb_engine.config import EngineConfig
+from cdb_engine.config_source import (
+    CONFIG_ENV,
+    ENGINE_FIELDS,
+    SourceError,
+    SourceValues,
+    check_engine_field,
+    env_name,
+    read_source,
+)
 from services.net import is_host_port
 
 
-class SettingsError(ValueError):
-    """A ``CDB_*`` variable does not parse or is out of range."""
+class SettingsError(SourceError):
+    """A ``CDB_*`` variable or a config-file key does not parse or is out of range."""
+
+
+def _help(text: str, default: Any = dataclasses.MISSING, **kw: Any) -> Any:
+    return field(default=default, metadata={"help": text}, **kw)
 
 
 @dataclass(frozen=True, slots=True)
 class Settings:
     """Operational knobs of the stage servers, the scheduler service and the launcher."""
 
-    stage_threads: int = 1
-    fence_timeout_s: float = 30.0
-    fence_spin_s: float = 2e-4
-    stage_connect_timeout_s: float = 120.0
-    stage_keepalive_s: float = 5.0
-    stage_probe_timeout_s: float = 2.0
-    health_interval_s: float = 0.5
-    stall_timeout_s: float = 15.0
-    drain_timeout_s: float = 30.0
-    max_concurrent_rpcs: int = 1024
-    ready_timeout_s: float = 180.0
-    uvloop: bool = True
-    metrics_addr: str = ""
-    cpus: str = ""
+    stage_threads: int = _help("torch intra-op threads per stage process (three stages share the host's cores)", 1)
+    fence_timeout_s: float = _help("a stage fails a batch whose fences are not satisfied within this time", 30.0)
+    fence_spin_s: float = _help("busy-wait this long on a fence before backing off with tiny sleeps", 2e-4)
+    stage_connect_timeout_s: float = _help("how long the scheduler waits for its stages to be ready at start", 120.0)
+    stage_keepalive_s: float = _help(
+        "HTTP/2 keepalive ping interval on stage channels (a frozen stage is detected)", 5.0
+    )
+    stage_probe_timeout_s: float = _help("deadline of the health probe of each stage", 2.0)
+    health_interval_s: float = _help("period of the scheduler's readiness check", 0.5)
+    stall_timeout_s: float = _help("work pending without engine progress this long: NOT_SERVING", 15.0)
+    drain_timeout_s: float = _help("SIGTERM: how long in-flight streams may finish before they are cancelled", 30.0)
+    max_concurrent_rpcs: int = _help(
+        "hard cap of concurrent RPCs of the public server (RESOURCE_EXHAUSTED beyond)", 1024
+    )
+    ready_timeout_s: float = _help("``serve_all``: how long to wait for every child to become ready", 180.0)
+    uvloop: bool = _help("run the public server's event loop on uvloop when installed", True)
+    metrics_addr: str = _help("``HOST:PORT`` of the scheduler's Prometheus endpoint (``:9464``: all interfaces)", "")
+    cpus: str = _help("pin the processes to CPUs, e.g. ``loop:1,head:0,prelude:0,scheduler:0`` (``+``: several)", "")
+    stage_secret: str = _help("the stage plane's shared secret (prefer ``CDB_STAGE_SECRET_FILE``)", "", repr=False)
+    stage_secret_file: str = _help("file (mode 0600) holding the stage plane's secret; ``cdb serve`` makes one", "")
+    stage_down_limit_s: float = _help(
+        "a stage missing this long: requests fail ``UNAVAILABLE``, the scheduler exits 1", 60.0
+    )
+    reconnect_backoff_s: float = _help(
+        "first delay between reconnect attempts to a lost stage (doubles up to 2 s)", 0.05
+    )
+    tls_cert: str = _help("PEM certificate chain of the public port (with ``CDB_TLS_KEY``: TLS on)", "")
+    tls_key: str = _help("PEM private key of the public port", "")
+    tls_client_ca: str = _help("PEM CA bundle: the public port requires client certificates signed by it (mTLS)", "")
+    api_keys: str = _help(
+        "comma-separated API keys accepted as ``authorization: Bearer KEY`` on the public port", "", repr=False
+    )
+    api_keys_file: str = _help("file with one API key per line (``#`` comments), merged with ``CDB_API_KEYS``", "")
+    max_streams_per_connection: int = _help(
+        "HTTP/2 max concurrent streams per client connection of the public port", 256
+    )
+    keepalive_min_time_s: float = _help("clients may ping no more often than this (more often: GOAWAY)", 10.0)
+    http_addr: str = _help("``HOST:PORT`` of the OpenAI-compatible HTTP API (``cdb serve --http``)", "")
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name == "cpus":
-                cpu_map(value)
-                continue
-            if isinstance(value, str):
-                if value and not is_host_port(value):
-                    raise SettingsError(f"CDB_{f.name.upper()} must be HOST:PORT (or :PORT), got {value!r}")
-                continue
-            if f.name == "fence_spin_s":
-                ok = value >= 0
-            elif isinstance(value, bool):
-                ok = True
-            else:
-                ok = value > 0
-            if not ok:
-                raise SettingsError(f"CDB_{f.name.upper()} must be positive, got {value}")
+            if problem := _problem(f.name, value):
+                raise SettingsError(f"{env_name(f.name)}={value!r}: {problem}")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise SettingsError("CDB_TLS_CERT and CDB_TLS_KEY go together: set both or neither")
+        if self.tls_client_ca and not self.tls_cert:
+            raise SettingsError("CDB_TLS_CLIENT_CA needs CDB_TLS_CERT and CDB_TLS_KEY (mTLS is TLS first)")
 
 
+_ADDRESSES = frozenset({"metrics_addr", "http_addr"})
+SETTINGS_FIELDS = tuple(f.name for f in fields(Settings))
 PROCESS_ROLES = ("prelude", "loop", "head", "scheduler")
+
+
+def _problem(name: str, value: Any) -> str | None:
+    """What is wrong with one setting's value on its own, or None."""
+    if name == "cpus":
+        try:
+            cpu_map(value)
+        except SettingsError as exc:
+            return str(exc).removeprefix("CDB_CPUS ")
+        return None
+    if isinstance(value, str):
+        return "must be HOST:PORT (or :PORT)" if name in _ADDRESSES and value and not is_host_port(value) else None
+    if isinstance(value, bool):
+        return None
+    if name == "fence_spin_s":
+        return None if value >= 0 else "must be >= 0"
+    return None if value > 0 else "must be positive"
 
 
 def cpu_map(spec: str) -> dict[str, set[int]]:
@@ -89,29 +192,85 @@ def cpu_map(spec: str) -> dict[str, set[int]]:
     return out
 
 
-def _parse(name: str, raw: str, kind: type) -> int | float | bool | str:
+def _check(name: str, value: Any) -> None:
+    if name in ENGINE_FIELDS:
+        check_engine_field(name, value)
+    elif problem := _problem(name, value):
+        raise ValueError(problem)
+
+
+@dataclass(frozen=True)
+class Configuration:
+    """One process's configuration from the source: its ``settings`` and the engine fields the environment or
+    the config file set (``engine``: the defaults of its engine flags; ``origins``: where each value came from)."""
+
+    settings: Settings
+    engine: Mapping[str, Any]
+    origins: Mapping[str, str]
+    config_file: str | None
+
+    def engine_config(self, **flags: Any) -> EngineConfig:
+        """``EngineConfig`` of the source's values with ``flags`` over them."""
+        return EngineConfig(**{**self.engine, **flags})
+
+
+def load_configuration(environ: Mapping[str, str] | None = None, config_file: str | None = None) -> Configuration:
+    """Read the ``CDB_*`` variables (default: ``os.environ``) over the config file (``config_file``, else
+    ``CDB_CONFIG``) over the defaults, every service and engine field; SettingsError naming a bad value. Cached
+    (a process reads them once): the same environment and file give the same result."""
     try:
-        if kind is str:
-            return raw.strip()
-        if kind is bool:
-            lowered = raw.strip().lower()
-            if lowered in ("1", "true", "yes", "on"):
-                return True
-            if lowered in ("0", "false", "no", "off"):
-                return False
-            raise ValueError(raw)
-        return kind(raw)
-    except ValueError:
-        raise SettingsError(f"{name}={raw!r} is not a valid {kind.__name__}") from None
+        source = read_source((Settings, EngineConfig), environ, config_file, check=_check)
+        known = _CONFIGURATIONS.get(id(source))
+        if known is not None and known[0] is source:
+            return known[1]
+        settings = Settings(**source.subset(SETTINGS_FIELDS))
+    except SettingsError:
+        raise
+    except SourceError as exc:
+        raise SettingsError(str(exc)) from None
+    conf = Configuration(settings, source.subset(ENGINE_FIELDS), source.origins, source.config_file)
+    _CONFIGURATIONS[id(source)] = (source, conf)
+    return conf
 
 
-def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
-    """Read ``CDB_*`` variables (default: ``os.environ``) over the defaults; raises SettingsError."""
-    env = os.environ if environ is None else environ
-    defaults = Settings()
-    values: dict[str, int | float | bool | str] = {}
-    for f in fields(Settings):
-        name = f"CDB_{f.name.upper()}"
-        if name in env:
-            values[f.name] = _parse(name, env[name], type(getattr(defaults, f.name)))
-    return Settings(**values)  # type: ignore[arg-type]
+_CONFIGURATIONS: dict[int, tuple[SourceValues, Configuration]] = {}  # read_source's results (cached) -> ours
+
+
+def load_settings(environ: Mapping[str, str] | None = None, config_file: str | None = None) -> Settings:
+    """The services' settings from ``CDB_*`` variables (default: ``os.environ``) and the config file over the
+    defaults; raises SettingsError (also for a bad engine value: the source is validated whole)."""
+    return load_configuration(environ, config_file).settings
+
+
+def _default_text(value: Any) -> str:
+    if value is None:
+        return "auto"
+    if value == "":
+        return "(unset)"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value)
+
+
+def variables_table() -> str:
+    """The tables of this module's docstring, from the fields' help."""
+    head = "| variable | default | meaning |\n|---|---|---|\n"
+    config = f"| ``{CONFIG_ENV}`` | (unset) | config file (TOML; YAML: .yaml/.yml) of any keys below; "
+    config += "``--config`` overrides it |\n"
+
+    def rows(record: type) -> str:
+        return "".join(
+            f"| ``{env_name(f.name)}`` | {_default_text(f.default)} | {f.metadata['help']} |\n" for f in fields(record)
+        )
+
+    engine_intro = (
+        "The engine options, the same for the four processes of a tree (each also ``--option`` of ``cdb serve``, "
+        "``cdb\nscheduler`` and ``cdb demo``; ``cdb stage`` takes ``--model``, ``--dtype`` and ``--device``):\n\n"
+    )
+    return head + config + rows(Settings) + "\n" + engine_intro + head + rows(EngineConfig)
+
+
+if __name__ == "__main__":
+    print(variables_table(), end="")

@@ -7,7 +7,7 @@ imports under ``if TYPE_CHECKING:`` are left out (they never run). Layers, lowes
     cdb_api (generated stubs) and clients (cdb_api + grpc only) sit beside them; cdb_train uses the model only.
 
 Inside ``services`` the rooms are ordered too: net, settings, healthcheck < telemetry < transport < scheduler
-< launcher. Nothing outside ``tests`` imports ``tests``.
+< http < launcher. Nothing outside ``tests`` imports ``tests``.
 """
 
 from __future__ import annotations
@@ -54,10 +54,13 @@ SERVICE_ROOMS = {
     "net": 0,
     "settings": 0,
     "healthcheck": 0,
+    "stage_secret": 0,
+    "reflection": 0,
     "telemetry": 1,
     "transport": 2,
     "scheduler": 3,
-    "launcher": 4,
+    "http": 4,
+    "launcher": 5,
 }
 
 

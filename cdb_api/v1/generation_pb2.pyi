@@ -165,23 +165,27 @@ class Limits(_message.Message):
     def __init__(self, max_input_tokens: _Optional[int] = ..., max_total_tokens: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_waiting: _Optional[int] = ..., max_running: _Optional[int] = ..., max_concurrent_rpcs: _Optional[int] = ...) -> None: ...
 
 class Counters(_message.Message):
-    __slots__ = ("waiting", "running", "held_rows", "used_kv_blocks", "total_kv_blocks", "loop_steps")
+    __slots__ = ("waiting", "running", "held_rows", "used_kv_blocks", "total_kv_blocks", "loop_steps", "recoveries", "recomputed")
     WAITING_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     HELD_ROWS_FIELD_NUMBER: _ClassVar[int]
     USED_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     LOOP_STEPS_FIELD_NUMBER: _ClassVar[int]
+    RECOVERIES_FIELD_NUMBER: _ClassVar[int]
+    RECOMPUTED_FIELD_NUMBER: _ClassVar[int]
     waiting: int
     running: int
     held_rows: int
     used_kv_blocks: int
     total_kv_blocks: int
     loop_steps: int
-    def __init__(self, waiting: _Optional[int] = ..., running: _Optional[int] = ..., held_rows: _Optional[int] = ..., used_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., loop_steps: _Optional[int] = ...) -> None: ...
+    recoveries: int
+    recomputed: int
+    def __init__(self, waiting: _Optional[int] = ..., running: _Optional[int] = ..., held_rows: _Optional[int] = ..., used_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., loop_steps: _Optional[int] = ..., recoveries: _Optional[int] = ..., recomputed: _Optional[int] = ...) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model", "architecture", "max_depth", "vocab_size", "kv_policy", "mode", "deployment", "limits", "counters", "healthy", "error", "kv_block_size", "dtype")
+    __slots__ = ("model", "architecture", "max_depth", "vocab_size", "kv_policy", "mode", "deployment", "limits", "counters", "healthy", "error", "kv_block_size", "dtype", "exit_rule", "exit_threshold", "exit_threshold_source", "early_exit", "exit_summary", "mean_served_depth")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     MAX_DEPTH_FIELD_NUMBER: _ClassVar[int]
@@ -195,6 +199,12 @@ class InfoResponse(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    EXIT_RULE_FIELD_NUMBER: _ClassVar[int]
+    EXIT_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    EXIT_THRESHOLD_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    EARLY_EXIT_FIELD_NUMBER: _ClassVar[int]
+    EXIT_SUMMARY_FIELD_NUMBER: _ClassVar[int]
+    MEAN_SERVED_DEPTH_FIELD_NUMBER: _ClassVar[int]
     model: str
     architecture: str
     max_depth: int
@@ -208,4 +218,10 @@ class InfoResponse(_message.Message):
     error: str
     kv_block_size: int
     dtype: str
-    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., max_depth: _Optional[int] = ..., vocab_size: _Optional[int] = ..., kv_policy: _Optional[str] = ..., mode: _Optional[str] = ..., deployment: _Optional[str] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., counters: _Optional[_Union[Counters, _Mapping]] = ..., healthy: _Optional[bool] = ..., error: _Optional[str] = ..., kv_block_size: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
+    exit_rule: str
+    exit_threshold: float
+    exit_threshold_source: str
+    early_exit: bool
+    exit_summary: str
+    mean_served_depth: float
+    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., max_depth: _Optional[int] = ..., vocab_size: _Optional[int] = ..., kv_policy: _Optional[str] = ..., mode: _Optional[str] = ..., deployment: _Optional[str] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., counters: _Optional[_Union[Counters, _Mapping]] = ..., healthy: _Optional[bool] = ..., error: _Optional[str] = ..., kv_block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., exit_rule: _Optional[str] = ..., exit_threshold: _Optional[float] = ..., exit_threshold_source: _Optional[str] = ..., early_exit: _Optional[bool] = ..., exit_summary: _Optional[str] = ..., mean_served_depth: _Optional[float] = ...) -> None: ...

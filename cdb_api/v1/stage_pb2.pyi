@@ -84,7 +84,7 @@ class KVSpec(_message.Message):
     def __init__(self, policy: _Optional[str] = ..., max_depth: _Optional[int] = ..., shared_after: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...
 
 class ConfigureRequest(_message.Message):
-    __slots__ = ("role", "model", "dtype", "bank", "fences", "kv", "token_bank")
+    __slots__ = ("role", "model", "dtype", "bank", "fences", "kv", "token_bank", "holder", "device")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -92,6 +92,8 @@ class ConfigureRequest(_message.Message):
     FENCES_FIELD_NUMBER: _ClassVar[int]
     KV_FIELD_NUMBER: _ClassVar[int]
     TOKEN_BANK_FIELD_NUMBER: _ClassVar[int]
+    HOLDER_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
     role: StageRole
     model: str
     dtype: str
@@ -99,7 +101,9 @@ class ConfigureRequest(_message.Message):
     fences: FenceBoardSpec
     kv: KVSpec
     token_bank: BankSpec
-    def __init__(self, role: _Optional[_Union[StageRole, str]] = ..., model: _Optional[str] = ..., dtype: _Optional[str] = ..., bank: _Optional[_Union[BankSpec, _Mapping]] = ..., fences: _Optional[_Union[FenceBoardSpec, _Mapping]] = ..., kv: _Optional[_Union[KVSpec, _Mapping]] = ..., token_bank: _Optional[_Union[BankSpec, _Mapping]] = ...) -> None: ...
+    holder: str
+    device: str
+    def __init__(self, role: _Optional[_Union[StageRole, str]] = ..., model: _Optional[str] = ..., dtype: _Optional[str] = ..., bank: _Optional[_Union[BankSpec, _Mapping]] = ..., fences: _Optional[_Union[FenceBoardSpec, _Mapping]] = ..., kv: _Optional[_Union[KVSpec, _Mapping]] = ..., token_bank: _Optional[_Union[BankSpec, _Mapping]] = ..., holder: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...
 
 class ConfigureResponse(_message.Message):
     __slots__ = ("role", "model", "architecture", "bank_width", "device")

@@ -46,7 +46,8 @@ QUICK: dict[str, Any] = {
 }
 
 
-def _floats(text: str) -> tuple[float, ...]:
+def positive_floats(text: str) -> tuple[float, ...]:
+    """``--rates 1,2,4``-style options: comma-separated positive numbers (argparse ``type``)."""
     try:
         values = tuple(float(x) for x in text.split(",") if x.strip())
     except ValueError:
@@ -72,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dataset", choices=sorted(DATASETS), default="sharegpt", help="length distribution")
     p.add_argument("--scale", type=float, default=1.0, help="multiply every length (e.g. 0.1 on a CPU)")
     p.add_argument("--requests", type=int, default=200, help="requests per rate")
-    p.add_argument("--rates", type=_floats, default="1,2,4,8", help="comma-separated request rates (req/s)")
+    p.add_argument("--rates", type=positive_floats, default="1,2,4,8", help="comma-separated request rates (req/s)")
     p.add_argument("--arrival", type=Arrival, choices=list(Arrival), default=Arrival.POISSON)
     p.add_argument("--cv", type=float, default=2.0, help="gamma arrivals: coefficient of variation of the gaps")
     p.add_argument("--depth-mean", type=float, default=None, help="replayed depth mean (default: mid-range)")
@@ -119,7 +120,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for name in ("rates", "modes"):  # string defaults are not run through their type by argparse
         value = getattr(args, name)
         if isinstance(value, str):
-            setattr(args, name, _floats(value) if name == "rates" else _modes(value))
+            setattr(args, name, positive_floats(value) if name == "rates" else _modes(value))
     if args.requests < 1 or args.scale <= 0 or args.bisect < 0 or args.cv <= 0 or args.latency_bound <= 0:
         parser.error("--requests >= 1, --scale > 0, --bisect >= 0, --cv > 0 and --latency-bound > 0 are required")
     return args

@@ -31,8 +31,20 @@ class ServerDraining(Exception):
     """The server is shutting down: no new work, in-flight work cut at the drain deadline."""
 
 
+class Unauthenticated(Exception):
+    """The call carries no valid API key; the message says what is wrong (never the key)."""
+
+
+class UndecodableRequest(Exception):
+    """The request bytes do not parse; the message is ``field: problem`` (``services.scheduler.decoding``)."""
+
+
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """The gRPC status of an exception raised while serving a request: the only such mapping."""
+    if isinstance(exc, UndecodableRequest):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    if isinstance(exc, Unauthenticated):
+        return grpc.StatusCode.UNAUTHENTICATED, str(exc)
     if isinstance(exc, InvalidRequest):
         return grpc.StatusCode.INVALID_ARGUMENT, f"{_FIELD_PATHS.get(exc.field, exc.field)}: {exc.message}"
     if isinstance(exc, Overloaded):

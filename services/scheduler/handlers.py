@@ -4,6 +4,12 @@
 - A request's events come from the engine's own stream (``Engine.open_stream``); its metrics and trace are
   recorded by an ``ObservedRequest`` the stream feeds. A client cancel, disconnect or deadline leaves the stream,
   which aborts the request.
+- Request ids live in the caller's scope (``CallerAuth.scope``: its API key's digest, its client certificate, or
+  the shared anonymous scope): the engine knows a request as ``"{scope}/{request_id}"``, so a caller can neither
+  abort nor collide with another caller's ids; responses, spans and errors carry the caller's own ``request_id``
+  (spans add the scope as ``cdb.caller``).
+- ``add_generation_service`` registers the handlers with request deserializers that never raise
+  (``services.scheduler.decoding``): an undecodable request gets INVALID_ARGUMENT naming the field.
 """
 
 from __future__ import annotations
@@ -11,22 +17,30 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import grpc
 
 from cdb_api.v1 import generation_pb2 as pb
 from cdb_api.v1 import generation_pb2_grpc
+from cdb_engine.config import RequestParams
 from cdb_engine.engine import Engine
+from cdb_engine.errors import InvalidRequest
 from cdb_engine.events import Event, FinishEvent, TokenEvent
+from cdb_engine.stream import RequestStream
 from cdb_scheduler.request import FinishReason
 from services import telemetry
 from services.scheduler import messages
-from services.scheduler.errors import ServerDraining, StageFailed, mapped_errors, status_for
+from services.scheduler.decoding import Undecodable, tolerant_deserializer
+from services.scheduler.errors import ServerDraining, StageFailed, UndecodableRequest, mapped_errors, status_for
+from services.scheduler.security import CallerAuth
 from services.settings import Settings
 from services.telemetry.metrics import Metrics
 from services.telemetry.request_observer import ObservedRequest
 from services.transport.executor import GrpcExecutorFactory
+
+_SERVICE = pb.DESCRIPTOR.services_by_name["Generation"]
 
 
 class GenerationService(generation_pb2_grpc.GenerationServicer):
@@ -39,6 +53,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         settings: Settings,
         metrics: Metrics | None = None,
         traces: telemetry.RequestTraces | None = None,
+        auth: CallerAuth | None = None,
     ) -> None:
         self.engine = engine
         self.factory = factory
@@ -46,7 +61,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         self.metrics = metrics or Metrics(engine.config.model, engine.limits.max_depth)
         self.traces = traces  # the executor's observer feeds it; None when tracing is off
         self.deployment = "microservices" if factory is not None else "in_process"
-        self.live: dict[str, ObservedRequest] = {}  # request id -> its observer, of in-flight Generate* calls
+        self.auth = auth or CallerAuth()  # no API keys: callers are told apart by client certificate, if any
+        self.live: dict[str, ObservedRequest] = {}  # scoped request id -> its observer, of in-flight Generate* calls
         self.idle = asyncio.Event()
         self.idle.set()
         self.draining = False
@@ -60,7 +76,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         return executor.broken if executor is not None else None
 
     def _observe(
-        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, request_id: str
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, request_id: str, scope: str
     ) -> ObservedRequest:
         span = telemetry.start_request_span(
             model=self.engine.config.model,
@@ -68,6 +84,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             metadata=context.invocation_metadata(),
             request_id=request_id,
         )
+        span.set_attribute("cdb.caller", scope)
 
         def deadline_passed() -> bool:
             remaining = context.time_remaining()
@@ -82,24 +99,31 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             cut=lambda: self.cut,
         )
 
-    async def _events(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncGenerator[Event]:
-        """One request's engine events; raises what the caller maps to a status."""
-        request_id = request.request_id or uuid.uuid4().hex
-        observer = self._observe(request, context, request_id)
+    def _scoped(self, context: grpc.aio.ServicerContext, request_id: str) -> tuple[str, str]:
+        """The caller's scope and the engine's id of its ``request_id``."""
+        scope = self.auth.scope(context)
+        return scope, f"{scope}/{request_id}"
+
+    async def _events(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, request_id: str
+    ) -> AsyncGenerator[Event]:
+        """One request's engine events (carrying the scoped id); raises what the caller maps to a status."""
+        scope, scoped_id = self._scoped(context, request_id)
+        observer = self._observe(request, context, request_id, scope)
         try:
             prompt, params = messages.request_to_engine(request)
             ids = self.engine.validate(prompt, params)
-            observer.validated(len(ids))
+            observer.validated(len(ids), params)
             if self.draining:
                 raise ServerDraining("server is shutting down")
             if self.broken:
                 raise StageFailed(self.broken)
-            stream = self.engine.open_stream(ids, params, request_id, observer=observer)
+            stream = self._open(ids, params, scoped_id, request_id, observer)
         except Exception as exc:
             observer.rejected(exc)
             raise
         observer.admitted(len(ids))
-        self.live[request_id] = observer
+        self.live[scoped_id] = observer
         self.idle.clear()
         try:
             async with stream:
@@ -108,9 +132,20 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                         self._check_finish(ev)
                     yield ev
         finally:
-            self.live.pop(request_id, None)
+            self.live.pop(scoped_id, None)
             if not self.live:
                 self.idle.set()
+
+    def _open(
+        self, ids: list[int], params: RequestParams, scoped_id: str, request_id: str, observer: ObservedRequest
+    ) -> RequestStream:
+        """``Engine.open_stream`` under the scoped id; a duplicate id is reported as the caller's own."""
+        try:
+            return self.engine.open_stream(ids, params, scoped_id, observer=observer)
+        except InvalidRequest as exc:
+            if exc.field != "request_id":
+                raise
+            raise InvalidRequest("request_id", f"{request_id!r} is already used by a live request") from None
 
     def _check_finish(self, ev: FinishEvent) -> None:
         if ev.finish_reason is FinishReason.ERROR:
@@ -122,16 +157,18 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
     async def GenerateStream(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncGenerator[pb.GenerateStreamResponse]:
-        async with contextlib.aclosing(self._events(request, context)) as events:
+        request_id = request.request_id or uuid.uuid4().hex
+        async with contextlib.aclosing(self._events(request, context, request_id)) as events:
             async for ev in events:
-                yield messages.event_to_pb(ev)
+                msg = messages.event_to_pb(ev)
+                msg.request_id = request_id  # the caller's id, not the engine's scoped one
+                yield msg
 
     @mapped_errors
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
-        out = pb.GenerateResponse()
-        async with contextlib.aclosing(self._events(request, context)) as events:
+        out = pb.GenerateResponse(request_id=request.request_id or uuid.uuid4().hex)
+        async with contextlib.aclosing(self._events(request, context, out.request_id)) as events:
             async for ev in events:
-                out.request_id = ev.request_id
                 out.text += ev.text
                 if isinstance(ev, TokenEvent):
                     out.tokens.append(messages.token_to_pb(ev))
@@ -141,8 +178,9 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
 
     @mapped_errors
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
-        found = self.engine.abort(request.request_id)
-        if found and (observer := self.live.get(request.request_id)) is not None:
+        _, scoped_id = self._scoped(context, request.request_id)
+        found = self.engine.abort(scoped_id)
+        if found and (observer := self.live.get(scoped_id)) is not None:
             observer.cancelled("Abort")
         return pb.AbortResponse(found=found)
 
@@ -152,5 +190,49 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         return messages.info_to_pb(self.engine, self.deployment, self.settings.max_concurrent_rpcs, problem)
 
     def abort_all(self) -> None:
-        for request_id in list(self.live):
-            self.engine.abort(request_id)
+        for scoped_id in list(self.live):
+            self.engine.abort(scoped_id)
+
+
+def add_generation_service(service: GenerationService, server: grpc.aio.Server) -> None:
+    """Register ``service`` on ``server`` with request deserializers that never raise (see the module docstring)."""
+    handlers: dict[str, grpc.RpcMethodHandler] = {}
+    for method in _SERVICE.methods:
+        assert not method.client_streaming, f"{method.full_name}: client streaming is not handled"
+        request_cls = getattr(pb, method.input_type.name)
+        response_cls = getattr(pb, method.output_type.name)
+        kw = {
+            "request_deserializer": tolerant_deserializer(request_cls),
+            "response_serializer": response_cls.SerializeToString,
+        }
+        fn = getattr(service, method.name)
+        if method.server_streaming:
+            handlers[method.name] = grpc.unary_stream_rpc_method_handler(_decoded_stream(fn), **kw)
+        else:
+            handlers[method.name] = grpc.unary_unary_rpc_method_handler(_decoded_unary(fn), **kw)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(_SERVICE.full_name, handlers),))
+    server.add_registered_method_handlers(_SERVICE.full_name, handlers)
+
+
+async def _refuse_undecodable(request: Undecodable, context: grpc.aio.ServicerContext) -> None:
+    code, message = status_for(UndecodableRequest(request.message))
+    await context.abort(code, message)
+
+
+def _decoded_unary(fn: Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+    async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if isinstance(request, Undecodable):
+            await _refuse_undecodable(request, context)
+        return await fn(request, context)
+
+    return unary
+
+
+def _decoded_stream(fn: Callable[[Any, grpc.aio.ServicerContext], AsyncIterator[Any]]) -> Callable[..., Any]:
+    async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        if isinstance(request, Undecodable):
+            await _refuse_undecodable(request, context)
+        async for item in fn(request, context):
+            yield item
+
+    return stream

@@ -10,6 +10,7 @@ from typing import Any
 from cdb_api.v1 import generation_pb2 as pb
 from cdb_engine.config import RequestParams
 from cdb_engine.engine import Engine, FinishEvent, TokenEvent
+from cdb_engine.limits import describe
 from cdb_scheduler.plan import SamplingParams, TokenLogprobs
 from cdb_scheduler.request import FinishReason
 
@@ -86,6 +87,8 @@ def info_to_pb(engine: Engine, deployment: str, max_concurrent_rpcs: int, extra_
     cfg, mc, limits = engine.config, engine.model_config, engine.limits
     st = engine.stats()
     error = st.error or extra_error
+    hist = dict(engine.sched_stats.depth_hist)  # a copy: the engine thread adds to it
+    served = sum(hist.values())
     return pb.InfoResponse(
         model=cfg.model,
         architecture=mc.arch,
@@ -109,9 +112,17 @@ def info_to_pb(engine: Engine, deployment: str, max_concurrent_rpcs: int, extra_
             used_kv_blocks=st.used_kv_blocks,
             total_kv_blocks=st.total_kv_blocks,
             loop_steps=st.loop_steps,
+            recoveries=st.recoveries,
+            recomputed=st.recomputed,
         ),
         healthy=st.healthy and error is None,
         error=error or "",
         kv_block_size=cfg.kv_block_size,
         dtype=cfg.dtype,
+        exit_rule=limits.exit_rule,
+        exit_threshold=limits.exit_threshold,
+        exit_threshold_source=limits.threshold_source,
+        early_exit=limits.early_exit,
+        exit_summary=describe(limits),
+        mean_served_depth=sum(d * n for d, n in hist.items()) / served if served else 0.0,
     )

@@ -1,7 +1,8 @@
 """``Readiness``: the scheduler's periodic health verdict, fed into ``grpc.health.v1``.
 
-SERVING only while the engine is healthy and either idle or making progress, the executor is not broken and
-every stage answers its own health check.
+SERVING only while the engine is healthy and either idle or making progress, every stage is attached (no outage)
+and answers its own health check. When the executor gives up on the stages (down past ``CDB_STAGE_DOWN_LIMIT_S``)
+``on_fatal`` runs once: the server stops and the process exits 1.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -34,7 +35,10 @@ class Readiness:
         self.settings = settings
         self.health = health.aio.HealthServicer()
         self.reason: str | None = "starting"
-        self._channels = {s: grpc.aio.insecure_channel(a) for s, a in (stage_addrs or {}).items()}
+        options = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000)]
+        self._channels = {s: grpc.aio.insecure_channel(a, options=options) for s, a in (stage_addrs or {}).items()}
+        self.on_fatal: Callable[[], None] | None = None  # called once when the stages are given up on
+        self.fatal: str | None = None
         self._busy_since: float | None = None
         self.first_ready = asyncio.Event()
 
@@ -44,7 +48,11 @@ class Readiness:
         if not st.healthy:
             return st.error or "engine stopped"
         if self.service.broken:
+            self._fatal(self.service.broken)
             return self.service.broken
+        executor = self.service.factory.executor if self.service.factory is not None else None
+        if executor is not None and executor.outage is not None:
+            return f"re-attaching the stages after: {executor.outage}"
         now = time.monotonic()
         if st.waiting + st.running == 0:
             self._busy_since = None
@@ -56,6 +64,13 @@ class Readiness:
         probes = [self._probe(stage, ch) for stage, ch in self._channels.items()]
         failures = [why for why in await asyncio.gather(*probes) if why]
         return "; ".join(failures) or None
+
+    def _fatal(self, why: str) -> None:
+        if self.fatal is None:
+            self.fatal = why
+            log.error("stages given up on: %s; exiting so that an orchestrator restarts the group", why)
+            if self.on_fatal is not None:
+                self.on_fatal()
 
     async def _probe(self, stage: Stage, channel: grpc.aio.Channel) -> str | None:
         stub = health_pb2_grpc.HealthStub(channel)

@@ -4,6 +4,20 @@
   tracing, then ``serve`` until signalled.
 - ``serve``: ``cdb.v1.Generation`` + ``grpc.health.v1`` + reflection; SIGTERM/SIGINT: NOT_SERVING, new work
   refused (UNAVAILABLE), in-flight streams finish up to the drain timeout, then the rest end with UNAVAILABLE.
+- ``build_server`` / ``listen_on``: the public server, fit to expose (README, "Exposing the public port"):
+  - TLS when ``CDB_TLS_CERT`` + ``CDB_TLS_KEY`` are set; with ``CDB_TLS_CLIENT_CA`` clients must present a
+    certificate signed by that CA (mTLS).
+  - API keys (``CDB_API_KEYS``, ``CDB_API_KEYS_FILE``): every call but ``grpc.health.v1`` needs
+    ``authorization: Bearer KEY``, else UNAUTHENTICATED before any handler runs (``security.ApiKeyInterceptor``).
+  - Request ids and Abort are scoped to the caller (its API key, else its client certificate, else one shared
+    anonymous scope; ``handlers``).
+  - An undecodable request (e.g. invalid UTF-8 in a string field) gets INVALID_ARGUMENT naming the field
+    (``decoding``), not UNKNOWN and a logged traceback.
+  - HTTP/2 limits: at most ``CDB_MAX_STREAMS_PER_CONNECTION`` concurrent streams per connection (more wait in the
+    client), client keepalive pings no more often than every ``CDB_KEEPALIVE_MIN_TIME_S`` and none on a
+    connection without calls (else GOAWAY ``too_many_pings`` after ``_MAX_PING_STRIKES`` bad pings), and no
+    ``SO_REUSEPORT``: a busy port is a ``ListenError`` (``cannot listen on ADDR: address already in use``), never
+    a silently shared one.
 """
 
 from __future__ import annotations
@@ -12,29 +26,74 @@ import asyncio
 import contextlib
 import logging
 import signal
-from collections.abc import Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
-from cdb_api.v1 import generation_pb2_grpc
 from cdb_engine.config import EngineConfig
 from cdb_engine.engine import Engine
 from cdb_engine.errors import EngineStopped
+from cdb_engine.limits import describe
 from cdb_engine.setup import StageSetup
 from cdb_scheduler.plan import Executor, Stage
 from services import telemetry
-from services.net import bound_address, write_ready_file
-from services.scheduler.handlers import GenerationService
+from services.net import NO_REUSEPORT, bound_address, is_host_port, listen_on, require_loopback, write_ready_file
+from services.reflection import enable_reflection
+from services.scheduler.handlers import GenerationService, add_generation_service
 from services.scheduler.readiness import SERVICE_NAME, Readiness
+from services.scheduler.security import PortSecurity
 from services.settings import Settings, load_settings
 from services.telemetry.metrics import Metrics, MetricsServer, serve_metrics
 from services.telemetry.recorder import EngineGauges, ObservedExecutor, OpRecorder
 from services.transport.executor import GrpcExecutorFactory
 
 log = logging.getLogger("cdb.scheduler")
+
+Companion = Callable[[Engine, GenerationService, Settings], Coroutine[Any, Any, None]]
+
+_MAX_CONNECTION_AGE_S, _MAX_CONNECTION_AGE_GRACE_S = 300, 3600
+_MAX_PING_STRIKES = 2  # pings too soon tolerated before GOAWAY (gRPC's default, set so that it is documented)
+
+
+def server_options(settings: Settings) -> list[tuple[str, Any]]:
+    """gRPC core options of the public server: the HTTP/2 limits of the module docstring."""
+    return [
+        *NO_REUSEPORT,
+        ("grpc.max_concurrent_streams", settings.max_streams_per_connection),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", round(settings.keepalive_min_time_s * 1000)),
+        ("grpc.http2.max_ping_strikes", _MAX_PING_STRIKES),
+        ("grpc.keepalive_permit_without_calls", 0),
+        # Clients balancing over a headless Service re-resolve when a connection ends: a GOAWAY after 5 minutes makes
+        # them find scaled-up replicas. Calls already open on the old connection run on for up to an hour.
+        ("grpc.max_connection_age_ms", _MAX_CONNECTION_AGE_S * 1000),
+        ("grpc.max_connection_age_grace_ms", _MAX_CONNECTION_AGE_GRACE_S * 1000),
+    ]
+
+
+def build_server(
+    service: GenerationService, readiness: Readiness, settings: Settings, security: PortSecurity
+) -> grpc.aio.Server:
+    """The public server (no port yet): Generation, health and reflection behind the API-key check."""
+    server = grpc.aio.server(
+        interceptors=security.interceptors(),
+        options=server_options(settings),
+        maximum_concurrent_rpcs=settings.max_concurrent_rpcs,
+    )
+    add_generation_service(service, server)
+    health_pb2_grpc.add_HealthServicer_to_server(readiness.health, server)
+    enable_reflection(server, (SERVICE_NAME, health.SERVICE_NAME))
+    return server
+
+
+def _warn_if_open(listen: str, security: PortSecurity) -> None:
+    if security.credentials is not None or security.auth.keys_on or not is_host_port(listen):
+        return
+    try:
+        require_loopback(listen)
+    except ValueError:
+        log.warning("%s accepts plaintext calls without an API key from any host that can reach it", listen)
 
 
 async def serve(
@@ -47,26 +106,33 @@ async def serve(
     *,
     metrics: Metrics | None = None,
     traces: telemetry.RequestTraces | None = None,
+    companion: Companion | None = None,
 ) -> None:
-    """Serve the started ``engine`` on ``listen`` until SIGTERM/SIGINT, then drain and return."""
-    service = GenerationService(engine, factory, settings, metrics, traces)
+    """Serve the started ``engine`` on ``listen`` until SIGTERM/SIGINT, then drain and return. ``companion``: a
+    second front end over the same engine and service (the HTTP API), run beside the gRPC server until the drain
+    is over; if it fails (e.g. its port), the server stops and the failure is raised.
+
+    Raises ``SecurityConfigError`` (TLS files, API keys) or ``ListenError`` (the port) before serving."""
+    security = PortSecurity.from_settings(settings)
+    service = GenerationService(engine, factory, settings, metrics, traces, auth=security.auth)
     readiness = Readiness(service, stage_addrs, settings)
-    server = grpc.aio.server(maximum_concurrent_rpcs=settings.max_concurrent_rpcs)
-    generation_pb2_grpc.add_GenerationServicer_to_server(service, server)
-    health_pb2_grpc.add_HealthServicer_to_server(readiness.health, server)
-    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    port = server.add_insecure_port(listen)
-    if port == 0:
-        raise OSError(f"cannot listen on {listen}")
+    server = build_server(service, readiness, settings, security)
+    port = listen_on(server, listen, security.credentials)
+    _warn_if_open(listen, security)
     await server.start()
     watcher = asyncio.create_task(readiness.run())
     stop = asyncio.Event()
+    readiness.on_fatal = stop.set  # the stages were given up on: stop, then exit 1 (below)
+    extra = asyncio.create_task(companion(engine, service, settings)) if companion is not None else None
+    if extra is not None:
+        extra.add_done_callback(lambda _: stop.set())  # it only ends on its own by failing
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await readiness.first_ready.wait()
     address = bound_address(listen, port)
-    log.info("cdb.v1.Generation (%s) serving on %s", service.deployment, address)
+    log.info("cdb.v1.Generation (%s) serving on %s (%s)", service.deployment, address, security.describe())
+    log.info("%s: %s", engine.config.model, describe(engine.limits))
     if ready_file:
         write_ready_file(ready_file, address)
     await stop.wait()
@@ -83,8 +149,14 @@ async def serve(
             await asyncio.wait_for(service.idle.wait(), 5.0)
         except TimeoutError:
             log.warning("%d requests did not end after abort", len(service.live))
+    if extra is not None:
+        extra.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await extra  # re-raises a failure of the companion
     await server.stop(grace=1.0)
     await readiness.close()
+    if readiness.fatal is not None:
+        raise SystemExit(1)  # an orchestrator restarts the group (the reason is logged by the readiness check)
 
 
 def run_scheduler(
@@ -95,8 +167,10 @@ def run_scheduler(
     ready_file: str | None = None,
     settings: Settings | None = None,
     metrics_listen: str | None = None,
+    companion: Companion | None = None,
 ) -> None:
-    """Start the engine (connecting the stages; ``stage_addrs=None``: in-process) and serve until signalled.
+    """Start the engine (connecting the stages; ``stage_addrs=None``: in-process) and serve until signalled
+    (``companion``: see ``serve``).
 
     Tracing follows the ``OTEL_*`` environment (service ``cdb-scheduler``); metrics are always kept and served
     on ``metrics_listen`` (default: ``settings.metrics_addr``, i.e. ``CDB_METRICS_ADDR``; empty: no endpoint)."""
@@ -117,7 +191,7 @@ def run_scheduler(
 
         engine = Engine(config, executor_factory=factory or in_process)
         metrics = Metrics(config.model, engine.limits.max_depth)
-        metrics.add_collector(EngineGauges(engine))
+        metrics.add_collector(EngineGauges(engine, factory))
         observer = OpRecorder(metrics, config.max_num_seqs, traces)
         if factory is not None:
             factory.observer = observer
@@ -136,7 +210,17 @@ def run_scheduler(
                 pass
         with asyncio.Runner(**runner_kw) as runner:
             runner.run(
-                serve(engine, factory, stage_addrs, listen, settings, ready_file, metrics=metrics, traces=traces)
+                serve(
+                    engine,
+                    factory,
+                    stage_addrs,
+                    listen,
+                    settings,
+                    ready_file,
+                    metrics=metrics,
+                    traces=traces,
+                    companion=companion,
+                )
             )
     finally:
         if engine is not None:

@@ -1,23 +1,39 @@
-"""Serving metrics kept in-process and exposed in the Prometheus text format (version 0.0.4).
+"""Serving metrics, kept and exposed by ``prometheus_client``.
 
-``Metrics`` is the typed API the scheduler server and the engine call (see each method for when);
-``serve_metrics`` starts a tiny stdlib HTTP server thread answering ``GET /metrics``. No dependency beyond the
-standard library. Every call is a lock, a bisect and an add (well under 1 µs), so metrics are always on.
-Names follow Prometheus conventions (base units: seconds; ``_total`` for counters).
+``Metrics`` is the typed API the scheduler server and the engine call (see each method for when). Each ``Metrics``
+owns a ``CollectorRegistry`` (never the library's global one, so that several engines in one process do not clash)
+holding the cdb metrics and the library's process, platform and GC collectors (``process_*``, ``python_info``,
+``python_gc_*``). ``exposition(accept)`` encodes them in the format the scrape's ``Accept`` header asks for
+(``prometheus_client.exposition.choose_encoder``: OpenMetrics 1.0.0 on ``application/openmetrics-text``, else the
+Prometheus text format 0.0.4); ``render()`` is the text format. ``serve_metrics`` answers ``GET /metrics`` from a
+daemon thread with the library's WSGI app (format negotiation, gzip, ``?name[]=`` filters).
+
+Names follow Prometheus conventions (base units: seconds; ``_total`` for counters). Counters and histograms also
+carry the library's ``_created`` series; ``le`` bucket labels are written as floats (``le="2.0"``).
+
+Cost per call (best of ``timeit`` repeats, Python 3.11 on a shared 2-vCPU box): a histogram observation ≈0.65 µs,
+a labelled counter increment ≈0.33 µs; the hand-written exposition this replaced took ≈0.36 / ≈0.28 µs. That is
+≈2 µs per generated token and ≈1.5 µs per stage op, far below a loop step, so metrics stay always on. Label
+children are cached here: ``prometheus_client``'s own ``labels()`` lookup would add ≈0.6 µs per call.
 """
 
 from __future__ import annotations
 
-import bisect
 import logging
-import math
 import os
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from socketserver import ThreadingMixIn
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+import prometheus_client as prom
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, choose_encoder, generate_latest, make_wsgi_app
+from prometheus_client.metrics_core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 log = logging.getLogger(__name__)
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4  # what ``render`` returns: "text/plain; version=0.0.4; charset=utf-8"
 # Latency buckets (s): 1 ms to 60 s, dense where tiny models on CPU and GPUs live.
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 10, 30, 60)
 COMPUTE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1)
@@ -25,110 +41,144 @@ OCCUPANCY_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 STAGES = ("prelude", "loop", "head")
 
 
-def _num(v: float) -> str:
-    if v == math.inf:
-        return "+Inf"
-    return str(int(v)) if float(v).is_integer() and abs(v) < 1e15 else repr(float(v))
+class _Family:
+    """One ``prometheus_client`` metric, label values passed positionally, children cached per label tuple."""
+
+    def __init__(self, metric: Any, name: str, label_names: Sequence[str]) -> None:
+        self.metric, self.name, self.label_names = metric, name, tuple(label_names)
+        self._children: dict[tuple[str, ...], Any] = {} if label_names else {(): metric}
+
+    def child(self, labels: tuple[str, ...]) -> Any:
+        """The series of ``labels`` (``labels()`` raises ValueError naming the label names on a wrong count)."""
+        found = self._children.get(labels)
+        if found is None:  # labels() is thread-safe and returns one child per tuple: a race stores the same one
+            found = self._children.setdefault(labels, self.metric.labels(*labels))
+        return found
+
+    def _sample(self, sample_name: str, labels: tuple[str, ...]) -> float:
+        """The current value of one sample (reads and tests; not for the hot path)."""
+        want = dict(zip(self.label_names, labels))
+        for family in self.metric.collect():
+            for s in family.samples:
+                if s.name == sample_name and s.labels == want:
+                    return float(s.value)
+        return 0.0
 
 
-def _labels(pairs: Iterable[tuple[str, str]]) -> str:
-    esc = [(k, v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")) for k, v in pairs]
-    return "{" + ",".join(f'{k}="{v}"' for k, v in esc) + "}" if esc else ""
+class Counter(_Family):
+    """Monotonic count, per label values. ``name`` ends in ``_total``, as exposed."""
 
-
-class _Metric:
-    """One metric family: name, help, type, and one value per label tuple."""
-
-    def __init__(self, name: str, help_: str, kind: str, label_names: Sequence[str] = ()) -> None:
-        self.name, self.help, self.kind, self.label_names = name, help_, kind, tuple(label_names)
-        self._lock = threading.Lock()
-
-    def header(self) -> list[str]:
-        return [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} {self.kind}"]
-
-    def render(self) -> list[str]:
-        """Sample lines of this family."""
-        raise NotImplementedError
-
-
-class Counter(_Metric):
-    """Monotonic count, per label values."""
-
-    def __init__(self, name: str, help_: str, label_names: Sequence[str] = ()) -> None:
-        super().__init__(name, help_, "counter", label_names)
-        self._values: dict[tuple[str, ...], float] = {} if label_names else {(): 0.0}
+    def __init__(
+        self, name: str, help_: str, label_names: Sequence[str] = (), *, registry: prom.CollectorRegistry
+    ) -> None:
+        if not name.endswith("_total"):
+            raise ValueError(f"counter names end in _total: {name!r}")
+        super().__init__(prom.Counter(name, help_, label_names, registry=registry), name, label_names)
 
     def inc(self, amount: float = 1.0, *labels: str) -> None:
-        with self._lock:
-            self._values[labels] = self._values.get(labels, 0.0) + amount
+        self.child(labels).inc(amount)
 
     def value(self, *labels: str) -> float:
-        return self._values.get(labels, 0.0)
-
-    def render(self) -> list[str]:
-        with self._lock:
-            items = sorted(self._values.items())
-        return [f"{self.name}{_labels(zip(self.label_names, k))} {_num(v)}" for k, v in items]
+        return self._sample(self.name, labels)
 
 
-class Gauge(Counter):
+class Gauge(_Family):
     """Value that goes up and down (``set``), per label values."""
 
-    def __init__(self, name: str, help_: str, label_names: Sequence[str] = ()) -> None:
-        super().__init__(name, help_, label_names)
-        self.kind = "gauge"
+    def __init__(
+        self, name: str, help_: str, label_names: Sequence[str] = (), *, registry: prom.CollectorRegistry
+    ) -> None:
+        super().__init__(prom.Gauge(name, help_, label_names, registry=registry), name, label_names)
 
     def set(self, value: float, *labels: str) -> None:
-        with self._lock:
-            self._values[labels] = float(value)
+        self.child(labels).set(value)
+
+    def remove(self, *labels: str) -> None:
+        """Drop the series of ``labels`` (no-op when it does not exist)."""
+        if self._children.pop(labels, None) is not None:
+            self.metric.remove(*labels)
+
+    def value(self, *labels: str) -> float:
+        return self._sample(self.name, labels)
 
 
-class Histogram(_Metric):
-    """Cumulative-bucket histogram (upper bounds inclusive, as Prometheus' ``le``), per label values."""
+class OptionalGauge:
+    """An unlabelled gauge exported only once ``set`` (where a 0 before then would read as a real value)."""
 
-    def __init__(self, name: str, help_: str, buckets: Sequence[float], label_names: Sequence[str] = ()) -> None:
-        super().__init__(name, help_, "histogram", label_names)
+    def __init__(self, name: str, help_: str, *, registry: prom.CollectorRegistry) -> None:
+        self.name, self.help = name, help_
+        self._value: float | None = None
+        registry.register(self)
+
+    def set(self, value: float) -> None:
+        self._value = float(value)
+
+    def value(self) -> float | None:
+        return self._value
+
+    def describe(self) -> list[Metric]:
+        return [GaugeMetricFamily(self.name, self.help)]
+
+    def collect(self) -> list[Metric]:
+        value = self._value
+        return [] if value is None else [GaugeMetricFamily(self.name, self.help, value=value)]
+
+
+class Histogram(_Family):
+    """Cumulative-bucket histogram (upper bounds inclusive, Prometheus' ``le``), per label values."""
+
+    def __init__(
+        self,
+        name: str,
+        help_: str,
+        buckets: Iterable[float],
+        label_names: Sequence[str] = (),
+        *,
+        registry: prom.CollectorRegistry,
+    ) -> None:
         self.bounds = tuple(sorted(float(b) for b in buckets))
-        self._series: dict[tuple[str, ...], list[float]] = {}  # counts per bucket + [+Inf, sum, count]
+        metric = prom.Histogram(name, help_, label_names, registry=registry, buckets=self.bounds)
+        super().__init__(metric, name, label_names)
 
     def observe(self, value: float, *labels: str) -> None:
-        i = bisect.bisect_left(self.bounds, value)
-        with self._lock:
-            s = self._series.get(labels)
-            if s is None:
-                s = self._series[labels] = [0.0] * (len(self.bounds) + 3)
-            s[i] += 1
-            s[-2] += value
-            s[-1] += 1
+        self.child(labels).observe(value)
 
     def count(self, *labels: str) -> int:
-        s = self._series.get(labels)
-        return int(s[-1]) if s else 0
+        return int(self._sample(self.name + "_count", labels))
 
     def sum(self, *labels: str) -> float:
-        s = self._series.get(labels)
-        return s[-2] if s else 0.0
+        return self._sample(self.name + "_sum", labels)
 
-    def render(self) -> list[str]:
-        with self._lock:
-            items = sorted((k, list(v)) for k, v in self._series.items())
-        lines = []
-        for key, s in items:
-            pairs = list(zip(self.label_names, key))
-            cumulative = 0.0
-            for bound, n in zip((*self.bounds, math.inf), s[:-2]):
-                cumulative += n
-                lines.append(f"{self.name}_bucket{_labels([*pairs, ('le', _num(bound))])} {_num(cumulative)}")
-            lines.append(f"{self.name}_sum{_labels(pairs)} {_num(s[-2])}")
-            lines.append(f"{self.name}_count{_labels(pairs)} {_num(s[-1])}")
-        return lines
+
+class _Sampled:
+    """A ``prometheus_client`` collector: run the ``Metrics`` samplers, then yield ``source``'s metrics."""
+
+    def __init__(self, sample: Callable[[], None], source: Collector) -> None:
+        self._sample, self._source = sample, source
+
+    def collect(self) -> Iterable[Metric]:
+        self._sample()
+        return self._source.collect()
 
 
 class Metrics:
-    """The scheduler's metrics. ``max_depth`` sizes the served-depth histogram (one bucket per depth)."""
+    """The scheduler's metrics. ``max_depth`` sizes the served-depth histogram (one bucket per depth).
+
+    A ``prometheus_client`` collector itself (``collect``), over its own ``registry``."""
 
     def __init__(self, model: str = "", max_depth: int = 4) -> None:
-        h, g, c = Histogram, Gauge, Counter
+        self.registry = prom.CollectorRegistry()
+        r = self.registry
+
+        def h(name: str, help_: str, buckets: Iterable[float], labels: Sequence[str] = ()) -> Histogram:
+            return Histogram(name, help_, buckets, labels, registry=r)
+
+        def g(name: str, help_: str, labels: Sequence[str] = ()) -> Gauge:
+            return Gauge(name, help_, labels, registry=r)
+
+        def c(name: str, help_: str, labels: Sequence[str] = ()) -> Counter:
+            return Counter(name, help_, labels, registry=r)
+
         self.ttft = h("cdb_time_to_first_token_seconds", "Request arrival to first token streamed.", LATENCY_BUCKETS)
         self.itl = h("cdb_inter_token_latency_seconds", "Gap between consecutive streamed tokens.", LATENCY_BUCKETS)
         self.e2e = h("cdb_e2e_request_latency_seconds", "Request arrival to its final message.", LATENCY_BUCKETS)
@@ -140,8 +190,21 @@ class Metrics:
         )
         self.batch_size = h("cdb_loop_batch_size", "Tokens per loop-stage op.", (1, 2, 4, 8, 16, 32, 64, 128, 256))
         self.depth = h("cdb_served_depth", "Loop depth each generated token was served at.", range(1, max_depth + 1))
+        self.mean_depth = g("cdb_served_depth_mean", "Mean loop depth of the tokens generated since start.")
+        self.exit_threshold = g(
+            "cdb_exit_threshold",
+            "The engine's exit threshold q in effect (requests may override it), by exit rule and its source.",
+            ["rule", "source"],
+        )
         self.refills = c("cdb_refill_events_total", "Loop slots refilled by a waiting token after an exit.")
         self.compute = h("cdb_stage_compute_seconds", "A stage's own compute time per op.", COMPUTE_BUCKETS, ["stage"])
+        self.stages_attached = OptionalGauge(
+            "cdb_stages_attached",
+            "1 while every stage server is attached; 0 during an outage or once given up (absent in-process).",
+            registry=r,
+        )
+        self.recoveries = c("cdb_stage_recoveries_total", "Stage losses recovered from (running requests recomputed).")
+        self.recomputed = c("cdb_recomputed_requests_total", "Requests re-queued for recomputation by recoveries.")
         self.kv_used = g("cdb_kv_blocks_used", "KV cache blocks held by live requests.")
         self.kv_total = g("cdb_kv_blocks_total", "KV cache blocks in the pool.")
         self.bank_used = g("cdb_bank_rows_used", "Hidden-state bank rows held by live requests.")
@@ -153,12 +216,16 @@ class Metrics:
         self.loop_steps = c("cdb_loop_steps_total", "Loop-block applications to generated tokens.")
         self.info = g("cdb_model_info", "The served model (value always 1).", ["model"])
         self.info.set(1, model)
-        self.families = [v for v in vars(self).values() if isinstance(v, _Metric)]
+        prom.ProcessCollector(registry=r)
+        prom.PlatformCollector(registry=r)
+        prom.GCCollector(registry=r)
         self._collectors: list[Callable[[Metrics], None]] = []
+        self._threshold_labels: tuple[str, str] | None = None
+        self._scrape = _Sampled(self._run_collectors, r)
 
     def add_collector(self, collect: Callable[[Metrics], None]) -> None:
-        """Run ``collect(self)`` before every ``render`` (each scrape): sample gauges and counters that other
-        components keep (queue sizes, KV and bank usage, refill counters) off the serving hot path."""
+        """Run ``collect(self)`` before every scrape (``collect``, ``render``, ``exposition``): sample gauges and
+        counters that other components keep (queue sizes, KV and bank usage, refill counters) off the hot path."""
         self._collectors.append(collect)
 
     # --- per request (scheduler server) -------------------------------------------------------------------
@@ -207,6 +274,14 @@ class Metrics:
         """When exited tokens' loop slots are refilled by waiting tokens (count the refilled slots)."""
         self.refills.inc(n)
 
+    def inc_recoveries(self, recoveries: int, recomputed: int = 0) -> None:
+        """When stage losses were healed: ``recoveries`` of them, which re-queued ``recomputed`` requests."""
+        if recoveries:
+            self.recoveries.inc(recoveries)
+        if recomputed:
+            self.recomputed.inc(recomputed)
+
+    # --- sampled at scrape time (collectors) --------------------------------------------------------------
     def set_queue_sizes(self, waiting: int, running: int) -> None:
         """After each scheduling decision: waiting and running request counts."""
         self.waiting.set(waiting)
@@ -222,48 +297,85 @@ class Metrics:
         self.bank_used.set(used)
         self.bank_total.set(total)
 
-    def render(self) -> str:
-        """The Prometheus text exposition of every metric (after running the collectors)."""
+    def set_mean_depth(self, mean: float) -> None:
+        """The mean served depth of every token generated so far (0 before the first)."""
+        self.mean_depth.set(mean)
+
+    def set_exit_threshold(self, threshold: float, rule: str, source: str) -> None:
+        """The engine's exit threshold, its exit rule and where it came from (``cdb_engine.limits``); one series
+        (a change of rule or source replaces the previous one)."""
+        labels = (rule, source)
+        previous, self._threshold_labels = self._threshold_labels, labels
+        if previous is not None and previous != labels:
+            self.exit_threshold.remove(*previous)
+        self.exit_threshold.set(threshold, *labels)
+
+    def set_stages_attached(self, attached: bool) -> None:
+        """Whether every stage server is attached (the gRPC executor is neither in an outage nor broken)."""
+        self.stages_attached.set(1 if attached else 0)
+
+    # --- exposition -----------------------------------------------------------------------------------------
+    def _run_collectors(self) -> None:
         for collect in self._collectors:
             try:
                 collect(self)
             except Exception:  # a failing collector leaves its metrics stale; the scrape still answers
                 log.exception("metrics collector failed")
-        lines: list[str] = []
-        for family in self.families:
-            lines += family.header() + family.render()
-        return "\n".join(lines) + "\n"
+
+    def collect(self) -> Iterable[Metric]:
+        """``prometheus_client`` collector protocol: run the collectors, then every metric of the registry."""
+        return self._scrape.collect()
+
+    def restricted_registry(self, names: Iterable[str]) -> Collector:
+        """The collector of only the series named (``/metrics?name[]=...``), sampled first."""
+        return _Sampled(self._run_collectors, self.registry.restricted_registry(names))
+
+    def exposition(self, accept: str | None = None) -> tuple[bytes, str]:
+        """(body, content type) of a scrape whose ``Accept`` header is ``accept``: OpenMetrics when it asks for
+        ``application/openmetrics-text``, else the Prometheus text format (0.0.4, or 1.0.0 when asked)."""
+        encoder, content_type = choose_encoder(accept or "")
+        return encoder(self._scrape), content_type
+
+    def render(self) -> str:
+        """The Prometheus text exposition (0.0.4, ``CONTENT_TYPE``) of every metric, after running the collectors."""
+        return generate_latest(self._scrape).decode()
 
 
-class _Handler(BaseHTTPRequestHandler):
-    metrics: Metrics
+class _ThreadingWSGIServer(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
 
-    def do_GET(self) -> None:
-        path = self.path.split("?", 1)[0]
-        if path == "/metrics":
-            body, ctype, code = self.metrics.render().encode(), CONTENT_TYPE, 200
-        elif path in ("/", "/healthz"):
-            body, ctype, code = b"cdb metrics: see /metrics\n", "text/plain; charset=utf-8", 200
-        else:
-            body, ctype, code = b"not found\n", "text/plain; charset=utf-8", 404
-        self.send_response(code)
-        self.send_header("Content-Type", ctype)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
 
-    def log_message(self, format: str, *args: object) -> None:  # scrapes are not worth a log line
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:  # scrapes are not worth a log line
         pass
+
+
+def metrics_app(metrics: Metrics) -> Callable[..., Iterable[bytes]]:
+    """WSGI app: ``/metrics`` is ``prometheus_client``'s app over ``metrics``; ``/`` and ``/healthz`` a short
+    text; anything else 404."""
+    exposition = make_wsgi_app(metrics)
+
+    def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        path = environ.get("PATH_INFO", "")
+        if path == "/metrics":
+            return exposition(environ, start_response)
+        ok = path in ("/", "/healthz")
+        body = b"cdb metrics: see /metrics\n" if ok else b"not found\n"
+        status = "200 OK" if ok else "404 Not Found"
+        start_response(status, [("Content-Type", "text/plain; charset=utf-8"), ("Content-Length", str(len(body)))])
+        return [body]
+
+    return app
 
 
 class MetricsServer:
     """``GET /metrics`` on a daemon thread. ``port`` is the bound port (useful with port 0)."""
 
     def __init__(self, metrics: Metrics, host: str = "0.0.0.0", port: int = 9464) -> None:
-        handler = type("Handler", (_Handler,), {"metrics": metrics})
-        self._server = ThreadingHTTPServer((host, port), handler)
-        self._server.daemon_threads = True
-        self.host, self.port = host, int(self._server.server_address[1])
+        self._server = make_server(
+            host, port, metrics_app(metrics), server_class=_ThreadingWSGIServer, handler_class=_QuietHandler
+        )
+        self.host, self.port = host, int(self._server.server_port)
         self._thread = threading.Thread(target=self._server.serve_forever, name="cdb-metrics", daemon=True)
         self._thread.start()
 

@@ -1,4 +1,4 @@
-"""A real OTLP/gRPC trace receiver (tests, the tracing-cost benchmark), and helpers to read what it collected.
+"""A real OTLP/gRPC trace receiver (tests, the tracing-cost benchmark, ``cdb trace``), and helpers to read spans.
 
 ``OtlpReceiver`` implements ``opentelemetry.proto.collector.trace.v1.TraceService`` on a loopback port; point a
 process at it with ``otel_env(receiver.endpoint, service_name)``. Spans arrive as ``CollectedSpan`` (ids in hex,
@@ -27,6 +27,8 @@ import grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2 as pb
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc as pb_grpc
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
+
+from services.net import NO_REUSEPORT, listen_on
 
 KIND_INTERNAL, KIND_SERVER, KIND_CLIENT, KIND_PRODUCER, KIND_CONSUMER = 1, 2, 3, 4, 5
 STATUS_UNSET, STATUS_OK, STATUS_ERROR = 0, 1, 2
@@ -65,21 +67,26 @@ class CollectedSpan:
 
 
 class OtlpReceiver(pb_grpc.TraceServiceServicer):
-    """Collects every exported span in memory. Use as a context manager, or ``start()``/``stop()``."""
+    """Collects every exported span in memory. Use as a context manager, or ``start()``/``stop()``.
 
-    def __init__(self, port: int = 0, count_only: bool = False) -> None:
+    Listens on ``host:port`` alone (a busy port is a ``ListenError``, never a shared one; port 0: any free one)."""
+
+    def __init__(self, port: int = 0, count_only: bool = False, host: str = "127.0.0.1") -> None:
         self.count_only, self.count = count_only, 0
         self._spans: list[CollectedSpan] = []
         self._cond = threading.Condition()
         self.requests = 0
-        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=NO_REUSEPORT)
         pb_grpc.add_TraceServiceServicer_to_server(self, self._server)
-        self.port = self._server.add_insecure_port(f"127.0.0.1:{port}")
+        self.host = host
+        self.port = listen_on(self._server, f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
 
     @property
     def endpoint(self) -> str:
-        """OTLP endpoint URL for ``OTEL_EXPORTER_OTLP_ENDPOINT`` (plain http scheme: no TLS)."""
-        return f"http://127.0.0.1:{self.port}"
+        """OTLP endpoint URL for ``OTEL_EXPORTER_OTLP_ENDPOINT`` (plain http scheme: no TLS); loopback when the
+        receiver listens on every interface."""
+        host = {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1"}.get(self.host, self.host)
+        return f"http://[{host}]:{self.port}" if ":" in host else f"http://{host}:{self.port}"
 
     def start(self) -> OtlpReceiver:
         self._server.start()
@@ -138,6 +145,15 @@ class OtlpReceiver(pb_grpc.TraceServiceServicer):
     def clear(self) -> None:
         with self._cond:
             self._spans.clear()
+
+    def drain(self, timeout: float) -> list[CollectedSpan]:
+        """The spans received since the last ``drain`` (or ``clear``), forgotten here; waits up to ``timeout``
+        seconds for some when there are none yet."""
+        with self._cond:
+            if not self._spans:
+                self._cond.wait(timeout)
+            got, self._spans = self._spans, []
+            return got
 
     def wait_for(self, predicate: Callable[[list[CollectedSpan]], bool], timeout: float = 10.0) -> list[CollectedSpan]:
         """Block until ``predicate(spans)`` holds; return the spans. Raises AssertionError on timeout."""
@@ -258,7 +274,15 @@ def check_request_trace(
     under prefill or decode; and every stage has a ``batch <stage>`` root span, in another trace (from
     ``stage_services[stage]`` when given), linked to the request span."""
     assert request.kind == KIND_SERVER, request
-    for key in ("gen_ai.operation.name", "gen_ai.request.model", "gen_ai.request.max_tokens"):
+    for key in (
+        "gen_ai.provider.name",
+        "gen_ai.operation.name",
+        "gen_ai.request.model",
+        "gen_ai.request.max_tokens",
+        "gen_ai.response.model",
+        "gen_ai.response.finish_reasons",
+        "gen_ai.usage.output_tokens",
+    ):
         assert key in request.attributes, (key, request.attributes)
     mine = descendants(spans, request)
     phases = {s.name: s for s in children(mine, request)}

@@ -11,6 +11,7 @@ import asyncio
 import time
 from collections.abc import Callable
 
+from cdb_engine.config import RequestParams
 from cdb_engine.events import Event, FinishEvent, TokenEvent
 from cdb_scheduler.request import FinishReason
 from services.telemetry.metrics import Metrics
@@ -44,9 +45,13 @@ class ObservedRequest:
         self._cut = cut  # the drain deadline passed: a cancel is the server's doing
 
     # --- handler side ----------------------------------------------------------------------------------------
-    def validated(self, input_tokens: int) -> None:
+    def validated(self, input_tokens: int, params: RequestParams | None = None) -> None:
+        """The request passed validation: ``input_tokens`` prompt tokens; ``params`` its engine parameters (the
+        ``gen_ai.request.*`` values in effect: max tokens, temperature, top_p, top_k, seed)."""
         self.span.phase("validate", self.start_ns, now_ns())
         self.span.set_attribute("gen_ai.usage.input_tokens", input_tokens)
+        if params is not None:
+            self.span.request_params(params.max_tokens, params.sampling)
 
     def rejected(self, exc: BaseException) -> None:
         code = self._status_name(exc)

@@ -3,9 +3,9 @@
 ``traces.RequestTraces`` keys them by the engine's rid for the executor; ``stage_tracer`` records the stage side.
 
 Scheduler server, per request: ``start_request_span`` when the RPC arrives, ``phase`` for validation and
-tokenization, ``RequestTraces.register`` and ``enqueued`` once the engine gave it an id and queued it,
-``cancelled``/``failed`` when that happens, and ``finish`` exactly once at the end (``first_token`` is only a
-fallback: the head op that samples the first token closes ``prefill``).
+tokenization, ``request_params`` with the validated values in effect, ``RequestTraces.register`` and ``enqueued``
+once the engine gave it an id and queued it, ``cancelled``/``failed`` when that happens, and ``finish`` exactly
+once at the end (``first_token`` is only a fallback: the head op that samples the first token closes ``prefill``).
 gRPC executor, per stage op: ``RequestTraces.contexts_for_op`` when building the message (traceparents of requests
 new to that stage), ``RequestTraces.on_op_done`` when its result comes back.
 Stage server, per op: ``StageTracer.update`` with the message's contexts and released ids, then ``record_op``.
@@ -21,19 +21,23 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace import Span, SpanContext, SpanKind, Status, StatusCode
 
+from cdb_scheduler.plan import SamplingParams
 from cdb_scheduler.request import FinishReason
 from services.telemetry.setup import STATE, extract_metadata, format_traceparent, now_ns
 
 if TYPE_CHECKING:
     from services.telemetry.traces import RequestTraces
 
+PROVIDER = "cdb"  # gen_ai.provider.name: the serving system, as the conventions name e.g. "openai"
+
 
 class RequestSpan:
     """One request's SERVER span and its children. Every method is a no-op when the span is not recording
     (tracing off, or the sampler said no), so callers never branch on it."""
 
-    def __init__(self, span: Span) -> None:
+    def __init__(self, span: Span, model: str = "", request_id: str = "") -> None:
         self.span = span
+        self.model, self.request_id = model, request_id  # for the gen_ai.response.* attributes at the end
         self.context: SpanContext = span.get_span_context()
         self.recording = span.is_recording() and self.context.trace_flags.sampled
         self.traceparent = format_traceparent(self.context) if self.recording else ""
@@ -76,6 +80,19 @@ class RequestSpan:
         """Set one attribute on the SERVER span (e.g. ``gen_ai.usage.input_tokens`` once tokenized)."""
         if self.recording and not self._ended:
             self.span.set_attribute(key, value)
+
+    def request_params(self, max_tokens: int, sampling: SamplingParams) -> None:
+        """The validated request's ``gen_ai.request.*`` values in effect: max tokens and sampling settings."""
+        if self.recording and not self._ended:
+            self.span.set_attributes(
+                {
+                    "gen_ai.request.max_tokens": max_tokens,
+                    "gen_ai.request.temperature": float(sampling.temperature),
+                    "gen_ai.request.top_p": float(sampling.top_p),
+                    "gen_ai.request.top_k": float(sampling.top_k),  # a double in the conventions
+                    "gen_ai.request.seed": sampling.seed,
+                }
+            )
 
     def enqueued(self, t_ns: int | None = None) -> None:
         """The request entered the waiting queue; the ``queue`` span ends when its first stage op is sent."""
@@ -178,7 +195,7 @@ class RequestSpan:
         loop_steps: int | None = None,
         t_ns: int | None = None,
     ) -> None:
-        """End the request: usage and depth attributes, close open children, end the span. Idempotent.
+        """End the request: response, usage and depth attributes, close open children, end the span. Idempotent.
 
         ``depths``: served loop depth of each generated token (``cdb.depth.mean/min/max``); ``loop_steps``: total
         loop steps (default: ``sum(depths)``). ``finish_reason`` ``cancelled`` / ``error`` record the event /
@@ -202,6 +219,10 @@ class RequestSpan:
             "gen_ai.usage.output_tokens": output_tokens,
             "cdb.loop_steps": sum(depths) if loop_steps is None else loop_steps,
         }
+        if self.request_id:
+            attrs["gen_ai.response.id"] = self.request_id
+        if self.model:
+            attrs["gen_ai.response.model"] = self.model
         if depths:
             attrs.update({"cdb.depth.mean": sum(depths) / len(depths), "cdb.depth.min": min(depths)})
             attrs["cdb.depth.max"] = max(depths)
@@ -231,11 +252,13 @@ def start_request_span(
     start_ns: int | None = None,
 ) -> RequestSpan:
     """Start the SERVER span of one request, child of the caller's context (``parent``, else extracted from
-    ``metadata``, the RPC's invocation metadata). Named ``"{operation} {model}"`` per the gen_ai conventions."""
+    ``metadata``, the RPC's invocation metadata). Named ``"{operation} {model}"`` per the gen_ai conventions;
+    ``operation`` is ``text_completion`` (the gRPC API, ``/v1/completions``) or ``chat``."""
     if not STATE.enabled:
         return NOOP_REQUEST_SPAN
     ctx = parent if parent is not None else extract_metadata(metadata) if metadata is not None else None
     attrs: dict[str, Any] = {
+        "gen_ai.provider.name": PROVIDER,
         "gen_ai.operation.name": operation,
         "gen_ai.request.model": model,
         "gen_ai.request.max_tokens": max_tokens,
@@ -246,4 +269,4 @@ def start_request_span(
         attrs["cdb.request_id"] = str(request_id)
     name = f"{operation} {model}"
     span = STATE.tracer.start_span(name, context=ctx, kind=SpanKind.SERVER, attributes=attrs, start_time=start_ns)
-    return RequestSpan(span)
+    return RequestSpan(span, model, "" if request_id is None else str(request_id))

@@ -6,11 +6,20 @@ on its stage's stream without waiting (so several batches are in flight per stag
 turns replies into ``StageResult``s on a single result queue that ``poll`` reads, in causal order (a result never
 precedes the results of the ops it was fenced on; per stage, ``seq`` order).
 
-Failure contract (never hang): when a stream breaks or ends (stage process killed, connection lost, keepalive
-timeout on a frozen stage), the executor becomes ``broken``: the fence board is aborted (stages waiting on a fence
-give up at once), every outstanding op of every stage gets a ``StageResult`` with ``error`` (exactly once, in
-``seq`` order per stage), and every later ``submit`` is answered with an error result at once. ``broken`` (the
-reason) is what the service's health check reads.
+Healing (a stage that dies costs latency, not requests): when a stream breaks or ends (stage process killed,
+connection lost, keepalive timeout on a frozen stage), the executor is in an *outage*: the fence board is
+aborted (stages waiting on a fence give up at once), every outstanding op is void, the other streams are ended
+and ``poll`` returns a ``StageLoss`` (ops submitted before that ``poll`` returns are dropped: the scheduler
+voids its in-flight state and recomputes its running requests, ``Scheduler.recover``). A recovery thread
+reconnects (backoff ``CDB_RECONNECT_BACKOFF_S``, doubling up to 2 s) and re-``Configure``s all three stages
+with fresh state over a new fence board that starts at the last void ``seq`` of each stage; ops submitted
+meanwhile wait in a backlog and go out, in order, once every stage is back. If no complete set of stages is
+back within ``CDB_STAGE_DOWN_LIMIT_S``, the executor gives up for good (``broken``): every outstanding op gets
+an error result and every later ``submit`` is answered with one at once. ``outage`` / ``broken`` are what the
+service's health check reads.
+
+Admission: every Stage call carries the deployment's stage secret (``services.stage_secret``) and this
+executor's ``holder`` id, so a stage serves one scheduler's session at a time.
 """
 
 from __future__ import annotations
@@ -19,6 +28,7 @@ import logging
 import queue
 import threading
 import time
+import uuid
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -29,8 +39,9 @@ import grpc
 from cdb_api.v1 import stage_pb2 as pb
 from cdb_api.v1 import stage_pb2_grpc
 from cdb_engine.setup import StageSetup
-from cdb_scheduler.plan import Fence, Stage, StageOp, StageResult
+from cdb_scheduler.plan import Fence, Stage, StageLoss, StageOp, StageResult
 from services.settings import Settings, load_settings
+from services.stage_secret import call_metadata, load_stage_secret
 from services.transport.bank import SharedBank
 from services.transport.convert import bank_spec_to_pb, op_to_pb, result_from_pb, role_to_pb
 from services.transport.fences import FenceBoard
@@ -79,15 +90,29 @@ class GrpcExecutor:
         self.observer = observer
         self._sent: dict[tuple[Stage, int], tuple[StageOp, int]] = {}  # with an observer: op, sent at (ns)
         self.setup = setup
+        self.stage_addrs = dict(stage_addrs)
         self.counters = {stage: StageCounters() for stage in Stage}
-        self.broken: str | None = None
+        self.broken: str | None = None  # gave up: no stages came back in time (permanent)
+        self.outage: str | None = None  # a stage is lost; re-attaching (None: all attached)
+        self.recoveries = 0  # outages healed
+        self.recovery_s: list[float] = []  # loss -> every stage re-attached, per healed outage
+        self.holder = uuid.uuid4().hex
+        self._metadata = call_metadata(load_stage_secret(self.settings))
         self._lock = threading.Lock()
         self._results: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._outstanding: dict[Stage, dict[int, tuple[Fence, ...]]] = {stage: {} for stage in Stage}
         self._held: dict[Stage, deque[tuple[StageResult, tuple[Fence, ...]]]] = {stage: deque() for stage in Stage}
         self._delivered = [-1] * len(Stage)  # seq of the last result delivered, per stage
+        self._last_seq = {stage: -1 for stage in Stage}  # seq of the last op submitted, per stage
+        self._void = {stage: -1 for stage in Stage}  # the last void op per stage (issued before the last loss)
+        self._backlog: list[tuple[Stage, pb.StageBatch]] = []  # submitted during an outage, in order
+        self._epoch = 0  # bumped at every loss: replies of older links are void
+        self._loss_pending = False  # a StageLoss is queued and not yet polled: submits are pre-recovery, dropped
+        self._lost_at = 0.0
+        self._recovering = False  # the recovery thread runs
         self._pongs: dict[int, threading.Event] = {}
         self._closed = False
+        self._closing = threading.Event()
         self._links: dict[Stage, StageLink] = {}
         self.channels: dict[Stage, grpc.Channel] = {}
         bank_device = setup.device if setup.device.startswith("cuda") else "cpu"
@@ -96,11 +121,11 @@ class GrpcExecutor:
         self.fences = FenceBoard.create()
         try:
             for stage in Stage:
-                self.channels[stage] = self._connect(stage, stage_addrs[stage])
+                self.channels[stage] = self._connect(stage, self.stage_addrs[stage])
             for stage in Stage:
-                self._configure(stage)
+                self._configure(stage, self.fences)
             for stage in Stage:
-                self._links[stage] = StageLink(stage, self.channels[stage], self)
+                self._links[stage] = self._link(stage, 0)
         except BaseException:
             self.close()
             raise
@@ -114,7 +139,10 @@ class GrpcExecutor:
             raise ConnectionError(f"{stage.role} stage at {address} not reachable") from None
         return channel
 
-    def _configure(self, stage: Stage) -> None:
+    def _link(self, stage: Stage, epoch: int) -> StageLink:
+        return StageLink(stage, self.channels[stage], self, epoch, self._metadata)
+
+    def _configure(self, stage: Stage, fences: FenceBoard, timeout: float | None = None) -> None:
         s = self.setup
         request = pb.ConfigureRequest(
             role=role_to_pb(stage),
@@ -122,7 +150,7 @@ class GrpcExecutor:
             dtype=s.dtype,
             bank=bank_spec_to_pb(self.bank.spec),
             token_bank=bank_spec_to_pb(self.tokens.spec),
-            fences=pb.FenceBoardSpec(name=self.fences.name),
+            fences=pb.FenceBoardSpec(name=fences.name),
             kv=pb.KVSpec(
                 policy=s.kv_policy,
                 max_depth=s.max_depth,
@@ -130,32 +158,49 @@ class GrpcExecutor:
                 num_blocks=s.num_kv_blocks,
                 block_size=s.kv_block_size,
             ),
+            holder=self.holder,
+            device=s.device,
         )
         stub = stage_pb2_grpc.StageStub(self.channels[stage])
-        stub.Configure(request, timeout=self.settings.stage_connect_timeout_s, wait_for_ready=True)
+        stub.Configure(
+            request,
+            timeout=timeout or self.settings.stage_connect_timeout_s,
+            wait_for_ready=True,
+            metadata=self._metadata,
+        )
 
     # --- Executor protocol -----------------------------------------------------------------------------------
 
     def submit(self, op: StageOp) -> None:
-        """Queue ``op`` on its stage's stream; never blocks on compute or the network."""
+        """Queue ``op`` on its stage's stream (or the outage backlog); never blocks on compute or the network."""
+        contexts = self.observer.contexts_for_op(op) if self.observer is not None else None
+        msg = op_to_pb(op, trace_contexts=contexts)
         with self._lock:
-            broken = self.broken
-            if broken is None:
-                self._outstanding[op.stage][op.seq] = op.fences
-        if broken is not None:
-            self._results.put(StageResult(op.stage, op.seq, 0.0, error=broken))
-            return
-        contexts = None
-        if self.observer is not None:
-            contexts = self.observer.contexts_for_op(op)
-            self._sent[(op.stage, op.seq)] = (op, time.time_ns())
-        self._links[op.stage].send(op_to_pb(op, trace_contexts=contexts))
+            if self.broken is not None or self._closed:
+                self._results.put(StageResult(op.stage, op.seq, 0.0, error=self.broken or "executor closed"))
+                return
+            if self._loss_pending:  # issued before the scheduler saw the loss: void (StageLoss contract)
+                self._void[op.stage] = max(self._void[op.stage], op.seq)
+                self._delivered[op.stage] = max(self._delivered[op.stage], op.seq)
+                return
+            self._outstanding[op.stage][op.seq] = op.fences
+            self._last_seq[op.stage] = op.seq
+            if self.observer is not None:
+                self._sent[(op.stage, op.seq)] = (op, time.time_ns())
+            if self.outage is not None:
+                self._backlog.append((op.stage, msg))
+            else:
+                self._links[op.stage].send(msg)
 
-    def poll(self, timeout: float | None) -> StageResult | None:
+    def poll(self, timeout: float | None) -> StageResult | StageLoss | None:
         try:
             item = self._results.get(timeout=timeout)
         except queue.Empty:
             return None
+        if isinstance(item, StageLoss):
+            with self._lock:
+                self._loss_pending = False  # the engine recovers now; what it submits next is valid
+            return item
         if not isinstance(item, StageResult):
             return None
         if self.observer is not None and (sent := self._sent.pop((item.stage, item.seq), None)) is not None:
@@ -171,7 +216,9 @@ class GrpcExecutor:
             if self._closed:
                 return
             self._closed = True
-        for link in self._links.values():
+            links, self._links = self._links, {}
+        self._closing.set()
+        for link in links.values():
             link.close()
         for channel in self.channels.values():
             channel.close()
@@ -186,9 +233,12 @@ class GrpcExecutor:
         token = -(time.perf_counter_ns() & 0x3FFFFFFFFFFFFFFF) - 1  # negative: never a real op seq
         done = threading.Event()
         with self._lock:
+            link = self._links.get(stage)
+            if link is None or self.outage is not None:
+                raise ConnectionError(f"{stage.role} stage is not attached ({self.outage or self.broken})")
             self._pongs[token] = done
         start = time.perf_counter()
-        self._links[stage].send(pb.StageBatch(seq=token, ping=pb.Ping()))
+        link.send(pb.StageBatch(seq=token, ping=pb.Ping()))
         if not done.wait(timeout):
             raise TimeoutError(f"{stage.role} stage did not answer a ping in {timeout}s")
         rtt = time.perf_counter() - start
@@ -197,7 +247,7 @@ class GrpcExecutor:
 
     # --- called by the link threads --------------------------------------------------------------------------
 
-    def on_reply(self, stage: Stage, reply: pb.StageReply) -> None:
+    def on_reply(self, stage: Stage, epoch: int, reply: pb.StageReply) -> None:
         if reply.pong:
             with self._lock:
                 event = self._pongs.pop(reply.seq, None)
@@ -206,9 +256,11 @@ class GrpcExecutor:
             return
         result = result_from_pb(reply)
         with self._lock:
+            if epoch != self._epoch:
+                return  # a reply of a link from before the loss: its op is void
             fences = self._outstanding[stage].pop(reply.seq, None)
             if fences is None:
-                return  # already failed when the executor broke
+                return  # already failed when the executor gave up
             c = self.counters[stage]
             c.ops += 1
             c.compute_s += reply.compute_s
@@ -235,24 +287,108 @@ class GrpcExecutor:
                     self._results.put(result)
                     progress = True
 
-    def on_broken(self, why: str) -> None:
+    def on_broken(self, stage: Stage, epoch: int, why: str) -> None:
+        """A link's stream broke or ended: void every outstanding op and start re-attaching the stages."""
         with self._lock:
-            if self._closed or self.broken is not None:
+            if self._closed or self.broken is not None or epoch != self._epoch:
+                return  # closing, given up, or a link already replaced
+            self._epoch += 1
+            if self.outage is None:
+                self._lost_at = time.monotonic()
+            self.outage = why
+            self._loss_pending = True
+            for pending in self._outstanding.values():
+                pending.clear()
+            for held in self._held.values():
+                held.clear()
+            self._backlog.clear()
+            self._sent.clear()
+            self._void = dict(self._last_seq)
+            self._delivered = [self._last_seq[s] for s in Stage]  # void ops count as delivered for fences
+            self.fences.abort()  # stages waiting on a fence of a void op give up now
+            self._results.put(StageLoss(why))
+            links, self._links = self._links, {}
+            start = not self._recovering
+            self._recovering = True
+        log.warning("stage lost: %s; re-attaching the stages, running requests will be recomputed", why)
+        for link in links.values():
+            link.cancel()
+        if start:
+            threading.Thread(target=self._recover, name="cdb-stage-recovery", daemon=True).start()
+
+    # --- recovery --------------------------------------------------------------------------------------------
+
+    def _recover(self) -> None:
+        """The recovery thread: re-attach every stage (backoff) until done, closed, or past the down limit."""
+        backoff = self.settings.reconnect_backoff_s
+        while True:
+            with self._lock:
+                if self._closed or self.broken is not None or self.outage is None:
+                    self._recovering = False
+                    return
+                epoch, completed = self._epoch, dict(self._void)  # void ops count as done; the backlog does not
+                deadline = self._lost_at + self.settings.stage_down_limit_s
+            try:
+                self._reattach(epoch, completed, deadline)
+                continue  # installed (the loop ends) or a newer loss came meanwhile (the loop retries)
+            except Exception as exc:  # a stage not back yet (connection refused, timeout, refused Configure)
+                problem = f"{type(exc).__name__}: {exc}"
+            if time.monotonic() >= deadline:
+                self._give_up(
+                    f"{self.outage}; no complete set of stages back within "
+                    f"{self.settings.stage_down_limit_s:g}s (last: {problem})"
+                )
+                return
+            log.info("stages not back yet (%s); retrying in %.2fs", problem.splitlines()[0][:200], backoff)
+            if self._closing.wait(min(backoff, max(0.0, deadline - time.monotonic()))):
+                continue  # closed: the loop ends
+            backoff = min(backoff * 2, 2.0)
+
+    def _reattach(self, epoch: int, completed: dict[Stage, int], deadline: float) -> None:
+        board = FenceBoard.create(completed)
+        links: dict[Stage, StageLink] = {}
+        try:
+            for stage in Stage:  # waits for the channel to be ready (a restarting stage), bounded
+                self._configure(stage, board, timeout=max(1.0, min(10.0, deadline - time.monotonic())))
+            for stage in Stage:
+                links[stage] = self._link(stage, epoch)
+            with self._lock:
+                install = not self._closed and self.broken is None and self._epoch == epoch
+                if install:
+                    old, self.fences, self._links = self.fences, board, links
+                    self.outage = None  # the recovery loop sees it and ends (or serves a newer loss)
+                    for stage, msg in self._backlog:
+                        links[stage].send(msg)
+                    self._backlog.clear()
+                    self.recoveries += 1
+                    self.recovery_s.append(time.monotonic() - self._lost_at)
+        except BaseException:
+            for link in links.values():
+                link.cancel()
+            board.close()
+            raise
+        if not install:  # a newer loss (or close) meanwhile: these links are stale
+            for link in links.values():
+                link.cancel()
+            board.close()
+            return
+        old.close()
+        log.warning("stages re-attached %.2fs after the loss (%d outages healed)", self.recovery_s[-1], self.recoveries)
+
+    def _give_up(self, why: str) -> None:
+        with self._lock:
+            if self.broken is not None or self._closed:
                 return
             self.broken = why
+            self._recovering = False
             failed = [(stage, sorted(pending)) for stage, pending in self._outstanding.items()]
             for pending in self._outstanding.values():
                 pending.clear()
-            for held in self._held.values():  # completed, held for order: deliver before the failures
-                while held:
-                    self._results.put(held.popleft()[0])
+            self._backlog.clear()
         log.error("executor broken: %s", why)
-        self.fences.abort()
         for stage, seqs in failed:
             for seq in seqs:
                 self._results.put(StageResult(stage, seq, 0.0, error=why))
-        for link in self._links.values():
-            link.send_end()
 
 
 class GrpcExecutorFactory:

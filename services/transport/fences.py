@@ -21,7 +21,7 @@ import ctypes
 import platform
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from multiprocessing import shared_memory
 
 from cdb_scheduler.plan import Fence, Stage
@@ -68,10 +68,12 @@ class FenceBoard:
         self._wake_addr = [base + _WAKE_OFFSET + 4 * i for i in range(_N)]
 
     @classmethod
-    def create(cls) -> FenceBoard:
+    def create(cls, completed: Mapping[Stage, int] | None = None) -> FenceBoard:
+        """A new board; ``completed``: the counters to start from (default -1: nothing done). A board made after
+        the stages lost their state starts at the last op issued before, so fences on those ops hold at once."""
         board = cls(shared_memory.SharedMemory(name=new_segment_name("fence"), create=True, size=_SIZE), owner=True)
         for stage in Stage:
-            board._counters[stage] = -1
+            board._counters[stage] = (completed or {}).get(stage, -1)
             board._wake[stage] = 0
         board._counters[_ABORT] = 0
         return board
@@ -81,8 +83,11 @@ class FenceBoard:
         return cls(attach_segment(name), owner=False)
 
     def complete(self, stage: Stage, seq: int) -> None:
-        """Publish that op ``seq`` of ``stage`` (and every earlier op of it) has completed; wake its waiters."""
-        self._counters[stage] = seq
+        """Publish that op ``seq`` of ``stage`` (and every earlier op of it) has completed; wake its waiters.
+
+        Counters only move forward: a stale or replayed completion never un-completes a later op."""
+        if seq > self._counters[stage]:
+            self._counters[stage] = seq  # only the stage itself writes its counter: no lost update
         self._bump(stage)
 
     def _bump(self, stage: Stage) -> None:

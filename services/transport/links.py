@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Protocol
 
 import grpc
@@ -18,11 +18,12 @@ _END = object()
 
 
 class LinkOwner(Protocol):
-    """What a link reports to (the ``GrpcExecutor``), from its reader thread."""
+    """What a link reports to (the ``GrpcExecutor``), from its reader thread; ``epoch`` is the link's (replies of
+    a link from before the stages were re-attached are void)."""
 
-    def on_reply(self, stage: Stage, reply: pb.StageReply) -> None: ...
+    def on_reply(self, stage: Stage, epoch: int, reply: pb.StageReply) -> None: ...
 
-    def on_broken(self, why: str) -> None: ...
+    def on_broken(self, stage: Stage, epoch: int, why: str) -> None: ...
 
 
 def channel_options(settings: Settings) -> list[tuple[str, int]]:
@@ -36,17 +37,30 @@ def channel_options(settings: Settings) -> list[tuple[str, int]]:
         ("grpc.http2.ping_timeout_ms", keepalive_ms),  # other pings in flight would wait 60 s by default
         ("grpc.max_receive_message_length", 64 << 20),
         ("grpc.max_send_message_length", 64 << 20),
+        # A restarted stage is reconnected within ~0.1-1 s (gRPC's default backoff grows to 120 s).
+        ("grpc.initial_reconnect_backoff_ms", 100),
+        ("grpc.min_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", 1000),
     ]
 
 
 class StageLink:
     """One stage's persistent Run stream: a send queue feeding gRPC, and a reader thread."""
 
-    def __init__(self, stage: Stage, channel: grpc.Channel, owner: LinkOwner) -> None:
+    def __init__(
+        self,
+        stage: Stage,
+        channel: grpc.Channel,
+        owner: LinkOwner,
+        epoch: int = 0,
+        metadata: Sequence[tuple[str, str]] = (),
+    ) -> None:
         self.stage = stage
+        self.epoch = epoch
         self._outbox: queue.SimpleQueue[object] = queue.SimpleQueue()
         stub = stage_pb2_grpc.StageStub(channel)
-        self.call = stub.Run(iter(self._outbox.get, _END))  # gRPC drains the iterator on its own thread
+        # gRPC drains the iterator on its own thread
+        self.call = stub.Run(iter(self._outbox.get, _END), metadata=tuple(metadata))
         self._owner = owner
         self._thread = threading.Thread(target=self._read, name=f"cdb-link-{stage.role}", daemon=True)
         self._thread.start()
@@ -58,17 +72,22 @@ class StageLink:
         replies: Iterator[pb.StageReply] = self.call
         try:
             for reply in replies:
-                self._owner.on_reply(self.stage, reply)
+                self._owner.on_reply(self.stage, self.epoch, reply)
             why = "stream ended"
         except grpc.RpcError as exc:
             why = f"{exc.code().name}: {exc.details()}"
-        self._owner.on_broken(f"{self.stage.role} stage failed ({why})")
+        self._owner.on_broken(self.stage, self.epoch, f"{self.stage.role} stage failed ({why})")
 
     def send_end(self) -> None:
         """Half-close: the stage finishes what it has, then ends the stream."""
         self._outbox.put(_END)
 
-    def close(self) -> None:
-        self._outbox.put(_END)  # half-close: the stage finishes what it has, then ends the stream
+    def cancel(self) -> None:
+        """End the stream now (the stage drops what it has); does not wait for the reader."""
+        self._outbox.put(_END)
         self.call.cancel()
-        self._thread.join(timeout=5)
+
+    def close(self) -> None:
+        self.cancel()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=5)

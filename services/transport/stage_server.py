@@ -6,6 +6,10 @@ Tracing (``OTEL_*`` environment, service ``cdb-<role>``): a ``batch <role>`` spa
 the requests it served (``services.telemetry.StageTracer``); off by default, and then not a call per batch.
 
 Lifecycle: load weights -> listen (loopback or a Unix socket only) -> health SERVING -> SIGTERM/SIGINT: stop.
+
+Admission: every ``cdb.v1.Stage`` RPC must carry the deployment's stage secret (``services.stage_secret``);
+a call without it, or with a wrong one, gets ``UNAUTHENTICATED`` and changes nothing. ``grpc.health.v1`` is
+open (orchestrators probe it without credentials); no reflection is served.
 """
 
 from __future__ import annotations
@@ -13,12 +17,13 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+from collections.abc import Callable
 from concurrent import futures
+from typing import Any
 
 import grpc
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from cdb_api.v1 import stage_pb2 as pb
 from cdb_api.v1 import stage_pb2_grpc
@@ -26,8 +31,9 @@ from cdb_engine.setup import torch_dtype
 from cdb_model.loader import load_model
 from cdb_scheduler.plan import Stage
 from services import telemetry
-from services.net import bound_address, require_loopback, write_ready_file
+from services.net import NO_REUSEPORT, bound_address, listen_on, require_loopback, write_ready_file
 from services.settings import Settings, load_settings
+from services.stage_secret import load_stage_secret, secret_matches
 from services.transport.stage_service import StageService
 
 log = logging.getLogger("cdb.stage")
@@ -40,23 +46,48 @@ SERVER_OPTIONS = [
     ("grpc.http2.max_ping_strikes", 0),
     ("grpc.max_receive_message_length", 64 << 20),
     ("grpc.max_send_message_length", 64 << 20),
+    *NO_REUSEPORT,  # a second server on a busy address fails instead of sharing it
 ]
 
+_STAGE_METHODS = "/" + pb.DESCRIPTOR.services_by_name["Stage"].full_name + "/"
 
-def build_server(service: StageService, listen: str, max_workers: int = 8) -> tuple[grpc.Server, int]:
-    """A sync gRPC server with the stage, health and reflection services; returns (server, bound port)."""
+
+class StageAuth(grpc.ServerInterceptor):
+    """Admits a ``cdb.v1.Stage`` call only with the stage secret; other services (health) pass."""
+
+    def __init__(self, secret: str) -> None:
+        self._secret = secret
+
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        handler = continuation(details)
+        if handler is None or not details.method.startswith(_STAGE_METHODS):
+            return handler
+        if secret_matches(self._secret, details.invocation_metadata):
+            return handler
+
+        def deny(request: Any, context: grpc.ServicerContext) -> Any:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong stage secret")
+
+        if handler.request_streaming and handler.response_streaming:
+            return grpc.stream_stream_rpc_method_handler(deny)
+        return grpc.unary_unary_rpc_method_handler(deny)
+
+
+def build_server(service: StageService, listen: str, secret: str, max_workers: int = 8) -> tuple[grpc.Server, int]:
+    """A sync gRPC server with the stage and health services, admitting only ``secret``'s holders; returns
+    (server, bound port)."""
     pool = futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="cdb-stage-rpc")
-    server = grpc.server(pool, options=SERVER_OPTIONS)
+    server = grpc.server(pool, options=SERVER_OPTIONS, interceptors=[StageAuth(secret)])
     stage_pb2_grpc.add_StageServicer_to_server(service, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    names = (pb.DESCRIPTOR.services_by_name["Stage"].full_name, health.SERVICE_NAME, reflection.SERVICE_NAME)
-    reflection.enable_server_reflection(names, server)
-    port = server.add_insecure_port(require_loopback(listen))
-    if port == 0:
-        raise OSError(f"cannot listen on {listen}")
+    port = listen_on(server, require_loopback(listen))
     server.start()
-    for name in ("", names[0]):
+    for name in ("", pb.DESCRIPTOR.services_by_name["Stage"].full_name):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     return server, port
 
@@ -76,13 +107,14 @@ def run_stage(
     settings = settings or load_settings()
     stage = Stage.from_role(role)
     require_loopback(listen)
+    secret = load_stage_secret(settings)  # before loading weights: a missing secret fails in one line
     telemetry.init_tracing(f"cdb-{role}")
     try:
         torch.set_num_threads(settings.stage_threads)
         lm = load_model(model, dtype=torch_dtype(dtype), device=device, stages={stage})
         observer = telemetry.StageTracer(role) if telemetry.enabled() else None  # off: not even a call per batch
         service = StageService(stage, model, dtype, lm, settings, observer=observer)
-        server, port = build_server(service, listen)
+        server, port = build_server(service, listen, secret)
         address = bound_address(listen, port)
         log.info("%s stage of %s serving on %s", role, model, address)
         done = threading.Event()

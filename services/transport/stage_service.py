@@ -21,7 +21,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import grpc
@@ -44,18 +44,36 @@ _END = object()
 
 @dataclass(slots=True)
 class _Session:
-    """One Configure: the attached shared memory and the worker over it."""
+    """One Configure: the attached shared memory, the worker over it and who holds it.
+
+    ``lock`` is held while a batch runs and while closing, so a session is never unmapped under a running batch.
+    ``streams`` counts its open Run streams: the session is live while one is open."""
 
     bank: SharedBank
     tokens: SharedBank
     fences: FenceBoard
     worker: Any  # a StageWorker; None once closed
+    holder: str
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    streams: int = 0
+    closed: bool = False
 
     def close(self) -> None:
-        self.worker = None  # drop the bank views before unmapping
-        self.bank.close()
-        self.tokens.close()
-        self.fences.close()
+        """Unmap the shared memory once the running batch (if any) ends. Idempotent."""
+        with self.lock:
+            if self.closed:
+                return
+            self.closed = True
+            self.worker = None  # drop the bank views before unmapping
+            self.bank.close()
+            self.tokens.close()
+            self.fences.close()
+
+
+def _device(name: str) -> torch.device:
+    """``cuda`` and ``cuda:0`` are the same device (the current one is 0 in a stage process)."""
+    device = torch.device(name)
+    return torch.device(device.type, 0) if device.type == "cuda" and device.index is None else device
 
 
 class BatchObserver(Protocol):
@@ -102,25 +120,30 @@ class StageService(stage_pb2_grpc.StageServicer):
         ):
             if want != have:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{what}: caller wants {want}, stage has {have}")
+        if request.device and _device(request.device) != _device(str(self.model.device)):
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"device: caller wants {request.device}, stage has {self.model.device}",
+            )
         cfg = self.model.config
         if request.bank.width != cfg.bank_width:
             context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION, f"bank width {request.bank.width}, model needs {cfg.bank_width}"
             )
         with self._lock:
-            if self._session is not None:
-                self._session.close()
-                self._session = None
-            bank = SharedBank.attach(bank_spec_from_pb(request.bank))
-            tokens = SharedBank.attach(bank_spec_from_pb(request.token_bank))
-            fences = FenceBoard.attach(request.fences.name)
-            assert bank.tensor is not None and tokens.tensor is not None
-            kv = request.kv
-            layout = KVLayout(KVPolicy(kv.policy), kv.max_depth, kv.shared_after)
-            worker = self.worker_factory(
-                self.model, self.stage, bank.tensor, layout, kv.num_blocks, kv.block_size, tokens.tensor.view(-1)
-            )
-            self._session = _Session(bank, tokens, fences, worker)
+            live = self._session
+            if live is not None and live.streams and request.holder != live.holder:
+                context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    "the stage serves a live session of another scheduler; it is released when that one's stream ends",
+                )
+        session = self._attach(request, context)  # the new session first: a bad Configure harms nothing
+        with self._lock:
+            old, self._session = self._session, session
+        if old is not None:
+            old.close()
+        kv = request.kv
+        bank = session.bank
         log.info("%s configured: %s bank, kv %s x %d", self.stage.name, bank.spec.kind, kv.policy, kv.num_blocks)
         return pb.ConfigureResponse(
             role=role_to_pb(self.stage),
@@ -130,8 +153,33 @@ class StageService(stage_pb2_grpc.StageServicer):
             device=str(self.model.device),
         )
 
+    def _attach(self, request: pb.ConfigureRequest, context: grpc.ServicerContext) -> _Session:
+        attached: list[SharedBank | FenceBoard] = []
+        try:
+            bank = SharedBank.attach(bank_spec_from_pb(request.bank))
+            attached.append(bank)
+            tokens = SharedBank.attach(bank_spec_from_pb(request.token_bank))
+            attached.append(tokens)
+            fences = FenceBoard.attach(request.fences.name)
+            attached.append(fences)
+            assert bank.tensor is not None and tokens.tensor is not None
+            kv = request.kv
+            layout = KVLayout(KVPolicy(kv.policy), kv.max_depth, kv.shared_after)
+            worker = self.worker_factory(
+                self.model, self.stage, bank.tensor, layout, kv.num_blocks, kv.block_size, tokens.tensor.view(-1)
+            )
+        except Exception as exc:
+            for segment in reversed(attached):
+                segment.close()
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"cannot attach the shared memory: {exc}")
+            raise  # not reached: abort raises
+        return _Session(bank, tokens, fences, worker, request.holder)
+
     def Run(self, request_iterator: Iterator[pb.StageBatch], context: grpc.ServicerContext) -> Iterator[pb.StageReply]:
-        session = self._session
+        with self._lock:
+            session = self._session
+            if session is not None:
+                session.streams += 1
         if session is None:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "stage not configured: call Configure first")
         assert session is not None
@@ -154,19 +202,37 @@ class StageService(stage_pb2_grpc.StageServicer):
             inbox.put(_END)
 
         def execute() -> None:
-            while not stop.is_set() and (msg := inbox.get()) is not _END:
-                if self._session is not session:
-                    outbox.put(grpc.StatusCode.ABORTED)
-                    return
-                outbox.put(self._execute(session, msg))
-            outbox.put(_END)
+            try:
+                while not stop.is_set() and (msg := inbox.get()) is not _END:
+                    with session.lock:
+                        if session.closed or self._session is not session:
+                            outbox.put(grpc.StatusCode.ABORTED)
+                            return
+                        reply = self._execute(session, msg)
+                    outbox.put(reply)
+                outbox.put(_END)
+            finally:
+                self._stream_ended(session)
 
         for target, name in ((read, "reader"), (execute, "executor")):
             threading.Thread(target=target, name=f"cdb-{self.stage.role}-{name}", daemon=True).start()
         while (reply := outbox.get()) is not _END:
             if isinstance(reply, grpc.StatusCode):
-                context.abort(reply, "stage was reconfigured by another caller")
+                context.abort(reply, "stage was reconfigured by its scheduler")
             yield reply
+
+    def _stream_ended(self, session: _Session) -> None:
+        """A Run stream of ``session`` ended. The last one: its scheduler is gone (or re-configures): drop the
+        session, so the next Configure (a restarted scheduler's) finds the stage free."""
+        with self._lock:
+            session.streams -= 1
+            drop = session.streams == 0 and self._session is session
+            if drop:
+                self._session = None
+        if drop:
+            session.fences.abort()  # a batch of it waiting on a fence gives up now
+            session.close()
+            log.info("%s stage: session of %s dropped (its stream ended)", self.stage.name, session.holder or "-")
 
     def _execute(self, session: _Session, msg: pb.StageBatch) -> pb.StageReply:
         """Wait for the batch's fences, run it, publish completion; never raises."""
@@ -202,6 +268,7 @@ class StageService(stage_pb2_grpc.StageServicer):
 
     def close(self) -> None:
         with self._lock:
-            if self._session is not None:
-                self._session.close()
-                self._session = None
+            session, self._session = self._session, None
+        if session is not None:
+            session.fences.abort()
+            session.close()

@@ -2,8 +2,9 @@
 
 Only what our files use and the Compose Specification defines for it: ``${VAR}``, ``${VAR:-default}``,
 ``${VAR-default}``, ``${VAR:?error}``, ``${VAR?error}``, ``${VAR:+alt}``, ``${VAR+alt}``, ``$VAR`` and the
-``$$`` escape; YAML merge keys (``<<``) come with PyYAML. Overrides merge mappings recursively and replace
-everything else (what Compose does for the keys our override sets).
+``$$`` escape; YAML merge keys (``<<``) come with PyYAML. Overrides merge mappings recursively; a service's
+``volumes`` merge by container path and its ``ports`` by value (Compose's rule for those sequences); everything
+else is replaced (what Compose does for the keys our overrides set).
 """
 
 from __future__ import annotations
@@ -20,10 +21,13 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
 GPU_OVERRIDE = ROOT / "deploy" / "docker-compose.gpu.yml"
+PUBLIC_OVERRIDE = ROOT / "deploy" / "docker-compose.public.yml"
 COLLECTOR = ROOT / "deploy" / "otel-collector.yaml"
 SCHEMA = Path(__file__).resolve().parent / "compose-spec.json"
 CDB_SERVICES = ("scheduler", "prelude", "loop", "head")
 STAGES = ("prelude", "loop", "head")
+SECRET_SERVICE = "stage-secret"  # one-shot: writes the stage-plane secret into a shared volume
+POD_SERVICE = "pod"  # holds the shared namespaces and the published ports
 
 _VAR = re.compile(
     r"\$(?:(\$)|\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?+])((?:[^{}]|\{[^{}]*\})*))?\}|([A-Za-z_][A-Za-z0-9_]*))"
@@ -73,13 +77,23 @@ def interpolate(node: Any, env: Mapping[str, str]) -> Any:
     return node
 
 
-def merge(base: Any, override: Any) -> Any:
-    """``override`` applied on ``base``: mappings merge recursively, anything else is replaced."""
+def _volume_target(spec: Any) -> str:
+    return spec["target"] if isinstance(spec, dict) else str(spec).split(":")[1]
+
+
+def merge(base: Any, override: Any, key: str = "") -> Any:
+    """``override`` applied on ``base``: mappings merge recursively, ``volumes`` by container path, ``ports`` by
+    value, anything else is replaced."""
     if isinstance(base, dict) and isinstance(override, dict):
         out = copy.deepcopy(base)
-        for key, value in override.items():
-            out[key] = merge(out[key], value) if key in out else copy.deepcopy(value)
+        for k, value in override.items():
+            out[k] = merge(out[k], value, k) if k in out else copy.deepcopy(value)
         return out
+    if key == "volumes" and isinstance(base, list) and isinstance(override, list):
+        targets = {_volume_target(v) for v in override}
+        return [v for v in base if _volume_target(v) not in targets] + copy.deepcopy(override)
+    if key == "ports" and isinstance(base, list) and isinstance(override, list):
+        return copy.deepcopy(base) + [p for p in override if p not in base]
     return copy.deepcopy(override)
 
 

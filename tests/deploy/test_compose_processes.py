@@ -1,103 +1,74 @@
 """Every service command of docker-compose.yml, started directly as child processes on loopback (Docker does
 not run here), must reach ready through the same grpc health probe the compose healthchecks run.
 
-The commands are taken from the compose file with its variables substituted; the published and internal ports
-are remapped to free loopback ports (consistently across commands and probes) and the scheduler listens on
-127.0.0.1 instead of 0.0.0.0. Each process gets its service's compose environment, except that traces are not
-exported (there is no collector here).
+The commands are taken from the compose file with its variables substituted and moved onto this machine by
+``Remap``: published and internal ports onto free loopback ports (consistently across commands and probes), the
+scheduler's 0.0.0.0 onto 127.0.0.1, the stage-secret volume onto a temporary folder. The one-shot
+``stage-secret`` service runs first, as ``depends_on: service_completed_successfully`` orders it. Each process
+gets its service's compose environment, except that traces are not exported (there is no collector here).
 """
 
 from __future__ import annotations
 
 import os
-import re
-import signal
-import socket
-import subprocess
-import sys
-import time
+import stat
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from tests.deploy.compose_file import CDB_SERVICES, ROOT, command_argv, interpolate, load
+from tests.deploy.compose_file import CDB_SERVICES, SECRET_SERVICE, command_argv, interpolate, load
+from tests.deploy.process_tree import ProcessSpec, ProcessTree, Remap, run_once
 
 pytestmark = pytest.mark.slow
 READY_WAIT_S = 240
+SECRET_DIR = "/var/lib/cdb/secret"  # the stage-secret volume's mount point in every cdb service
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _remap(text: str, ports: dict[int, int]) -> str:
-    text = text.replace("0.0.0.0:", "127.0.0.1:")
-    return re.sub(r"(?<=:)(\d{4,5})\b", lambda m: str(ports.get(int(m[1]), m[1])), text)
-
-
-class Tree:
-    """The compose services as local processes; ``addr[name]`` is where each one's health is probed."""
+class ComposeTree(ProcessTree):
+    """The compose services as local processes; ``secret_file`` is where the init service wrote the secret."""
 
     def __init__(self, workdir: Path) -> None:
         services = interpolate(load(), {})["services"]
-        self.ports = {p: _free_port() for p in (50051, 50061, 50062, 50063, 9464)}
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}
-        self.logs = {name: workdir / f"{name}.log" for name in CDB_SERVICES}
-        self.addr: dict[str, str] = {}
-        self.metrics_port = self.ports[9464]
+        (workdir / "secret").mkdir()
+        self.remap = Remap.free((50051, 50061, 50062, 50063, 8000, 9464), {SECRET_DIR: workdir / "secret"})
+        init = [self.remap(a) for a in command_argv(services[SECRET_SERVICE])]
+        done = run_once(init, dict(os.environ))
+        assert done.returncode == 0, f"{SECRET_SERVICE}: {done.stdout}{done.stderr}"
+        self.secret_file = Path(self.remap(f"{SECRET_DIR}/stage-secret"))
+        specs = []
         for name in CDB_SERVICES:
-            svc: dict[str, Any] = services[name]
-            argv = [_remap(a, self.ports) for a in command_argv(svc)]
-            assert argv[0] == "python"
-            env = {**os.environ, **{k: _remap(str(v), self.ports) for k, v in svc["environment"].items()}}
-            env.update(OTEL_TRACES_EXPORTER="none", PYTHONPATH=str(ROOT))
-            self.addr[name] = _remap(svc["healthcheck"]["test"][4], self.ports)
-            with open(self.logs[name], "wb") as log:
-                self.procs[name] = subprocess.Popen(
-                    [sys.executable, *argv[1:]], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
-                )
-
-    def probe(self, name: str, wait: float) -> subprocess.CompletedProcess[str]:
-        """The compose healthcheck command of ``name``, repeated (``--wait 5`` each) until SERVING, the process
-        exits, or ``wait`` seconds pass."""
-        cmd = [sys.executable, "-m", "services.healthcheck", self.addr[name], "--wait", "5"]
-        deadline = time.monotonic() + wait
-        while True:
-            run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
-            if run.returncode == 0 or self.procs[name].poll() is not None or time.monotonic() > deadline:
-                return run
-
-    def tail(self, name: str) -> str:
-        return self.logs[name].read_text(errors="replace")[-3000:]
-
-    def stop(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in self.procs.values():
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            svc = services[name]
+            env = {**os.environ, **{k: self.remap(str(v)) for k, v in svc["environment"].items()}}
+            argv = [self.remap(a) for a in command_argv(svc)]
+            specs.append(ProcessSpec(name, argv, env, self.remap(svc["healthcheck"]["test"][4])))
+        super().__init__(specs, workdir)
+        self.metrics_port = self.remap.ports[9464]
 
 
 @pytest.fixture(scope="module")
-def tree(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Tree]:
-    t = Tree(tmp_path_factory.mktemp("compose"))
+def tree(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ComposeTree]:
+    t = ComposeTree(tmp_path_factory.mktemp("compose"))
     try:
         yield t
     finally:
         t.stop()
 
 
+def test_the_init_service_wrote_a_private_secret_once(tree: ComposeTree) -> None:
+    mode = tree.secret_file.stat().st_mode
+    assert stat.S_IMODE(mode) == 0o600, oct(mode)
+    secret = tree.secret_file.read_text()
+    assert len(secret.strip()) >= 16
+    init = interpolate(load(), {})["services"][SECRET_SERVICE]
+    again = run_once([tree.remap(a) for a in command_argv(init)], dict(os.environ))  # an `up` after a restart
+    assert again.returncode == 0, again.stderr
+    assert tree.secret_file.read_text() == secret, "an existing secret is kept"
+
+
 @pytest.mark.timeout(READY_WAIT_S + 120)
-def test_every_service_reaches_ready(tree: Tree) -> None:
+def test_every_service_reaches_ready(tree: ComposeTree) -> None:
     for name in ("prelude", "loop", "head", "scheduler"):  # the scheduler is ready only once its stages are
         run = tree.probe(name, READY_WAIT_S)
         assert run.returncode == 0, f"{name}: {run.stdout}{run.stderr}\n--- log:\n{tree.tail(name)}"
@@ -106,7 +77,7 @@ def test_every_service_reaches_ready(tree: Tree) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_the_tree_serves_a_generation(tree: Tree) -> None:
+def test_the_tree_serves_a_generation(tree: ComposeTree) -> None:
     from clients.sync_client import Client
 
     assert tree.probe("scheduler", READY_WAIT_S).returncode == 0
@@ -116,7 +87,7 @@ def test_the_tree_serves_a_generation(tree: Tree) -> None:
 
 
 @pytest.mark.timeout(60)
-def test_the_scheduler_serves_metrics(tree: Tree) -> None:
+def test_the_scheduler_serves_metrics(tree: ComposeTree) -> None:
     assert tree.probe("scheduler", READY_WAIT_S).returncode == 0
     with urllib.request.urlopen(f"http://127.0.0.1:{tree.metrics_port}/metrics", timeout=10) as resp:
         text = resp.read().decode()

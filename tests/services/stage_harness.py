@@ -19,7 +19,8 @@ from services.settings import Settings
 from services.transport.stage_server import build_server
 from services.transport.stage_service import StageService
 
-FAST = Settings(fence_timeout_s=5.0, stage_connect_timeout_s=10.0)
+TEST_SECRET = "stage-secret-for-tests-0123456789"
+FAST = Settings(fence_timeout_s=5.0, stage_connect_timeout_s=10.0, stage_secret=TEST_SECRET)
 
 
 @dataclass
@@ -48,7 +49,7 @@ def stage_servers(
                 kw["observer"] = observer_for(stage)
             service = StageService(stage, model_name, dtype, model_for(stage), settings, **kw)
             address = f"unix://{tmp_path}/{stage.role}.sock"
-            server, _ = build_server(service, address)
+            server, _ = build_server(service, address, TEST_SECRET)
             running[stage] = RunningStage(service, server, address)
         yield running
     finally:
@@ -98,3 +99,16 @@ class FakeWorker:
     @classmethod
     def reset(cls) -> None:
         cls.log, cls.fail_seqs, cls.gates, cls.started = [], set(), {}, {}
+
+
+def restart_stage(running: dict[Stage, RunningStage], stage: Stage, settings: Settings = FAST) -> None:
+    """Stop ``stage``'s server (as a dying process would: its streams break) and serve a fresh one, with fresh
+    state, on the same address."""
+    old = running[stage]
+    old.server.stop(0).wait()
+    old.service.close()
+    service = StageService(
+        stage, old.service.model_name, old.service.dtype, old.service.model, settings, old.service.worker_factory
+    )
+    server, _ = build_server(service, old.address, TEST_SECRET)
+    running[stage] = RunningStage(service, server, old.address)

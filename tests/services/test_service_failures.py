@@ -60,47 +60,26 @@ def test_sigterm_stops_serving_drains_in_flight_streams_and_exits() -> None:
         assert tree.scheduler.wait(timeout=30) == 0
 
 
-@pytest.mark.parametrize("role", list(Stage), ids=lambda s: s.role)
-def test_kill_9_of_a_stage_gives_unavailable_promptly_and_not_serving(role: Stage) -> None:
-    config = EngineConfig(model="ouro-tiny", max_num_seqs=8, num_kv_blocks=512)
-    with process_tree(config) as tree, Client(tree.address, timeout=60) as client:
-        runs = [StreamRun(client, f"prompt {i}", LONG).start() for i in range(4)]
-        for run in runs:
-            assert run.first.wait(30) and run.error is None
-        t0 = time.monotonic()
-        os.kill(tree.stages[role].pid, signal.SIGKILL)
-        for run in runs:
-            assert run.done.wait(15)
-            assert run.code == grpc.StatusCode.UNAVAILABLE, (run.code, run.finish)
-            assert role.role in run.error.details()  # type: ignore[union-attr]
-        assert time.monotonic() - t0 < 5.0
-        client.wait_for_status("NOT_SERVING", timeout=10)
-        with pytest.raises(grpc.RpcError) as err:
-            client.generate("after the crash", max_tokens=2)
-        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-        info = client.info()
-        assert not info.healthy and role.role in info.error
-
-
-def test_idle_streams_survive_keepalive_and_a_frozen_stage_is_detected() -> None:
+def test_idle_streams_survive_keepalive_and_a_frozen_stage_is_detected_and_healed() -> None:
     config = EngineConfig(model="ouro-tiny", max_num_seqs=8, num_kv_blocks=512)
     with process_tree(config, CDB_STAGE_KEEPALIVE_S="0.5") as tree, Client(tree.address, timeout=60) as client:
         assert client.generate("warm", max_tokens=2).finish.generated_tokens == 2
         time.sleep(3.0)  # the scenario, not a synchronisation: idle Run streams under frequent keepalive pings
         assert client.health() == "SERVING"
         assert client.generate("still connected", max_tokens=2).finish.generated_tokens == 2
-        runs = [StreamRun(client, f"prompt {i}", LONG).start() for i in range(3)]
+        runs = [
+            StreamRun(client, f"prompt {i}", GenerateOptions(max_tokens=200, ignore_eos=True)).start() for i in range(3)
+        ]
         for run in runs:
             assert run.first.wait(30)
         loop_pid = tree.stages[Stage.LOOP].pid
         os.kill(loop_pid, signal.SIGSTOP)  # frozen, not dead: only health probes and keepalive can tell
         try:
-            t0 = time.monotonic()
             client.wait_for_status("NOT_SERVING", timeout=15)
             assert "loop" in client.info().error
-            for run in runs:
-                assert run.done.wait(20) and run.code == grpc.StatusCode.UNAVAILABLE
-                assert "loop stage failed" in run.error.details()  # type: ignore[union-attr]
-            assert time.monotonic() - t0 < 10.0
         finally:
-            os.kill(loop_pid, signal.SIGCONT)
+            os.kill(loop_pid, signal.SIGCONT)  # it thaws: re-attached, its requests recomputed
+        client.wait_for_status("SERVING", timeout=60)
+        for run in runs:
+            assert run.done.wait(120) and run.error is None, run.error
+            assert run.finish is not None and len(run.tokens) == 200

@@ -18,12 +18,32 @@ from cdb_api.v1 import stage_pb2_grpc
 from cdb_engine.config import EngineConfig, RequestParams
 from cdb_engine.engine import Engine
 from cdb_model.loader import load_model
-from cdb_scheduler.plan import Fence, HeadOp, LoopOp, PreludeOp, SamplingParams, Stage, StageOp, StageResult
+from cdb_scheduler.plan import (
+    Fence,
+    HeadOp,
+    LoopOp,
+    PreludeOp,
+    SamplingParams,
+    Stage,
+    StageLoss,
+    StageOp,
+    StageResult,
+)
 from services.net import require_loopback
+from services.stage_secret import call_metadata
 from services.transport.executor import GrpcExecutor, GrpcExecutorFactory
-from tests.services.stage_harness import FAST, FakeWorker, fake_model, fake_setup, stage_servers
+from tests.services.stage_harness import (
+    FAST,
+    TEST_SECRET,
+    FakeWorker,
+    fake_model,
+    fake_setup,
+    restart_stage,
+    stage_servers,
+)
 
 pytestmark = pytest.mark.timeout(90)
+AUTH = call_metadata(TEST_SECRET)
 
 
 def loop_op(seq: int, rows: tuple[int, ...], fences: tuple[Fence, ...] = ()) -> LoopOp:
@@ -100,7 +120,7 @@ def test_failed_op_replies_error_and_the_stage_keeps_serving(fake_stages: tuple[
 
 def test_fence_timeout_fails_the_op_not_the_stage(tmp_path: Path) -> None:
     FakeWorker.reset()
-    short = FAST.__class__(fence_timeout_s=0.2, stage_connect_timeout_s=10.0)
+    short = replace(FAST, fence_timeout_s=0.2)
     with stage_servers(tmp_path, lambda s: fake_model(), worker_factory=FakeWorker, settings=short) as running:
         ex = GrpcExecutor(fake_setup(), {s: r.address for s, r in running.items()}, short)
         try:
@@ -113,7 +133,22 @@ def test_fence_timeout_fails_the_op_not_the_stage(tmp_path: Path) -> None:
             ex.close()
 
 
-def test_stage_death_fails_every_outstanding_op_promptly(fake_stages: tuple[dict, GrpcExecutor]) -> None:
+def poll_loss(ex: GrpcExecutor, timeout: float = 10.0) -> tuple[StageLoss | None, list[StageResult]]:
+    """Poll until a StageLoss (returned with the results seen before it)."""
+    seen: list[StageResult] = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        res = ex.poll(deadline - time.monotonic())
+        if isinstance(res, StageLoss):
+            return res, seen
+        if res is not None:
+            seen.append(res)
+    return None, seen
+
+
+def test_stage_death_voids_outstanding_ops_and_the_stages_are_reattached(
+    fake_stages: tuple[dict, GrpcExecutor],
+) -> None:
     running, ex = fake_stages
     started = FakeWorker.started[(Stage.LOOP, 0)] = threading.Event()
     FakeWorker.gates[(Stage.LOOP, 0)] = threading.Event()  # the loop stage hangs in op 0
@@ -121,21 +156,46 @@ def test_stage_death_fails_every_outstanding_op_promptly(fake_stages: tuple[dict
         ex.submit(loop_op(seq, (seq,)))
     ex.submit(head_op(0, (0,), fences=(Fence(Stage.LOOP, 2),)))  # the head waits on the loop
     assert started.wait(10)
+    old_board = ex.fences
     t0 = time.monotonic()
     running[Stage.LOOP].server.stop(0)  # the loop stage goes away
-    results = poll_all(ex, 4, timeout=10)
-    assert time.monotonic() - t0 < 5
-    assert sorted((r.stage, r.seq) for r in results) == [
-        (Stage.LOOP, 0),
-        (Stage.LOOP, 1),
-        (Stage.LOOP, 2),
-        (Stage.HEAD, 0),
-    ]
-    assert all(r.error and "loop stage failed" in r.error for r in results)
-    assert ex.broken is not None and ex.fences.aborted
-    ex.submit(head_op(1, (0,)))  # later ops fail at once
-    late = ex.poll(1.0)
-    assert late is not None and late.seq == 1 and late.error == ex.broken
+    loss, before = poll_loss(ex)
+    assert loss is not None and "loop stage failed" in loss.reason and time.monotonic() - t0 < 5
+    assert before == []  # no result of a void op, not even an error
+    assert old_board.aborted and ex.outage is not None and ex.broken is None
+    # After the loss was polled, ops wait for the stages; fences on void ops hold at once.
+    ex.submit(loop_op(3, (0,), fences=(Fence(Stage.HEAD, 0),)))
+    ex.submit(head_op(1, (0,), fences=(Fence(Stage.LOOP, 3),)))
+    assert ex.poll(0.2) is None
+    FakeWorker.gates[(Stage.LOOP, 0)].set()  # the dead stage's last op ends (its session closes after it)
+    restart_stage(running, Stage.LOOP)
+    results = poll_all(ex, 2)
+    assert [(r.stage, r.seq, r.error) for r in results] == [(Stage.LOOP, 3, None), (Stage.HEAD, 1, None)]
+    assert ex.bank.tensor is not None
+    assert results[1].token_ids == (int(ex.bank.tensor[0, 0]),)  # the head ran after the new loop op
+    assert ex.outage is None and ex.recoveries == 1 and ex.recovery_s[0] < 10
+    assert ex.fences is not old_board and ex.fences.completed(Stage.PRELUDE) == -1
+    assert ex.fences.completed(Stage.LOOP) == 3
+
+
+def test_stages_down_past_the_limit_fail_every_op_and_break_the_executor(tmp_path: Path) -> None:
+    FakeWorker.reset()
+    short = replace(FAST, stage_down_limit_s=0.5)
+    with stage_servers(tmp_path, lambda s: fake_model(), worker_factory=FakeWorker, settings=short) as running:
+        ex = GrpcExecutor(fake_setup(), {s: r.address for s, r in running.items()}, short)
+        try:
+            running[Stage.HEAD].server.stop(0).wait()
+            loss, _ = poll_loss(ex)
+            assert loss is not None
+            ex.submit(loop_op(0, (0,)))  # waits in the backlog, then fails when the executor gives up
+            (res,) = poll_all(ex, 1)
+            assert res.seq == 0 and res.error is not None and "no complete set of stages back" in res.error
+            assert ex.broken == res.error
+            ex.submit(loop_op(1, (0,)))  # later ops fail at once
+            late = ex.poll(1.0)
+            assert isinstance(late, StageResult) and late.seq == 1 and late.error == ex.broken
+        finally:
+            ex.close()
 
 
 class Recorder:
@@ -182,17 +242,20 @@ def test_configure_is_checked_and_run_needs_it(tmp_path: Path) -> None:
         channel = grpc.insecure_channel(running[Stage.HEAD].address)
         stub = stage_pb2_grpc.StageStub(channel)
         with pytest.raises(grpc.RpcError) as err:
-            next(iter(stub.Run(iter([pb.StageBatch(seq=0, ping=pb.Ping())]))))
+            next(iter(stub.Run(iter([pb.StageBatch(seq=0, ping=pb.Ping())]), metadata=AUTH)))
         assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         bad = [
             pb.ConfigureRequest(role=pb.STAGE_ROLE_LOOP, model="ouro-tiny", dtype="float64"),
             pb.ConfigureRequest(role=pb.STAGE_ROLE_HEAD, model="other", dtype="float64"),
             pb.ConfigureRequest(role=pb.STAGE_ROLE_HEAD, model="ouro-tiny", dtype="float32"),
+            pb.ConfigureRequest(role=pb.STAGE_ROLE_HEAD, model="ouro-tiny", dtype="float64", device="cuda:0"),
             pb.ConfigureRequest(role=pb.STAGE_ROLE_HEAD, model="ouro-tiny", dtype="float64", bank=pb.BankSpec(width=3)),
         ]
-        for request, what in zip(bad, ["role", "model", "dtype", "bank width"]):
+        for request, what in zip(
+            bad, ["role", "model", "dtype", "device: caller wants cuda:0, stage has cpu", "bank width"]
+        ):
             with pytest.raises(grpc.RpcError) as err:
-                stub.Configure(request, timeout=5)
+                stub.Configure(request, timeout=5, metadata=AUTH)
             assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and what in err.value.details()
         channel.close()
 

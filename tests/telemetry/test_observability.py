@@ -6,11 +6,14 @@ import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
+from cdb_engine.limits import ThresholdSource
+from cdb_scheduler.exit_policy import ExitRule
 from cdb_scheduler.plan import HeadOp, LoopOp, SamplingParams, Stage, StageOp, StageResult
 from services import telemetry
 from services.telemetry.metrics import Metrics
 from services.telemetry.otlp_receiver import OtlpReceiver
 from services.telemetry.recorder import EngineGauges, ObservedExecutor, OpRecorder
+from tests.telemetry.test_metrics_endpoint import parse
 
 
 def loop_op(seq: int, n: int, prefill: bool = False) -> LoopOp:
@@ -101,19 +104,53 @@ def test_op_observer_forwards_to_request_traces(tracing: OtlpReceiver) -> None:
     assert {"queue", "prefill", "hop head", "decode"} <= {s.name for s in spans}
 
 
-def test_engine_gauges_sample_at_scrape_time() -> None:
-    stats = SimpleNamespace(waiting=2, running=3, used_kv_blocks=5, total_kv_blocks=64, held_rows=3)
-    engine = SimpleNamespace(
-        stats=lambda: stats, setup=SimpleNamespace(bank_rows=40), sched_stats=SimpleNamespace(refill_events=7)
+def _fake_engine(**stats: int) -> SimpleNamespace:
+    base = dict(waiting=2, running=3, used_kv_blocks=5, total_kv_blocks=64, held_rows=3, recoveries=0, recomputed=0)
+    st = SimpleNamespace(**(base | stats))
+    return SimpleNamespace(
+        stats=lambda: st,
+        setup=SimpleNamespace(bank_rows=40),
+        sched_stats=SimpleNamespace(refill_events=7, depth_hist={4: 3, 2: 1}),
+        limits=SimpleNamespace(
+            exit_threshold=0.5, exit_rule=ExitRule.HAZARD, threshold_source=ThresholdSource.FAMILY_DEFAULT
+        ),
+        st=st,
     )
+
+
+def test_engine_gauges_sample_at_scrape_time() -> None:
+    engine = _fake_engine()
     m = Metrics()
     m.add_collector(EngineGauges(engine))  # type: ignore[arg-type]
-    text = m.render()
-    assert "cdb_requests_waiting 2\n" in text and "cdb_requests_running 3\n" in text
-    assert "cdb_kv_blocks_used 5\n" in text and "cdb_bank_rows_total 40\n" in text
+    _, s = parse(m.render())
+    assert (s["cdb_requests_waiting"], s["cdb_requests_running"]) == (2, 3)
+    assert s["cdb_kv_blocks_used"] == 5 and s["cdb_bank_rows_total"] == 40
+    assert s['cdb_exit_threshold{rule="hazard",source="family-default"}'] == 0.5
+    assert s["cdb_served_depth_mean"] == 3.5  # (3 tokens at 4 + 1 at 2) / 4
+    assert s["cdb_refill_events_total"] == 7 and s["cdb_stage_recoveries_total"] == 0
+    assert "cdb_stages_attached" not in s  # in-process: no stage servers
     engine.sched_stats.refill_events = 10
+    engine.st.recoveries, engine.st.recomputed = 2, 5
+    engine.sched_stats.depth_hist[1] = 4
     m.render()
-    assert m.refills.value() == 10  # counted once: deltas of the engine's counter
+    _, s = parse(m.render())  # counted once: deltas of the engine's counters
+    assert m.refills.value() == 10 and s["cdb_refill_events_total"] == 10
+    assert s["cdb_stage_recoveries_total"] == 2 and s["cdb_recomputed_requests_total"] == 5
+    assert s["cdb_served_depth_mean"] == 2.25  # (12 + 2 + 4) / 8
+
+
+def test_engine_gauges_report_whether_the_stages_are_attached() -> None:
+    link = SimpleNamespace(outage=None, broken=None)
+    plane = SimpleNamespace(executor=None)  # GrpcExecutorFactory before the engine started
+    m = Metrics()
+    m.add_collector(EngineGauges(_fake_engine(), plane))  # type: ignore[arg-type]
+    assert "cdb_stages_attached" not in parse(m.render())[1]
+    plane.executor = link
+    assert parse(m.render())[1]["cdb_stages_attached"] == 1
+    link.outage = "loop stage lost: connection reset"
+    assert parse(m.render())[1]["cdb_stages_attached"] == 0
+    link.outage, link.broken = None, "no complete set of stages back within 30s"
+    assert parse(m.render())[1]["cdb_stages_attached"] == 0
 
 
 def test_a_failing_collector_does_not_break_the_scrape() -> None:
@@ -123,7 +160,7 @@ def test_a_failing_collector_does_not_break_the_scrape() -> None:
         raise RuntimeError("no engine")
 
     m.add_collector(broken)
-    assert "cdb_requests_waiting 0\n" in m.render()
+    assert parse(m.render())[1]["cdb_requests_waiting"] == 0
 
 
 def test_per_op_cost_without_tracing() -> None:

@@ -6,8 +6,12 @@ import dataclasses
 
 from opentelemetry.trace import SpanContext, TraceFlags
 
+from cdb_engine.config import RequestParams
+from cdb_engine.events import FinishEvent, TokenEvent
 from cdb_scheduler.plan import HeadOp, LoopOp, PreludeOp, SamplingParams, StageResult
+from cdb_scheduler.request import FinishReason
 from services import telemetry
+from services.telemetry.metrics import Metrics
 from services.telemetry.otlp_receiver import (
     KIND_CONSUMER,
     KIND_SERVER,
@@ -21,6 +25,7 @@ from services.telemetry.otlp_receiver import (
     one,
     trace_of,
 )
+from services.telemetry.request_observer import ObservedRequest
 
 MS = 1_000_000
 
@@ -63,11 +68,14 @@ def test_request_trace_layout(tracing: OtlpReceiver) -> None:
     mine = trace_of(spans, req.trace_id)
     assert req.kind == KIND_SERVER and req.parent_span_id == "" and req.status_code == STATUS_UNSET
     assert req.attributes == {
+        "gen_ai.provider.name": "cdb",
         "gen_ai.operation.name": "text_completion",
         "gen_ai.request.model": "ouro-tiny",
         "gen_ai.request.max_tokens": 16,
         "gen_ai.usage.input_tokens": 5,
         "gen_ai.usage.output_tokens": 4,
+        "gen_ai.response.id": "7",
+        "gen_ai.response.model": "ouro-tiny",
         "gen_ai.response.finish_reasons": ("length",),
         "cdb.request_id": "7",
         "cdb.loop_steps": 13,
@@ -265,3 +273,52 @@ def test_check_request_trace_helper(tracing: OtlpReceiver) -> None:
     check_request_trace(
         spans, one(spans, "text_completion ouro-tiny"), stage_services=dict.fromkeys(stages, "cdb-test")
     )
+
+
+def test_observed_request_records_the_gen_ai_conventions(tracing: OtlpReceiver) -> None:
+    """The handler-side path (``ObservedRequest``): request values in effect, response and usage, and metrics."""
+    metrics, traces = Metrics(model="ouro-tiny"), telemetry.RequestTraces()
+    span = telemetry.start_request_span(model="ouro-tiny", max_tokens=0, request_id="chat-1", operation="chat")
+    observer = ObservedRequest(
+        metrics, traces, span, status_name=lambda e: "INTERNAL", deadline_passed=lambda: False, cut=lambda: False
+    )
+    sampling = SamplingParams(temperature=0.7, top_k=40, top_p=0.9, seed=11)
+    observer.validated(3, RequestParams(max_tokens=8, sampling=sampling))
+    observer.admitted(3)
+    observer.queued(1)
+    for i, depth in enumerate((4, 2)):
+        observer.event(TokenEvent("chat-1", i, 100 + i, "x", depth, None))
+    observer.event(FinishEvent("chat-1", FinishReason.STOP, 3, 2, 6, queue_s=0.001))
+    telemetry.force_flush()
+    req = one(tracing.wait_for(lambda s: any(x.kind == KIND_SERVER for x in s)), "chat ouro-tiny")
+    want = {
+        "gen_ai.provider.name": "cdb",
+        "gen_ai.operation.name": "chat",
+        "gen_ai.request.model": "ouro-tiny",
+        "gen_ai.request.max_tokens": 8,  # the value in effect, not the 0 (unset) known at arrival
+        "gen_ai.request.temperature": 0.7,
+        "gen_ai.request.top_p": 0.9,
+        "gen_ai.request.top_k": 40.0,
+        "gen_ai.request.seed": 11,
+        "gen_ai.response.id": "chat-1",
+        "gen_ai.response.model": "ouro-tiny",
+        "gen_ai.response.finish_reasons": ("stop",),
+        "gen_ai.usage.input_tokens": 3,
+        "gen_ai.usage.output_tokens": 2,
+        "cdb.request_id": "chat-1",
+        "cdb.loop_steps": 6,
+    }
+    assert {k: req.attributes.get(k) for k in want} == want
+    assert metrics.generated_tokens.value() == 2 and metrics.finished.value("stop") == 1
+    assert metrics.ttft.count() == 1 and metrics.itl.count() == 1 and metrics.queue.count() == 1
+
+
+def test_request_params_are_optional_and_noop_when_not_recording() -> None:
+    span = telemetry.start_request_span(model="m", max_tokens=4)  # tracing off: the no-op span
+    span.request_params(4, SamplingParams())
+    observer = ObservedRequest(
+        Metrics(), None, span, status_name=lambda e: "INTERNAL", deadline_passed=lambda: False, cut=lambda: False
+    )
+    observer.validated(2)
+    observer.validated(2, RequestParams())
+    assert not span.recording

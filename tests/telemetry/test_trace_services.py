@@ -11,6 +11,8 @@ caller's context from the gRPC metadata; the executor sends ``contexts_for_op`` 
 
 from __future__ import annotations
 
+import io
+import re
 import urllib.request
 from pathlib import Path
 from typing import NamedTuple
@@ -31,6 +33,7 @@ from services.telemetry.otlp_receiver import (
     linked_to,
     one,
 )
+from services.telemetry.trace_cli import TraceWatcher
 from tests.services.tree import SHARED_CONFIG, SharedTree
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -91,8 +94,34 @@ def test_one_request_trace_covers_every_stage(tracing: OtlpReceiver, traced_tree
     assert req.attributes["gen_ai.usage.output_tokens"] == len(result.tokens)
     assert req.attributes["gen_ai.response.finish_reasons"] == (result.finish.finish_reason,)
     assert req.attributes["cdb.loop_steps"] >= len(result.tokens)
+    assert req.attributes["gen_ai.provider.name"] == "cdb" and req.attributes["gen_ai.response.id"] == rid
+    assert req.attributes["gen_ai.request.model"] == req.attributes["gen_ai.response.model"] == "ouro-tiny"
     check_request_trace(spans, req, STAGES, {s: f"cdb-{s}" for s in STAGES})
     print("\n" + format_trace(descendants(spans, req), req))
+
+
+def test_cdb_trace_prints_a_real_request(traced_tree: Tree) -> None:
+    """``cdb trace``'s watcher on the spans of the real tree: the request tree, then batch spans of every stage
+    process."""
+    from clients.sync_client import Client
+
+    receiver, address, _ = traced_tree
+    with Client(address, timeout=60) as client:
+        rid = client.generate([5, 6, 7, 8], max_tokens=3).request_id
+    spans = receiver.wait_for(lambda s: _trace_complete(s, rid), timeout=30)
+    out = io.StringIO()
+    watcher = TraceWatcher(out, request_id=rid, settle_s=0.0)
+    watcher.add(spans, now=0.0)
+    watcher.emit_due(now=0.0)
+    text = out.getvalue()
+    assert watcher.done and text.startswith("[cdb-scheduler] trace "), text
+    assert re.search(r"^text_completion ouro-tiny +\d+\.\d{3} ms$", text, re.M), text
+    for phase in ("validate", "queue", "prefill", "decode"):
+        assert re.search(rf"^  {phase} +\d+\.\d{{3}} ms$", text, re.M), text
+    for stage in STAGES:
+        assert re.search(rf"^    hop {stage} +\d+\.\d{{3}} ms  seq=\d+", text, re.M), text
+        assert re.search(rf"^  \[cdb-{stage}\] +batch {stage} +\d+\.\d{{3}} ms  seq=\d+ tokens=\d+", text, re.M), text
+    print("\n" + text)
 
 
 def test_cancelled_stream_is_recorded(traced_tree: Tree) -> None:
@@ -183,3 +212,9 @@ def test_scheduler_serves_metrics_of_real_requests(traced_tree: Tree) -> None:
     assert after["cdb_kv_blocks_total"] == SHARED_CONFIG.num_kv_blocks and after["cdb_bank_rows_total"] > 4
     assert after["cdb_requests_waiting"] == 0 and after["cdb_requests_running"] == 0
     assert after['cdb_model_info{model="ouro-tiny"}'] == 1
+    assert after["cdb_served_depth_mean"] >= 1
+    (threshold,) = [k for k in after if k.startswith("cdb_exit_threshold{")]
+    assert 'rule="hazard"' in threshold and 0 < after[threshold] <= 1, threshold
+    assert delta("cdb_stage_recoveries_total") == 0 and delta("cdb_recomputed_requests_total") == 0
+    assert after.get("cdb_stages_attached", 1) == 1  # exported when the server passes its stage plane
+    assert after["process_resident_memory_bytes"] > 0

@@ -1,0 +1,52 @@
+"""Pre-flight of a whole configuration: one clear line before any process starts.
+
+``cdb serve`` (and anything else that starts stage processes) calls ``check_config`` first, so that a bad model
+path, an unknown preset, a missing weights shard, a device that is not there or exit settings the model refuses
+fail at once with one line, instead of as a child's traceback after the others have started. Nothing here reads
+weights or creates a CUDA context.
+"""
+
+from __future__ import annotations
+
+import re
+
+from cdb_engine.config import EngineConfig
+from cdb_engine.limits import resolve_limits
+from cdb_model.config import CheckpointError
+from cdb_model.loader import check_source
+
+_DEVICE = re.compile(r"cpu|cuda(:\d+)?")
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot serve; the message is one line naming the option and the problem."""
+
+
+def check_config(config: EngineConfig) -> None:
+    """Check the model source (preset name, shipped model, or checkpoint folder: config, weight files, generation
+    and tokenizer configs), the device (well-formed and present) and the exit and KV settings against the model.
+    Raises ``ConfigError`` with a one-line message. An unknown dtype or other choice already fails when the
+    ``EngineConfig`` is built (``ValueError`` naming the option and the choices)."""
+    if not _DEVICE.fullmatch(config.device):
+        raise ConfigError(f"--device must be cpu, cuda or cuda:N; got {config.device!r}")
+    try:
+        model = check_source(config.model)
+    except CheckpointError as exc:
+        raise ConfigError(f"--model {config.model}: {_one_line(exc)}") from None
+    if config.device.startswith("cuda"):
+        import torch
+
+        # device_count creates no CUDA context in this (launcher) process; the stages create their own.
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        index = int(config.device.partition(":")[2] or 0)
+        if index >= count:
+            found = f"{count} CUDA device(s)" if count else "no CUDA device"
+            raise ConfigError(f"--device {config.device}: this machine has {found}")
+    try:
+        resolve_limits(config, model)
+    except ValueError as exc:
+        raise ConfigError(_one_line(exc)) from None
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())

@@ -1,0 +1,310 @@
+"""The OpenAI-compatible HTTP API over the scheduler's engine, in the scheduler's process and event loop.
+
+- ``create_app(engine, service, settings)``: the FastAPI app. ``POST /v1/completions``, ``POST /v1/chat/completions``
+  (non-streamed, or SSE with ``stream: true`` ending in ``data: [DONE]``), ``GET /v1/models``, ``GET /health``,
+  ``GET /metrics`` (the scheduler's own Prometheus exposition). Requests go through the same engine and the same
+  ``GenerationService`` state as the gRPC API: its drain, readiness verdict, metrics and traces cover them too.
+- ``HttpServer`` / ``serve_http``: uvicorn on ``HOST:PORT`` on the running loop, without uvicorn's signal handlers
+  (the scheduler owns SIGTERM and drains); stopping closes the listener, lets in-flight responses end for up to
+  ``shutdown_timeout_s`` and then cuts them (which aborts their requests).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import ssl
+import time
+import uuid
+from collections.abc import Callable, Collection, Iterator, Mapping
+from typing import Any
+
+import uvicorn
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException
+
+from cdb_engine.config import RequestParams
+from cdb_engine.engine import Engine
+from services.http.calls import Call, Prepare
+from services.http.errors import ApiError, api_error, validation_error
+from services.http.responses import ChatRender, CompletionRender, Render
+from services.http.schemas import CHAT_FIELDS, FIELDS, ChatCompletionRequest, CompletionRequest
+from services.http.streaming import EventStream, sse_body, until_done_or_gone
+from services.scheduler.handlers import GenerationService
+from services.scheduler.security import CallerAuth, read_api_keys
+from services.settings import Settings
+
+log = logging.getLogger("cdb.http")
+
+
+def create_app(
+    engine: Engine,
+    service: GenerationService,
+    settings: Settings,
+    *,
+    model_id: str | None = None,
+    api_keys: Collection[str] | None = None,
+) -> FastAPI:
+    """The API over the started ``engine`` and the public ``service`` (its draining / readiness state, metrics and
+    traces). ``model_id``: the served model's id (default: the engine's ``model``); ``api_keys``: default from
+    ``settings`` (``CDB_API_KEYS`` / ``CDB_API_KEYS_FILE``, read as the gRPC port reads them; none: no key needed;
+    ``/health`` and ``/metrics`` never need one)."""
+    served = model_id or engine.config.model
+    if api_keys is not None:
+        auth = CallerAuth(api_keys)
+    else:  # the gRPC port's keys when it has some, else the settings' (a service built without its port's auth)
+        auth = service.auth if service.auth.keys_on else CallerAuth(read_api_keys(settings))
+    created = int(time.time())
+    app = FastAPI(title="cdb OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return validation_error(list(exc.errors())).response()
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        code = "not_found" if exc.status_code == 404 else None
+        return ApiError(exc.status_code, str(exc.detail), code=code).response()
+
+    def authorized(request: Request) -> None:
+        why = auth.refusal(request.headers.items())
+        if why is not None:
+            raise ApiError(401, f"{why} (send the header 'Authorization: Bearer KEY')", code="invalid_api_key")
+
+    def check_model(model: str | None) -> None:
+        if model is not None and model != served:
+            raise ApiError(
+                404, f"the model '{model}' does not exist (served: '{served}')", param="model", code="model_not_found"
+            )
+
+    def model_card() -> dict[str, Any]:
+        return {"id": served, "object": "model", "created": created, "owned_by": "cdb"}
+
+    async def run(
+        request: Request,
+        render: Render,
+        prepare: Prepare,
+        *,
+        stream: bool,
+        fields: Mapping[str, str],
+        operation: str,
+        max_tokens: int,
+    ) -> Response:
+        """Admit the request (every refusal is an error reply), then stream it or answer once it has finished."""
+        headers = request.headers.items()
+        try:
+            call = Call.open(service, render.id, prepare, operation=operation, max_tokens=max_tokens, headers=headers)
+        except Exception as exc:
+            return api_error(exc, fields).response()
+        reply_headers = {"X-Request-Id": render.id}
+        if stream:
+            return EventStream(sse_body(call, render, fields), call, headers=reply_headers)
+        try:
+            await until_done_or_gone(call, render, request)
+        except Exception as exc:
+            return api_error(exc, fields).response()
+        return JSONResponse(render.response(), headers=reply_headers)
+
+    @app.post("/v1/completions", dependencies=[Depends(authorized)])
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        check_model(body.model)
+        render = CompletionRender(
+            f"cmpl-{uuid.uuid4().hex}",
+            served,
+            engine.tokenizer,
+            include_usage=body.include_usage,
+            logprobs=body.logprobs is not None,
+        )
+        return await run(
+            request,
+            render,
+            body.to_engine,
+            stream=body.stream,
+            fields=FIELDS,
+            operation="text_completion",
+            max_tokens=body.requested_max_tokens(),
+        )
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        check_model(body.model)
+        render = ChatRender(
+            f"chatcmpl-{uuid.uuid4().hex}",
+            served,
+            engine.tokenizer,
+            include_usage=body.include_usage,
+            logprobs=body.logprobs,
+        )
+
+        def prepare() -> tuple[str | list[int], RequestParams]:
+            body.refuse_unsupported()
+            ids = engine.tokenizer.apply_chat_template(body.chat_messages(), add_generation_prompt=True)
+            requested = body.requested_max_tokens()
+            max_tokens = requested if requested is not None else max(1, engine.limits.max_total_tokens - len(ids))
+            return ids, body.to_params(max_tokens)
+
+        fields = {**CHAT_FIELDS, "max_tokens": body.max_tokens_field}
+        max_tokens = body.requested_max_tokens() or engine.limits.max_total_tokens
+        return await run(
+            request, render, prepare, stream=body.stream, fields=fields, operation="chat", max_tokens=max_tokens
+        )
+
+    @app.get("/v1/models", dependencies=[Depends(authorized)])
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model:path}", dependencies=[Depends(authorized)])
+    async def model(model: str) -> dict[str, Any]:
+        check_model(model)
+        return model_card()
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        reason = not_serving(service)
+        if reason is None:
+            return JSONResponse({"status": "serving", "model": served})
+        return JSONResponse({"status": "not_serving", "reason": reason}, status_code=503)
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        body, content_type = service.metrics.exposition(request.headers.get("accept"))
+        return Response(body, headers={"Content-Type": content_type})
+
+    return app
+
+
+def not_serving(service: GenerationService) -> str | None:
+    """Why the server cannot take requests now (None: it can): draining, a stage down, the engine stopped, or the
+    readiness check's last verdict (``starting`` until its first check)."""
+    if service.draining:
+        return "draining"
+    if service.broken:
+        return service.broken
+    st = service.engine.stats()
+    if not st.healthy:
+        return st.error or "engine stopped"
+    return service.not_ready
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its signal handlers: in the scheduler SIGTERM means drain, which the scheduler does."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def _listen(address: str) -> socket.socket:
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.create_server((host, int(port)), family=family, dualstack_ipv6=False)
+    sock.setblocking(False)
+    return sock
+
+
+def _tls_options(settings: Settings) -> dict[str, Any]:
+    """The public port's TLS (``CDB_TLS_CERT`` / ``CDB_TLS_KEY``; ``CDB_TLS_CLIENT_CA``: client certificates)."""
+    if not settings.tls_cert:
+        return {}
+    out: dict[str, Any] = {"ssl_certfile": settings.tls_cert, "ssl_keyfile": settings.tls_key}
+    if settings.tls_client_ca:
+        out.update(ssl_ca_certs=settings.tls_client_ca, ssl_cert_reqs=ssl.CERT_REQUIRED)
+    return out
+
+
+class HttpServer:
+    """uvicorn serving ``app`` on ``address`` (``HOST:PORT``; port 0: any free port). The socket is bound and
+    listening at construction, so ``address`` (the bound one) is known at once and connections queue until
+    ``serve`` accepts them."""
+
+    def __init__(
+        self, app: FastAPI, address: str, *, settings: Settings | None = None, shutdown_timeout_s: float = 5.0
+    ) -> None:
+        self.socket = _listen(address)
+        host, port = address.rpartition(":")[0] or "0.0.0.0", self.socket.getsockname()[1]
+        self.address = f"{host}:{port}"
+        self.scheme = "https" if settings is not None and settings.tls_cert else "http"
+        config = uvicorn.Config(
+            app,
+            lifespan="off",
+            log_config=None,
+            access_log=False,
+            ws="none",
+            timeout_graceful_shutdown=max(1, round(shutdown_timeout_s)),
+            **(_tls_options(settings) if settings is not None else {}),
+        )
+        self._server = _Server(config)
+
+    @property
+    def url(self) -> str:
+        return f"{self.scheme}://{self.address}"
+
+    async def serve(self) -> None:
+        """Serve until ``stop()`` (or cancellation, which stops gracefully first and then re-raises)."""
+        task = asyncio.ensure_future(self._server.serve(sockets=[self.socket]))
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            self.stop()
+            await task
+            raise
+
+    def stop(self) -> None:
+        """Begin the graceful stop (``serve`` returns once it is done)."""
+        self._server.should_exit = True
+
+
+async def serve_http(
+    app: FastAPI,
+    address: str,
+    *,
+    settings: Settings | None = None,
+    shutdown_timeout_s: float = 5.0,
+    on_bound: Callable[[str], None] | None = None,
+    stop: asyncio.Event | None = None,
+) -> None:
+    """Serve ``app`` on ``address`` until ``stop`` is set or the task is cancelled; ``on_bound(HOST:PORT)`` once the
+    socket listens. Either way the listener closes first and in-flight responses get ``shutdown_timeout_s``."""
+    server = HttpServer(app, address, settings=settings, shutdown_timeout_s=shutdown_timeout_s)
+    log.info("OpenAI-compatible HTTP API on %s", server.url)
+    if on_bound is not None:
+        on_bound(server.address)
+    serving = asyncio.ensure_future(server.serve())
+    stopping = asyncio.ensure_future(stop.wait()) if stop is not None else None
+    try:
+        await asyncio.wait([t for t in (serving, stopping) if t is not None], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if stopping is not None:
+            stopping.cancel()
+        if not serving.done():
+            server.stop()
+        await serving
+
+
+async def serve_api(
+    engine: Engine,
+    service: GenerationService,
+    settings: Settings,
+    address: str | None = None,
+    *,
+    on_bound: Callable[[str], None] | None = None,
+) -> None:
+    """A scheduler's HTTP API: ``create_app`` served on ``address`` (default ``CDB_HTTP_ADDR``) until cancelled.
+
+    Start it as a task beside the gRPC server once the service exists; cancel and await it after the drain (the
+    drain already covers HTTP requests, so the stop is quick)."""
+    address = address or settings.http_addr
+    if not address:
+        raise ValueError("no address for the HTTP API (CDB_HTTP_ADDR or --http HOST:PORT)")
+    app = create_app(engine, service, settings)
+    # the drain has already ended every request when this is cancelled: the stop only closes idle connections
+    await serve_http(app, address, settings=settings, on_bound=on_bound, shutdown_timeout_s=2.0)

@@ -1,0 +1,123 @@
+"""The Dockerfile, parsed without Docker: its default command serves the whole tree, it runs as a numeric
+non-root user that owns the paths it writes, and it agrees with the compose file and the Kubernetes Pod."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+from tests.deploy.compose_file import POD_SERVICE, ROOT, SECRET_SERVICE, command_argv, flag_values, interpolate, load
+
+DOCKERFILE = ROOT / "Dockerfile"
+
+
+def parse(text: str) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) in order: comment lines dropped, ``\\`` continuations joined."""
+    out: list[tuple[str, str]] = []
+    pending = ""
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not pending and (not line or line.startswith("#")):
+            continue
+        if pending and line.startswith("#"):
+            continue
+        pending += (" " if pending else "") + line.rstrip("\\").strip()
+        if not line.endswith("\\"):
+            instruction, _, rest = pending.partition(" ")
+            out.append((instruction.upper(), rest.strip()))
+            pending = ""
+    assert not pending, "a continuation line ends the file"
+    return out
+
+
+def _all(instructions: list[tuple[str, str]], name: str) -> list[str]:
+    return [rest for inst, rest in instructions if inst == name]
+
+
+@pytest.fixture(scope="module")
+def instructions() -> list[tuple[str, str]]:
+    return parse(DOCKERFILE.read_text())
+
+
+def test_parser() -> None:
+    text = 'FROM a\n# c\nRUN x \\\n    # inside\n    && y\nCMD ["p", "q"]\n'
+    assert parse(text) == [("FROM", "a"), ("RUN", "x && y"), ("CMD", '["p", "q"]')]
+
+
+def test_default_command_serves_the_whole_tree(instructions: list[tuple[str, str]]) -> None:
+    assert _all(instructions, "ENTRYPOINT") == [], "CMD alone: compose and Kubernetes replace it with one process"
+    (cmd,) = _all(instructions, "CMD")
+    argv = json.loads(cmd)  # exec form: no shell in between, SIGTERM reaches `cdb serve` itself
+    assert argv[:4] == ["python", "-m", "cdb", "serve"]
+    assert flag_values(argv, "--listen") == ["0.0.0.0:50051"], "all interfaces inside; the host binding restricts"
+    assert flag_values(argv, "--metrics-listen") == ["0.0.0.0:9464"]
+
+
+def test_default_command_flags_exist() -> None:
+    """Every flag of the CMD is one that ``cdb serve`` takes (asks the real parser, without serving)."""
+    (cmd,) = _all(parse(DOCKERFILE.read_text()), "CMD")
+    flags = [a for a in json.loads(cmd) if a.startswith("--")]
+    run = subprocess.run(
+        [sys.executable, "-m", "cdb", "serve", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 0, run.stderr
+    for flag in flags:
+        assert re.search(rf"(^|\s){re.escape(flag)}\b", run.stdout), flag
+
+
+def test_runs_as_a_numeric_non_root_user(instructions: list[tuple[str, str]]) -> None:
+    users = _all(instructions, "USER")
+    assert users, "a USER instruction"
+    m = re.fullmatch(r"(\d+):(\d+)", users[-1])
+    assert m, f"USER {users[-1]!r}: numeric uid:gid, so runAsNonRoot can verify it"
+    uid, gid = m.groups()
+    assert int(uid) > 0 and int(gid) > 0
+    assert [inst for inst, _ in instructions].index("USER") > max(
+        i for i, (inst, rest) in enumerate(instructions) if inst == "RUN" and "useradd" in rest
+    ), "the user exists before it is used"
+    script = " ".join(_all(instructions, "RUN"))
+    assert f"groupadd --gid {gid}" in script and f"useradd --uid {uid} --gid {gid}" in script
+
+
+def test_the_user_owns_the_paths_it_writes(instructions: list[tuple[str, str]]) -> None:
+    uid_gid = _all(instructions, "USER")[-1]
+    (run,) = [r for r in _all(instructions, "RUN") if "useradd" in r]
+    chowned = set()
+    for command in run.split("&&"):
+        words = shlex.split(command)
+        if words[:2] == ["chown", uid_gid]:
+            chowned.update(words[2:])
+    assert "/models" in chowned
+    # compose mounts the stage-secret volume there; a new named volume copies this folder's owner and mode.
+    init = interpolate(load(), {})["services"][SECRET_SERVICE]
+    (out,) = flag_values(command_argv(init), "--out")
+    assert out.rsplit("/", 1)[0] in chowned
+    assert "chmod 0700 " + out.rsplit("/", 1)[0] in run
+
+
+def test_ports_agree_with_compose(instructions: list[tuple[str, str]]) -> None:
+    (expose,) = _all(instructions, "EXPOSE")
+    exposed = {int(p) for p in expose.split()}
+    pod = interpolate(load(), {})["services"][POD_SERVICE]
+    assert exposed == {int(spec.rsplit(":", 1)[1]) for spec in pod["ports"]} == {50051, 8000, 9464}
+    env = " ".join(_all(instructions, "ENV"))
+    assert "CDB_HTTP_ADDR=0.0.0.0:8000" in env, "the HTTP API on its exposed port"
+
+
+def test_build_arguments(instructions: list[tuple[str, str]]) -> None:
+    assert _all(instructions, "FROM") == ["python:${PYTHON_VERSION}-slim"]
+    args = set(_all(instructions, "ARG"))
+    assert {"PYTHON_VERSION=3.11", "TORCH_VERSION=2.13.0"} <= args
+    assert "TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu" in args, "CPU torch by default"
+    script = " ".join(_all(instructions, "RUN"))
+    assert '"torch==${TORCH_VERSION}"' in script and "pip install /app" in script
+
+
+def test_dockerignore_keeps_only_the_shipped_model() -> None:
+    ignored = (ROOT / ".dockerignore").read_text().split()
+    assert {".git", ".venv", "tests", "models/*", "!models/ouro-kjv"} <= set(ignored)
