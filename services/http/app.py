@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import socket
 import ssl
@@ -29,6 +30,7 @@ from starlette.exceptions import HTTPException
 
 from cdb_engine.config import RequestParams
 from cdb_engine.engine import Engine
+from cdb_model.loader import load_generation_defaults
 from services.http.calls import Call, Prepare
 from services.http.errors import ApiError, api_error, validation_error
 from services.http.responses import ChatRender, CompletionRender, Render
@@ -59,6 +61,7 @@ def create_app(
     else:  # the gRPC port's keys when it has some, else the settings' (a service built without its port's auth)
         auth = service.auth if service.auth.keys_on else CallerAuth(read_api_keys(settings))
     created = int(time.time())
+    generation = load_generation_defaults(engine.config.model)  # sampling defaults of unset fields, max_new_tokens
     app = FastAPI(title="cdb OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None)
 
     @app.exception_handler(ApiError)
@@ -126,7 +129,7 @@ def create_app(
         return await run(
             request,
             render,
-            body.to_engine,
+            functools.partial(body.to_engine, generation),
             stream=body.stream,
             fields=FIELDS,
             operation="text_completion",
@@ -148,8 +151,9 @@ def create_app(
             body.refuse_unsupported()
             ids = engine.tokenizer.apply_chat_template(body.chat_messages(), add_generation_prompt=True)
             requested = body.requested_max_tokens()
-            max_tokens = requested if requested is not None else max(1, engine.limits.max_total_tokens - len(ids))
-            return ids, body.to_params(max_tokens)
+            if requested is None:  # the checkpoint's max_new_tokens, else up to the context limit
+                requested = generation.max_new_tokens or max(1, engine.limits.max_total_tokens - len(ids))
+            return ids, body.to_params(requested, generation)
 
         fields = {**CHAT_FIELDS, "max_tokens": body.max_tokens_field}
         max_tokens = body.requested_max_tokens() or engine.limits.max_total_tokens

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_
 
 from cdb_engine.config import RequestParams
 from cdb_engine.errors import InvalidRequest
+from cdb_model.generation import GenerationDefaults
 from cdb_scheduler.plan import SamplingParams
 
 # The engine's field names -> this API's (a value the engine refuses is reported under the name the caller sent).
@@ -70,23 +71,32 @@ class _Common(BaseModel):
         if self.logit_bias:
             raise InvalidRequest("logit_bias", "not supported (omit it)")
 
-    def sampling(self, logprobs: int | None) -> SamplingParams:
-        """``logprobs``: None for none, else the number of alternatives (0: only the sampled token's)."""
-        temperature = 1.0 if self.temperature is None else self.temperature
+    def sampling(self, logprobs: int | None, defaults: GenerationDefaults | None = None) -> SamplingParams:
+        """``logprobs``: None for none, else the number of alternatives (0: only the sampled token's). What the
+        request leaves unset comes from the checkpoint's ``generation_config.json`` when it says how to sample
+        (``defaults``, as ``transformers`` would: its values with ``do_sample``, else greedy), else from OpenAI's
+        defaults (temperature 1, no top-p / top-k filter)."""
+        if defaults is not None and says_sampling(defaults):
+            temperature, top_p, top_k = defaults.sampling(self.temperature, self.top_p, self.top_k)
+        else:
+            temperature = 1.0 if self.temperature is None else self.temperature
+            top_p, top_k = 1.0 if self.top_p is None else self.top_p, self.top_k or 0
         return SamplingParams(
             temperature=temperature,
-            top_k=self.top_k or 0,
-            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=top_k,
+            top_p=top_p,
             seed=secrets.randbits(63) if self.seed is None else self.seed,
             logprobs=logprobs or 0,
             return_logprob=logprobs is not None,
         )
 
-    def params(self, max_tokens: int, logprobs: int | None) -> RequestParams:
+    def params(
+        self, max_tokens: int, logprobs: int | None, defaults: GenerationDefaults | None = None
+    ) -> RequestParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or ())
         return RequestParams(
             max_tokens=max_tokens,
-            sampling=self.sampling(logprobs),
+            sampling=self.sampling(logprobs, defaults),
             stop_strings=tuple(stop),
             exit_threshold=self.exit_threshold,
             ignore_eos=self.ignore_eos,
@@ -133,9 +143,9 @@ class CompletionRequest(_Common):
     def requested_max_tokens(self) -> int:
         return 16 if self.max_tokens is None else self.max_tokens  # OpenAI's default for completions
 
-    def to_engine(self) -> tuple[str | list[int], RequestParams]:
+    def to_engine(self, defaults: GenerationDefaults | None = None) -> tuple[str | list[int], RequestParams]:
         self.refuse_unsupported()
-        return self.prompt, self.params(self.requested_max_tokens(), self.logprobs)
+        return self.prompt, self.params(self.requested_max_tokens(), self.logprobs, defaults)
 
 
 class ChatMessage(BaseModel):
@@ -196,6 +206,11 @@ class ChatCompletionRequest(_Common):
     def chat_messages(self) -> list[dict[str, str]]:
         return [{"role": m.role, "content": m.content or ""} for m in self.messages]
 
-    def to_params(self, max_tokens: int) -> RequestParams:
+    def to_params(self, max_tokens: int, defaults: GenerationDefaults | None = None) -> RequestParams:
         """The engine's parameters (after ``refuse_unsupported``)."""
-        return self.params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+        return self.params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None, defaults)
+
+
+def says_sampling(defaults: GenerationDefaults) -> bool:
+    """The checkpoint's ``generation_config.json`` says how to sample (not only its end-of-sequence ids)."""
+    return defaults.do_sample or any(v is not None for v in (defaults.temperature, defaults.top_p, defaults.top_k))
