@@ -14,7 +14,10 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from pathlib import Path
+from typing import Any
 
+from cdb_bench import outputs
 from cdb_bench.flops import workload_flop_ratio
 from cdb_bench.workload import Workload, add_workload_args, config_and_workload, make_workload
 from cdb_engine.config import EngineConfig
@@ -90,12 +93,9 @@ def bench_offline(
     warm = Workload(work.prompts[:4], [replace(p, max_tokens=min(p.max_tokens, 4)) for p in work.params[:4]])
     run_mode(replace(base, mode=Mode.CDB), warm, executor_factory)  # first calls allocate and warm caches
     runs: dict[str, list[dict[str, float]]] = {mode: [] for mode in modes}
-    total = repeats * len(modes)
-    for rep in range(repeats):
-        for i, mode in enumerate(modes):
-            if progress:
-                print(f"[{rep * len(modes) + i + 1}/{total}] {mode} ...", file=sys.stderr, flush=True)
-            runs[mode].append(run_mode(replace(base, mode=Mode(mode)), work, executor_factory))
+    schedule = [mode for _ in range(repeats) for mode in modes]  # interleaved: A B C A B C ...
+    for mode in outputs.progress(schedule, len(schedule), "offline", enabled=progress):
+        runs[mode].append(run_mode(replace(base, mode=Mode(mode)), work, executor_factory))
     results: dict[str, dict[str, float]] = {}
     paired: dict[str, list[float]] = {}
     for mode, rs in runs.items():
@@ -171,6 +171,40 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--repeats", type=int, default=1, help="interleaved repeats; figures are medians")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.add_argument("--out", type=Path, help="write offline.json and PNG plots (throughput, occupancy, depths) here")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
+
+def write_outputs(summary: dict[str, Any], out: Path) -> list[Path]:
+    """``offline.json`` and the plots: throughput per mode against the FLOP bounds, loop-batch occupancy per mode,
+    the adaptive mode's served-depth histogram."""
+    modes: dict[str, dict[str, Any]] = summary["modes"]
+    names = list(modes)
+    written = [outputs.write_json(out, "offline", summary)]
+    reps = [modes[m].get("repeats_tokens_per_s") or [modes[m]["tokens_per_s"]] for m in names]
+    title = f"{summary['model']}: {summary['requests']} requests, width {summary['max_num_seqs']}"
+    if "full-depth" in modes:
+        ref = modes["full-depth"]["tokens_per_s"]
+        ratios = [modes[m]["tokens_per_s"] / ref for m in names]
+        spread = [(min(r) / ref, max(r) / ref) for r in reps]
+        bound = (float(summary["flop_bound_S"]), f"FLOP bound S = {float(summary['flop_bound_S']):.2f}")
+        written.append(
+            outputs.bars(
+                out / "throughput.png", title, names, ratios, "throughput / full depth's", line=bound, errors=spread
+            )
+        )
+    else:
+        values = [modes[m]["tokens_per_s"] for m in names]
+        spread = [(min(r), max(r)) for r in reps]
+        written.append(outputs.bars(out / "throughput.png", title, names, values, "tokens / s", errors=spread))
+    occupancy = [modes[m]["occupancy"] for m in names]
+    written.append(outputs.bars(out / "occupancy.png", title, names, occupancy, "mean loop-batch occupancy"))
+    adaptive = "cdb" if "cdb" in modes else names[-1]
+    hist = modes[adaptive].get("depth_histogram")
+    if hist:
+        label = f"{summary['model']} ({adaptive}): served depths, mean {float(summary['mean_depth']):.2f}"
+        written.append(outputs.histogram(out / "depth_histogram.png", label, hist, "served loop depth"))
+    return written
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -178,8 +212,11 @@ def main(argv: list[str] | None = None) -> int:
     add_arguments(parser)
     args = parser.parse_args(argv)
     base, work = config_and_workload(args, min_head_batch_size=args.min_head)
-    summary = bench_offline(base, work, args.modes.split(","), progress=not args.json, repeats=args.repeats)
+    summary = bench_offline(base, work, args.modes.split(","), progress=not args.no_progress, repeats=args.repeats)
     print(json.dumps(summary, indent=2) if args.json else _table(summary))
+    if args.out:
+        for path in write_outputs(summary, args.out):
+            print(f"wrote {path}", file=sys.stderr)
     return 0
 
 

@@ -14,7 +14,9 @@ import json
 import random
 import time
 from collections import deque
+from pathlib import Path
 
+from cdb_bench import outputs
 from cdb_bench.step_time import time_loop_step
 from cdb_bench.workload import depth_sampler
 from cdb_model.presets import preset_config
@@ -91,17 +93,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--depth-mean", type=float, default=2.5)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--out", type=Path, help="write scheduler.json and a plot of the planning cost per width here")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     args = p.parse_args(argv)
     max_depth = preset_config(args.model).max_depth
     rows = []
-    for width in args.max_num_seqs:
+    for width in outputs.progress(args.max_num_seqs, len(args.max_num_seqs), "widths", not args.no_progress):
         fig = scheduler_cpu_per_step(width, max_depth, args.steps, args.depth_mean)
         step_ms = time_loop_step(args.model, tokens=width)
         fig.update(max_num_seqs=width, loop_step_ms=step_ms)
         fig["sched_cpu_over_step_compute"] = 1e3 * fig["sched_cpu_s_per_step"] / step_ms
         rows.append(fig)
+    summary = {"model": args.model, "depth_mean": args.depth_mean, "widths": rows}
+    if args.out:
+        outputs.write_json(args.out, "scheduler", summary)
+        labels = [str(r["max_num_seqs"]) for r in rows]
+        ratios = [r["sched_cpu_over_step_compute"] for r in rows]
+        title = f"planning CPU per loop step / the step's compute ({args.model})"
+        outputs.bars(args.out / "scheduler.png", title, labels, ratios, "ratio (width on x)", line=(0.01, "1 % goal"))
     if args.json:
-        print(json.dumps({"model": args.model, "depth_mean": args.depth_mean, "widths": rows}, indent=2))
+        print(json.dumps(summary, indent=2))
     else:
         print(f"model {args.model}  depth mean {args.depth_mean}")
         print(f"{'max_num_seqs':>12} {'sched µs/step':>14} {'step ms':>8} {'ratio':>7} {'occupancy':>9}")

@@ -25,8 +25,10 @@ import statistics
 import sys
 from collections.abc import Sequence
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
+from cdb_bench import outputs
 from cdb_bench.offline import run_mode
 from cdb_bench.public_api import send_all
 from cdb_bench.tracing_cost import bench_tracing, tracing_table
@@ -160,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--otlp-endpoint", help="with --tracing: export here (default: a counting sink started here)")
     p.add_argument("--sessions", type=int, default=1, help="with --tracing: fresh pairs of deployments")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--out", type=Path, help="write services.json and a throughput plot here")
     args = p.parse_args(argv)
     cfg, work = config_and_workload(args)
     requests = list(zip(work.prompts, work.params))
@@ -173,7 +176,31 @@ def main(argv: list[str] | None = None) -> int:
     opts = {"public_api": args.public_api, "pings": args.pings, "repeats": args.repeats}
     summary = bench_services(cfg, requests, progress=not args.json, **opts)
     print(json.dumps(summary, indent=2) if args.json else _table(summary))
+    if args.out:
+        for path in write_outputs(summary, args.out):
+            print(f"wrote {path}", file=sys.stderr)
     return 0
+
+
+def write_outputs(summary: dict[str, Any], out: Path) -> list[Path]:
+    """``services.json`` and ``throughput.png``: each deployment's throughput over the in-process engine's (the
+    stage processes' bar spans its repeats)."""
+    labels, values, spread = ["in-process"], [1.0], [(1.0, 1.0)]
+    stage_ratios = summary.get("throughput_ratios_stages_over_in_process") or [
+        summary["throughput_ratio_stages_over_in_process"]
+    ]
+    labels.append("stage processes")
+    values.append(summary["throughput_ratio_stages_over_in_process"])
+    spread.append((min(stage_ratios), max(stage_ratios)))
+    if "throughput_ratio_public_api_over_in_process" in summary:
+        labels.append("public API")
+        values.append(summary["throughput_ratio_public_api_over_in_process"])
+        spread.append((values[-1], values[-1]))
+    title = f"{summary['model']}: {summary['requests']} requests, width {summary['max_num_seqs']}"
+    return [
+        outputs.write_json(out, "services", summary),
+        outputs.bars(out / "throughput.png", title, labels, values, "throughput / in-process", errors=spread),
+    ]
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ from typing import Any
 import grpc
 from tqdm import tqdm
 
+from cdb_bench import outputs
 from cdb_engine.config import DType, EngineConfig, RequestParams
 from cdb_engine.engine import Engine
 from cdb_scheduler.plan import SamplingParams, Stage
@@ -219,6 +220,7 @@ def summarize(
         "requests": len(planned),
         "fates": {f: sum(p.fate == f for p in planned) for f in ("complete", "cancel", "deadline")},
         "kills": len(kills),
+        "kill_log": [{"stage": k["stage"], "recovery_s": k["recovery_s"]} for k in kills],
         "kills_by_stage": {s.role: sum(k["stage"] == s.role for k in kills) for s in Stage},
         "lost": len(lost),
         "lost_examples": lost[:10],
@@ -303,8 +305,12 @@ def main(argv: list[str] | None = None) -> int:
         k: (str(v) if not isinstance(v, int | float | bool | type(None)) else v) for k, v in summary["config"].items()
     }
     if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "soak.json").write_text(json.dumps(summary, indent=2))
+        outputs.write_json(args.out, "soak", summary)
+        log = [k for k in summary["kill_log"] if k["recovery_s"] is not None]
+        if log:
+            labels = [f"{i + 1} {k['stage'][0]}" for i, k in enumerate(log)]  # kill number, stage initial
+            title = f"SIGKILL -> SERVING again, per kill ({summary['requests']} requests)"
+            outputs.bars(args.out / "recovery.png", title, labels, [k["recovery_s"] for k in log], "seconds")
     if args.json:
         print(json.dumps(summary, indent=2))
     else:

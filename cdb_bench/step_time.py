@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
 import torch
 
+from cdb_bench import outputs
 from cdb_model.attention import PagedKV
 from cdb_model.kv import BlockTables, PagedKVPool
 from cdb_model.presets import build_preset, preset_config, preset_names
@@ -39,12 +41,20 @@ def time_loop_step(name: str, tokens: int = 32, context: int = 64, repeats: int 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="cdb bench step", description=__doc__)
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    ap.add_argument("--out", type=Path, help="write step.json and a plot of the step time per preset here")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"{'preset':14} {'F0':>10} {'Fr':>10} {'F0/Fr':>6} {'depth':>5}  ms/step(32 tok)")
+    rows: list[dict[str, str | int | float]] = []
     for name in preset_names():
         c = preset_config(name)
         f0, fr = c.param_counts()
-        print(f"{name:14} {f0:>10,} {fr:>10,} {f0 / fr:>6.3f} {c.max_depth:>5}  {time_loop_step(name):.2f}")
+        ms = time_loop_step(name)
+        rows.append({"preset": name, "F0": f0, "Fr": fr, "max_depth": c.max_depth, "ms_per_step_32_tokens": ms})
+        print(f"{name:14} {f0:>10,} {fr:>10,} {f0 / fr:>6.3f} {c.max_depth:>5}  {ms:.2f}")
+    if args.out:
+        outputs.write_json(args.out, "step", {"threads": args.threads, "presets": rows})
+        names, times = [str(r["preset"]) for r in rows], [float(r["ms_per_step_32_tokens"]) for r in rows]
+        outputs.bars(args.out / "step.png", "one loop step, 32 tokens", names, times, "ms")
     return 0

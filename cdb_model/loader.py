@@ -12,12 +12,14 @@ it starts any process.
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Iterable
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from tqdm import tqdm
 
 from cdb_model.base import LoopedLM
 from cdb_model.config import CheckpointError, ModelConfig, UnknownModelTypeError
@@ -255,7 +257,16 @@ def _load_folder(path: Path, dtype: torch.dtype, device: torch.device | str, sta
     for name in want:
         by_file.setdefault(located[source[name]], []).append(name)
     sd: dict[str, torch.Tensor] = {}
-    for p, names in by_file.items():
+    shards = tqdm(  # a bar on stderr for sharded checkpoints (a stage's log shows the final line)
+        by_file.items(),
+        total=len(by_file),
+        desc=f"loading {path.name}",
+        unit="shard",
+        disable=len(by_file) < 2,
+        file=sys.stderr,
+        mininterval=1.0,
+    )
+    for p, names in shards:
         with safe_open(str(p), framework="pt") as f:
             for name in names:
                 sd[name] = f.get_tensor(source[name]).to(device=device, dtype=dtype)

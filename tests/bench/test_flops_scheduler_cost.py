@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from cdb_bench.flops import request_flops, workload_flop_ratio
@@ -37,3 +40,13 @@ def test_scheduler_cpu_per_step_is_measured_in_steady_state() -> None:
     fig = scheduler_cpu_per_step(max_num_seqs=16, max_depth=4, steps=200, depth_mean=2.5)
     assert fig["loop_steps"] >= 150 and 0 < fig["sched_cpu_s_per_step"] < 0.05
     assert fig["occupancy"] > 0.8, "steady state keeps the loop batch full"
+
+
+def test_the_scheduler_benchmark_writes_json_and_a_plot(tmp_path: Path) -> None:
+    from cdb_bench.scheduler_cost import main as scheduler_main
+
+    argv = ["--model", "ouro-tiny", "--max-num-seqs", "8", "16", "--steps", "50", "--out", str(tmp_path), "--json"]
+    assert scheduler_main([*argv, "--no-progress"]) == 0
+    data = json.loads((tmp_path / "scheduler.json").read_text())
+    assert [w["max_num_seqs"] for w in data["widths"]] == [8, 16]
+    assert (tmp_path / "scheduler.png").read_bytes()[:4] == b"\x89PNG"
