@@ -7,7 +7,7 @@ import functools
 import logging
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from cdb_engine.config import EngineConfig
 from cdb_engine.options import add_engine_args, engine_config_from_args
@@ -75,9 +75,18 @@ def process_config(command: str, argv: list[str], environ: Mapping[str, str]) ->
     return engine_config_from_args(build(read_configuration(argv, environ)).parse_args(argv))
 
 
-def _source_error(prog: str, exc: SettingsError) -> int:
-    print(f"{prog}: error: {exc}", file=sys.stderr)
-    return 2
+def parse_command(
+    argv: list[str] | None, prog: str, build: Callable[[Configuration], argparse.ArgumentParser]
+) -> tuple[Configuration, argparse.ArgumentParser, argparse.Namespace] | None:
+    """Read the config source, build ``prog``'s parser over it (``build``) and parse ``argv``. A bad setting prints
+    one line and gives None (the command exits 2)."""
+    try:
+        conf = read_configuration(argv, prog=prog)
+    except SettingsError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return None
+    parser = build(conf)
+    return conf, parser, parser.parse_args(argv)
 
 
 def stage_main(argv: list[str] | None = None) -> int:
@@ -85,12 +94,10 @@ def stage_main(argv: list[str] | None = None) -> int:
     from services.transport.stage_server import run_stage
 
     die_with_parent()
-    try:
-        conf = read_configuration(argv, prog="cdb stage")
-    except SettingsError as exc:
-        return _source_error("cdb stage", exc)
-    parser = stage_parser(conf)
-    args = parser.parse_args(argv)
+    parsed = parse_command(argv, "cdb stage", stage_parser)
+    if parsed is None:
+        return 2
+    conf, parser, args = parsed
     try:
         config = engine_config_from_args(args)  # the dtype's auto resolves on the device, as the scheduler's
     except ValueError as exc:
@@ -204,12 +211,10 @@ def scheduler_main(argv: list[str] | None = None) -> int:
     from services.scheduler.server import run_scheduler
 
     die_with_parent()
-    try:
-        conf = read_configuration(argv, prog="cdb scheduler")
-    except SettingsError as exc:
-        return _source_error("cdb scheduler", exc)
-    parser = scheduler_parser(conf)
-    args = parser.parse_args(argv)
+    parsed = parse_command(argv, "cdb scheduler", scheduler_parser)
+    if parsed is None:
+        return 2
+    conf, parser, args = parsed
     pin_cpus("scheduler", conf.settings)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s scheduler %(levelname)s %(message)s")
     try:

@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from cdb.processes import add_config_arg, add_public_port_args, new_parser, public_port_env, read_configuration
+from cdb.processes import add_config_arg, add_public_port_args, new_parser, parse_command, public_port_env
 from cdb_engine.config_source import CONFIG_ENV
 from cdb_engine.options import add_engine_args, engine_config_from_args
 from cdb_engine.preflight import ConfigError, check_config
@@ -16,7 +16,7 @@ from clients.sync_client import Client
 from services.launcher import serve_all, serve_forever
 from services.net import ListenError, check_can_listen, is_host_port
 from services.scheduler.security import PortSecurity, read_api_keys
-from services.settings import Configuration, SettingsError, load_settings
+from services.settings import Configuration, load_settings
 
 
 def _tree_parser(prog: str, description: str | None, conf: Configuration) -> argparse.ArgumentParser:
@@ -53,13 +53,10 @@ def serve_parser(conf: Configuration) -> argparse.ArgumentParser:
 
 def serve_main(argv: list[str] | None = None) -> int:
     """``cdb serve``: the scheduler and the three stages on this machine, until Ctrl-C / SIGTERM."""
-    try:
-        conf = read_configuration(argv, prog="cdb serve")
-    except SettingsError as exc:
-        print(f"cdb serve: error: {exc}", file=sys.stderr)
+    parsed = parse_command(argv, "cdb serve", serve_parser)
+    if parsed is None:
         return 2
-    parser = serve_parser(conf)
-    args = parser.parse_args(argv)
+    conf, parser, args = parsed
     try:
         config = engine_config_from_args(args)
         for flag, value in (("--metrics-listen", args.metrics_listen), ("--http", args.http)):
@@ -123,13 +120,10 @@ def demo_parser(conf: Configuration) -> argparse.ArgumentParser:
 
 def demo_main(argv: list[str] | None = None) -> int:
     """``cdb demo``: serve the embedded default, stream one generation (each token marked by its depth), stop."""
-    try:
-        conf = read_configuration(argv, prog="cdb demo")
-    except SettingsError as exc:
-        print(f"cdb demo: error: {exc}", file=sys.stderr)
+    parsed = parse_command(argv, "cdb demo", demo_parser)
+    if parsed is None:
         return 2
-    parser = demo_parser(conf)
-    args = parser.parse_args(argv)
+    conf, parser, args = parsed
     try:
         config = engine_config_from_args(args)
     except ValueError as exc:

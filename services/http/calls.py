@@ -12,9 +12,8 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from cdb_engine.config import RequestParams
 from cdb_engine.events import Event, FinishEvent
 from cdb_engine.stream import RequestStream
-from cdb_scheduler.request import FinishReason
 from services import telemetry
-from services.scheduler.errors import ServerDraining, StageFailed, status_for
+from services.scheduler.errors import status_for
 from services.scheduler.handlers import GenerationService
 from services.telemetry.request_observer import ObservedRequest
 
@@ -60,38 +59,21 @@ class Call:
             deadline_passed=lambda: False,
             cut=lambda: service.cut,
         )
-        try:
-            prompt, params = prepare()
-            ids = engine.validate(prompt, params)
-            observer.validated(len(ids), params)
-            if service.draining:
-                raise ServerDraining("server is shutting down")
-            if service.broken:
-                raise StageFailed(service.broken)
-            stream = engine.open_stream(ids, params, request_id, observer=observer)
-        except Exception as exc:
-            observer.rejected(exc)
-            raise
-        observer.admitted(len(ids))
-        service.live[request_id] = observer
-        service.idle.clear()
-        return cls(service, request_id, stream)
+
+        def open_stream(ids: list[int], params: RequestParams) -> RequestStream:
+            return engine.open_stream(ids, params, request_id, observer=observer)
+
+        return cls(service, request_id, service.admit(prepare, open_stream, request_id, observer))
 
     async def events(self) -> AsyncIterator[Event]:
         try:
             async with self.stream:
                 async for ev in self.stream:
                     if isinstance(ev, FinishEvent):
-                        self._check_finish(ev)
+                        self.service.check_finish(ev)
                     yield ev
         finally:
             await self.close()
-
-    def _check_finish(self, ev: FinishEvent) -> None:
-        if ev.finish_reason is FinishReason.ERROR:
-            raise StageFailed(ev.error or "the engine failed the request")
-        if ev.finish_reason is FinishReason.CANCELLED and self.service.cut:
-            raise ServerDraining("server shut down before the request finished")
 
     async def close(self, exc: BaseException | None = None) -> None:
         """Abort the request if it has not finished (the client left or the response failed); idempotent."""
@@ -99,7 +81,4 @@ class Call:
             return
         self._closed = True
         await self.stream.__aexit__(type(exc) if exc else None, exc, None)
-        live = self.service.live
-        live.pop(self.request_id, None)
-        if not live:
-            self.service.idle.set()
+        self.service.release(self.request_id)

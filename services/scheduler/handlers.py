@@ -110,31 +110,53 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         """One request's engine events (carrying the scoped id); raises what the caller maps to a status."""
         scope, scoped_id = self._scoped(context, request_id)
         observer = self._observe(request, context, request_id, scope)
+
+        def open_stream(ids: list[int], params: RequestParams) -> RequestStream:
+            return self._open(ids, params, scoped_id, request_id, observer)
+
+        stream = self.admit(lambda: messages.request_to_engine(request), open_stream, scoped_id, observer)
         try:
-            prompt, params = messages.request_to_engine(request)
+            async with stream:
+                async for ev in stream:
+                    if isinstance(ev, FinishEvent):
+                        self.check_finish(ev)
+                    yield ev
+        finally:
+            self.release(scoped_id)
+
+    def admit(
+        self,
+        prepare: Callable[[], tuple[str | list[int], RequestParams]],
+        open_stream: Callable[[list[int], RequestParams], RequestStream],
+        key: str,
+        observer: ObservedRequest,
+    ) -> RequestStream:
+        """Admission of one request of either front end (gRPC, HTTP): build it (``prepare``: prompt and params),
+        validate it, refuse it while draining or when the stages are given up on, open its engine stream, and
+        register it as live under ``key`` (the drain waits for it; ``release`` ends that). Every refusal is counted
+        by ``observer`` and raised before anything is streamed."""
+        try:
+            prompt, params = prepare()
             ids = self.engine.validate(prompt, params)
             observer.validated(len(ids), params)
             if self.draining:
                 raise ServerDraining("server is shutting down")
             if self.broken:
                 raise StageFailed(self.broken)
-            stream = self._open(ids, params, scoped_id, request_id, observer)
+            stream = open_stream(ids, params)
         except Exception as exc:
             observer.rejected(exc)
             raise
         observer.admitted(len(ids))
-        self.live[scoped_id] = observer
+        self.live[key] = observer
         self.idle.clear()
-        try:
-            async with stream:
-                async for ev in stream:
-                    if isinstance(ev, FinishEvent):
-                        self._check_finish(ev)
-                    yield ev
-        finally:
-            self.live.pop(scoped_id, None)
-            if not self.live:
-                self.idle.set()
+        return stream
+
+    def release(self, key: str) -> None:
+        """A request registered by ``admit`` has ended."""
+        self.live.pop(key, None)
+        if not self.live:
+            self.idle.set()
 
     def _open(
         self, ids: list[int], params: RequestParams, scoped_id: str, request_id: str, observer: ObservedRequest
@@ -147,7 +169,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 raise
             raise InvalidRequest("request_id", f"{request_id!r} is already used by a live request") from None
 
-    def _check_finish(self, ev: FinishEvent) -> None:
+    def check_finish(self, ev: FinishEvent) -> None:
+        """A failed finish raises ``StageFailed``; one cut by the drain deadline ``ServerDraining``."""
         if ev.finish_reason is FinishReason.ERROR:
             raise StageFailed(ev.error or "the engine failed the request")
         if ev.finish_reason is FinishReason.CANCELLED and self.cut:
