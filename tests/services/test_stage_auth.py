@@ -132,6 +132,7 @@ def test_a_stage_drops_the_session_of_a_scheduler_that_went_away(tmp_path: Path)
         deadline = time.monotonic() + 10
         while any(r.service._session is not None for r in running.values()) and time.monotonic() < deadline:
             threading.Event().wait(0.01)  # the stages drop the session on their own threads
+        assert all(r.service._session is None for r in running.values()), "a stage kept a dead scheduler's session"
         second = GrpcExecutor(fake_setup(), addrs, FAST)  # another holder: admitted
         try:
             assert still_serving(second, 0).error is None
