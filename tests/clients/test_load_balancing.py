@@ -150,6 +150,16 @@ def _ready(client: Client, replicas: list[FakeReplica]) -> None:
         r.calls = 0
 
 
+def _ready_then(client: Client, fakes: list[FakeReplica]) -> None:
+    """Connect every backend while they serve, then restore what each refuses."""
+    refuse = [r.refuse for r in fakes]
+    for r in fakes:
+        r.refuse = None
+    _ready(client, fakes)
+    for r, code in zip(fakes, refuse):
+        r.refuse = code
+
+
 def test_round_robin_spreads_calls_and_pick_first_keeps_to_one(fakes: list[FakeReplica]) -> None:
     with Client([r.address for r in fakes], timeout=10) as client:
         _ready(client, fakes)
@@ -168,7 +178,7 @@ def test_a_call_refused_before_its_first_token_is_retried_on_another_replica(fak
     fakes[0].refuse = grpc.StatusCode.UNAVAILABLE
     fakes[1].refuse = grpc.StatusCode.RESOURCE_EXHAUSTED
     with Client([r.address for r in fakes], timeout=10, retry=FAST_RETRY) as client:
-        _ready(client, fakes)  # refusals are counted too
+        _ready_then(client, fakes)  # every replica in the rotation first: refusals while connecting could end a call
         for _ in range(12):
             items = list(client.stream("p", max_tokens=1))
             assert [type(i).__name__ for i in items] == ["StreamToken", "StreamFinish"]
@@ -188,16 +198,6 @@ def test_a_stream_that_delivered_a_token_is_never_retried(fakes: list[FakeReplic
         assert run.code == grpc.StatusCode.UNAVAILABLE and "mid-stream" in run.error.details()  # type: ignore[union-attr]
         assert [t.id for t in run.tokens] == [7]  # the token once, no replay from a second attempt
         assert sum(r.calls for r in fakes) == 1
-
-
-def _ready_then(client: Client, fakes: list[FakeReplica]) -> None:
-    """Connect every backend while they serve, then restore what each refuses."""
-    refuse = [r.refuse for r in fakes]
-    for r in fakes:
-        r.refuse = None
-    _ready(client, fakes)
-    for r, code in zip(fakes, refuse):
-        r.refuse = code
 
 
 def test_attempts_are_bounded_and_other_codes_are_not_retried(fakes: list[FakeReplica]) -> None:
