@@ -85,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--latency-bound", type=float, default=0.1, help="knee: mean normalized latency bound (s/token)")
     p.add_argument("--bisect", type=int, default=3, help="bisection steps of each mode's knee")
     p.add_argument("--warmup", type=int, default=4, help="short warm-up requests per mode before measuring")
+    p.add_argument(
+        "--repeats", type=int, default=1, help="run the whole sweep this many times (every mode each time): medians"
+    )
     p.add_argument("--max-num-seqs", type=int, default=32, help="resident requests: the width of the loop batch")
     p.add_argument("--num-kv-blocks", type=int, default=2048)
     p.add_argument("--kv-policy", default="single")
@@ -123,6 +126,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             setattr(args, name, positive_floats(value) if name == "rates" else _modes(value))
     if args.requests < 1 or args.scale <= 0 or args.bisect < 0 or args.cv <= 0 or args.latency_bound <= 0:
         parser.error("--requests >= 1, --scale > 0, --bisect >= 0, --cv > 0 and --latency-bound > 0 are required")
+    if args.repeats < 1:
+        parser.error(f"--repeats: at least 1, got {args.repeats}")
     return args
 
 
@@ -220,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         sample_interval=args.sample_interval,
         request_timeout=args.request_timeout,
         progress=not args.no_progress,
+        repeats=args.repeats,
     )
     figures, itls = run_sweep(cfg, reqs, sc)
     summary = header(args, probe, reqs, depth) | figures

@@ -169,3 +169,33 @@ def itl_lists(records: Sequence[RequestRecord]) -> list[list[float]]:
 
 def _r(x: float | int | None) -> float | int | None:
     return round(x, 6) if isinstance(x, float) else x
+
+
+def op_summary(
+    ops: dict[str, int],
+    compute_s: dict[str, float],
+    loop_ops: int,
+    loop_tokens: int,
+    output_tokens: int,
+    wall_s: float,
+) -> dict[str, Any]:
+    """What a run cost op by op: per stage its ops, compute seconds, mean compute per op and busy fraction (its
+    compute over the run's wall time); decode loop ops and their mean tokens; generated tokens per head op (each
+    token is sampled by exactly one head op)."""
+    stages = {
+        role: {
+            "ops": n,
+            "compute_s": compute_s.get(role, 0.0),
+            "mean_op_ms": 1e3 * compute_s.get(role, 0.0) / n if n else None,
+            "busy": compute_s.get(role, 0.0) / wall_s if wall_s > 0 else None,
+        }
+        for role, n in ops.items()
+    }
+    head = ops.get("head", 0)
+    return {
+        "wall_s": wall_s,
+        "stages": stages,
+        "loop_decode_ops": loop_ops,
+        "tokens_per_loop_op": loop_tokens / loop_ops if loop_ops else None,
+        "tokens_per_head_op": output_tokens / head if head else None,
+    }

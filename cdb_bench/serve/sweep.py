@@ -4,11 +4,18 @@ Per mode: one target (a fresh engine or process tree), warmed up with a few shor
 rate, then ``bisect`` midpoints between the highest passing and the lowest failing rate (``knee``). Full depth
 runs first, so that every other mode is also measured at full depth's knee rate: the normalized-latency cut
 there is 1 - NL_mode / NL_full-depth. A run with a failed request counts as over the bound.
+
+Every run also reports its op costs (``ops``: per stage ops, compute and busy fraction; tokens per loop and per
+head op), read from the target's counters before and after it. ``repeats`` > 1 runs the whole sweep again (every
+mode, a fresh target each) and adds ``repeats`` (each repeat's figures) and ``across_repeats``: per mode and swept
+rate the median, min and max of the mean normalized latency; the per-repeat ratios of cdb's to every other mode's
+at each swept rate and their median; the knees, knee ratios and cuts of every repeat and their medians.
 """
 
 from __future__ import annotations
 
 import asyncio
+import statistics
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -18,7 +25,15 @@ from tqdm import tqdm
 
 from cdb_bench.serve.driver import drive
 from cdb_bench.serve.knee import Knee, find_knee, knee_ratio, latency_cut, passes
-from cdb_bench.serve.metrics import RequestRecord, Slo, itl_lists, lag_stats, queue_summary, summarize_run
+from cdb_bench.serve.metrics import (
+    RequestRecord,
+    Slo,
+    itl_lists,
+    lag_stats,
+    op_summary,
+    queue_summary,
+    summarize_run,
+)
 from cdb_bench.serve.requests import RequestSet, ServeRequest, warmup_requests
 from cdb_bench.serve.targets import Target, open_target
 from cdb_engine.config import EngineConfig
@@ -41,6 +56,7 @@ class SweepConfig:
     sample_interval: float = 0.1
     request_timeout: float = 600.0
     progress: bool = True
+    repeats: int = 1
 
 
 def mean_nl(run: dict[str, Any]) -> float | None:
@@ -63,12 +79,17 @@ def measure(
 ) -> tuple[dict[str, Any], list[list[float]]]:
     """One open-loop run: its summary (``metrics.summarize_run`` + ``queue``) and every request's ITLs."""
     bar = tqdm(total=len(requests), desc=label, unit="req", leave=False, disable=not sc.progress, file=sys.stderr)
+    before = target.counters()
     try:
         records, samples = asyncio.run(_session(target, requests, sc, lambda: bar.update(1)))
     finally:
         bar.close()
+    cost = target.counters().delta(before)
     summary = summarize_run(records, rate, sc.slo)
     summary["queue"] = queue_summary(samples, sc.sample_interval)
+    summary["ops"] = op_summary(
+        cost.ops, cost.compute_s, cost.loop_ops, cost.loop_tokens, summary["output_tokens"], summary["duration_s"]
+    )
     return summary, itl_lists(records)
 
 
@@ -82,21 +103,25 @@ class ModeRuns:
     knee: Knee | None = None
 
 
-def sweep_mode(target: Target, mode: str, reqs: RequestSet, sc: SweepConfig, extra_rate: float | None) -> ModeRuns:
+def sweep_mode(
+    target: Target, mode: str, reqs: RequestSet, sc: SweepConfig, extra_rate: float | None, tag: str = ""
+) -> ModeRuns:
     """Warm-up, the swept rates, the knee's bisection, and ``extra_rate`` (the reference's knee) if new."""
     out = ModeRuns(mode, {}, {})
     asyncio.run(_session(target, warmup_requests(reqs, sc.warmup), sc, None))
 
     def at(rate: float, source: str) -> float | None:
         if rate not in out.runs:
-            run, itl = measure(target, reqs.at(rate), rate, sc, f"{mode} @ {rate:.4g} req/s")
+            run, itl = measure(target, reqs.at(rate), rate, sc, f"{tag}{mode} @ {rate:.4g} req/s")
             run["source"] = source
             out.runs[rate], out.itls[rate] = run, itl
             nl = mean_nl(run)
             verdict = "under" if passes(nl, sc.latency_bound) else "over"
             shown = f"{1e3 * nl:.2f} ms/token" if nl is not None else f"{run['failed']} failed"
             if sc.progress:
-                tqdm.write(f"{mode:<10} {rate:>8.4g} req/s  mean NL {shown}  ({verdict} the bound)", file=sys.stderr)
+                tqdm.write(
+                    f"{tag}{mode:<10} {rate:>8.4g} req/s  mean NL {shown}  ({verdict} the bound)", file=sys.stderr
+                )
         return mean_nl(out.runs[rate])
 
     for rate in sc.rates:
@@ -112,20 +137,81 @@ ItlLists = dict[str, dict[float, list[list[float]]]]  # mode -> rate -> each req
 
 
 def run_sweep(base: EngineConfig, reqs: RequestSet, sc: SweepConfig) -> tuple[dict[str, Any], ItlLists]:
-    """Every mode of ``sc`` on ``reqs``: the figures (per-mode runs and knees, the knee ratio, the cut, the
-    client's lag) and every run's per-request ITL lists."""
+    """Every mode of ``sc`` on ``reqs``, ``sc.repeats`` times: the first repeat's figures (per-mode runs and knees,
+    the knee ratio, the cut, the client's lag), with ``repeats`` and ``across_repeats`` when there are more, and
+    the first repeat's per-request ITL lists."""
     model = None
     if sc.target == "in-process":
         model = load_model(base.model, dtype=torch_dtype(base.dtype), device=base.device)
     order = sorted(sc.modes, key=lambda m: m != REFERENCE)
-    results: dict[str, ModeRuns] = {}
-    for mode in order:
-        ref = results.get(REFERENCE)
-        extra = ref.knee.rate if ref is not None and ref.knee is not None else None
-        cfg = replace(base, mode=Mode(mode))
-        with open_target(sc.target, cfg, model=model, max_live=len(reqs.requests), timeout=sc.request_timeout) as t:
-            results[mode] = sweep_mode(t, mode, reqs, sc, extra)
-    return assemble(results, [m for m in sc.modes if m in results]), {m: r.itls for m, r in results.items()}
+    every: list[dict[str, Any]] = []
+    first_itls: ItlLists = {}
+    for rep in range(sc.repeats):
+        tag = f"[{rep + 1}/{sc.repeats}] " if sc.repeats > 1 else ""
+        results: dict[str, ModeRuns] = {}
+        for mode in order:
+            ref = results.get(REFERENCE)
+            extra = ref.knee.rate if ref is not None and ref.knee is not None else None
+            cfg = replace(base, mode=Mode(mode))
+            with open_target(sc.target, cfg, model=model, max_live=len(reqs.requests), timeout=sc.request_timeout) as t:
+                results[mode] = sweep_mode(t, mode, reqs, sc, extra, tag)
+        every.append(assemble(results, [m for m in sc.modes if m in results]))
+        if rep == 0:
+            first_itls = {m: r.itls for m, r in results.items()}
+    out = dict(every[0])
+    if sc.repeats > 1:
+        out["repeats"] = every
+        out["across_repeats"] = across_repeats(every, sc.rates)
+    return out, first_itls
+
+
+def _median(xs: Sequence[float | None]) -> float | None:
+    known = [x for x in xs if x is not None]
+    return statistics.median(known) if known else None
+
+
+def _nl_at(figures: dict[str, Any], mode: str, rate: float) -> float | None:
+    run = next((r for r in figures["modes"][mode]["runs"] if r["rate"] == rate), None)
+    return None if run is None else mean_nl(run)
+
+
+def across_repeats(every: Sequence[dict[str, Any]], rates: Sequence[float]) -> dict[str, Any]:
+    """The spread over repeats (see the module docstring); ``None`` marks a repeat where a figure is unknown."""
+    modes = list(every[0]["modes"])
+    nl: dict[str, Any] = {}
+    for m in modes:
+        nl[m] = {}
+        for rate in rates:
+            xs = [_nl_at(f, m, rate) for f in every]
+            known = [x for x in xs if x is not None]
+            nl[m][str(rate)] = {
+                "per_repeat": xs,
+                "median": _median(xs),
+                "min": min(known, default=None),
+                "max": max(known, default=None),
+            }
+    ratios: dict[str, Any] = {}
+    if "cdb" in modes:
+        for other in (m for m in modes if m != "cdb"):
+            ratios[other] = {}
+            for rate in rates:
+                per = []
+                for f in every:
+                    a, b = _nl_at(f, "cdb", rate), _nl_at(f, other, rate)
+                    per.append(a / b if a is not None and b else None)
+                ratios[other][str(rate)] = {"per_repeat": per, "median": _median(per)}
+    knees = {m: [f["knees"].get(m) for f in every] for m in modes}
+    ratio = [f["knee_ratio_cdb_over_full_depth"] for f in every]
+    cuts = [None if f["cut_at_full_depth_knee"] is None else f["cut_at_full_depth_knee"]["cdb"] for f in every]
+    cut_rates = [None if f["cut_at_full_depth_knee"] is None else f["cut_at_full_depth_knee"]["rate"] for f in every]
+    return {
+        "repeats": len(every),
+        "mean_normalized_latency_s": nl,
+        "cdb_nl_over": ratios,  # per swept rate: NL_cdb / NL_other per repeat, and the median
+        "knees": {m: {"per_repeat": ks, "median": _median(ks)} for m, ks in knees.items()},
+        "knee_ratio_cdb_over_full_depth": {"per_repeat": ratio, "median": _median(ratio)},
+        "cut_at_full_depth_knee": {"per_repeat": cuts, "rates": cut_rates, "median": _median(cuts)},
+    }
 
 
 def assemble(results: dict[str, ModeRuns], modes: Sequence[str]) -> dict[str, Any]:

@@ -5,6 +5,11 @@
 - ``deployment``: a fresh process tree (``services.launcher.serve_all``: three stage servers and the scheduler
   service) per mode, driven by ``clients.async_client.AsyncClient`` streaming calls; queue counters from ``Info``.
 
+Each target also reads its op counters (``OpCounters``: ops and compute seconds per stage, decode loop ops and
+their tokens) before and after a run, so a run reports what it cost op by op: in-process from the scheduler's
+stats, through a deployment from the scheduler's Prometheus exposition (the same figures, summed by the stages'
+own timers).
+
 Both serve with ``allow_replay_depths`` and ``ignore_eos``: a request emits exactly its drawn length, at its
 replayed depths when it carries them (full-depth mode serves every token at max depth regardless).
 """
@@ -12,10 +17,14 @@ replayed depths when it carries them (full-depth mode serves every token at max 
 from __future__ import annotations
 
 import os
+import socket
+import urllib.request
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import Protocol
+
+from prometheus_client.parser import text_string_to_metric_families
 
 from cdb_bench.serve.driver import Connection
 from cdb_bench.serve.requests import ServeRequest
@@ -24,7 +33,7 @@ from cdb_engine.engine import Engine
 from cdb_engine.events import TokenEvent
 from cdb_engine.inprocess import shared_model_factory
 from cdb_model.base import LoopedLM
-from cdb_scheduler.plan import SamplingParams
+from cdb_scheduler.plan import SamplingParams, Stage
 from cdb_scheduler.request import FinishReason
 from clients.async_client import AsyncClient
 from clients.common import GenerateOptions, StreamToken
@@ -34,12 +43,34 @@ TARGETS = ("in-process", "deployment")
 _DONE = (FinishReason.LENGTH, FinishReason.STOP)
 
 
+@dataclass(frozen=True, slots=True)
+class OpCounters:
+    """Cumulative op counters of a target; ``delta`` of two snapshots is what one run cost."""
+
+    ops: dict[str, int] = field(default_factory=dict)  # stage role -> ops completed
+    compute_s: dict[str, float] = field(default_factory=dict)  # stage role -> the stage's own compute seconds
+    loop_ops: int = 0  # decode loop ops
+    loop_tokens: int = 0  # tokens in them
+
+    def delta(self, before: OpCounters) -> OpCounters:
+        return OpCounters(
+            {k: v - before.ops.get(k, 0) for k, v in self.ops.items()},
+            {k: v - before.compute_s.get(k, 0.0) for k, v in self.compute_s.items()},
+            self.loop_ops - before.loop_ops,
+            self.loop_tokens - before.loop_tokens,
+        )
+
+
 class Target(Protocol):
     async def connect(self) -> Connection:
         """A connection for one run, made on the run's event loop."""
         ...
 
     async def disconnect(self, conn: Connection) -> None: ...
+
+    def counters(self) -> OpCounters:
+        """The op counters now (called between runs, off the run's event loop)."""
+        ...
 
 
 def _params(req: ServeRequest) -> RequestParams:
@@ -77,6 +108,15 @@ class InProcessTarget:
     async def disconnect(self, conn: Connection) -> None:
         return None
 
+    def counters(self) -> OpCounters:
+        s = self.engine.sched_stats
+        return OpCounters(
+            {st.role: s.ops[st] for st in Stage},
+            {st.role: s.compute_s[st] for st in Stage},
+            s.loop_steps,
+            s.loop_tokens,
+        )
+
 
 class DeploymentConnection:
     def __init__(self, address: str, timeout: float) -> None:
@@ -98,9 +138,10 @@ class DeploymentConnection:
 
 
 class DeploymentTarget:
-    def __init__(self, address: str, timeout: float) -> None:
+    def __init__(self, address: str, timeout: float, metrics: str) -> None:
         self.address = address
         self.timeout = timeout
+        self.metrics = metrics  # the scheduler's Prometheus endpoint, HOST:PORT
 
     async def connect(self) -> Connection:
         conn = DeploymentConnection(self.address, self.timeout)
@@ -110,6 +151,36 @@ class DeploymentTarget:
     async def disconnect(self, conn: Connection) -> None:
         assert isinstance(conn, DeploymentConnection)
         await conn.client.close()
+
+    def counters(self) -> OpCounters:
+        with urllib.request.urlopen(f"http://{self.metrics}/metrics", timeout=10) as resp:
+            return parse_counters(resp.read().decode())
+
+
+def parse_counters(text: str) -> OpCounters:
+    """``OpCounters`` from the scheduler's exposition: ``cdb_stage_compute_seconds`` (count and sum per stage)
+    and ``cdb_loop_batch_size`` (count and sum: decode loop ops and their tokens)."""
+    ops: dict[str, int] = {st.role: 0 for st in Stage}
+    compute: dict[str, float] = {st.role: 0.0 for st in Stage}
+    loop_ops = loop_tokens = 0.0
+    for fam in text_string_to_metric_families(text):
+        for sample in fam.samples:
+            if sample.name == "cdb_stage_compute_seconds_count":
+                ops[sample.labels["stage"]] = int(sample.value)
+            elif sample.name == "cdb_stage_compute_seconds_sum":
+                compute[sample.labels["stage"]] = sample.value
+            elif sample.name == "cdb_loop_batch_size_count":
+                loop_ops = sample.value
+            elif sample.name == "cdb_loop_batch_size_sum":
+                loop_tokens = sample.value
+    return OpCounters(ops, compute, int(loop_ops), int(loop_tokens))
+
+
+def _free_port() -> int:
+    """A loopback port free now (the scheduler binds it a moment later; nothing else here competes for it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 @contextmanager
@@ -130,5 +201,6 @@ def open_target(
         raise ValueError(f"target must be one of {', '.join(TARGETS)}; got {kind!r}")
     env = dict(os.environ)
     env["CDB_MAX_CONCURRENT_RPCS"] = str(max(int(env.get("CDB_MAX_CONCURRENT_RPCS", "1024")), max_live + 64))
-    with serve_all(cfg, "127.0.0.1:0", env=env) as tree:
-        yield DeploymentTarget(tree.address, timeout)
+    metrics = f"127.0.0.1:{_free_port()}"
+    with serve_all(cfg, "127.0.0.1:0", env=env, metrics_listen=metrics) as tree:
+        yield DeploymentTarget(tree.address, timeout, metrics)

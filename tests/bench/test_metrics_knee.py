@@ -114,3 +114,26 @@ def test_knee_ratio_and_latency_cut() -> None:
     assert knee_ratio({"cdb": knees["cdb"]}) is None
     assert latency_cut(0.02, 0.05) == pytest.approx(0.6)
     assert latency_cut(None, 0.05) is None
+
+
+def test_op_counters_read_from_the_scheduler_exposition_and_their_delta() -> None:
+    from cdb_bench.serve.metrics import op_summary
+    from cdb_bench.serve.targets import parse_counters
+    from services.telemetry.metrics import Metrics
+
+    m = Metrics("m", max_depth=4)
+    before = parse_counters(m.render())
+    assert before.ops == {"prelude": 0, "loop": 0, "head": 0} and before.loop_ops == 0
+    for size in (6, 2):
+        m.observe_loop_batch(size=size, capacity=8)
+        m.observe_stage_compute("loop", 0.004)
+    m.observe_stage_compute("loop", 0.01)  # a prefill loop op: compute, no decode batch
+    m.observe_stage_compute("head", 0.002)
+    m.observe_stage_compute("prelude", 0.001)
+    cost = parse_counters(m.render()).delta(before)
+    assert cost.ops == {"prelude": 1, "loop": 3, "head": 1} and (cost.loop_ops, cost.loop_tokens) == (2, 8)
+    assert cost.compute_s["loop"] == pytest.approx(0.018) and cost.compute_s["head"] == pytest.approx(0.002)
+    o = op_summary(cost.ops, cost.compute_s, cost.loop_ops, cost.loop_tokens, output_tokens=8, wall_s=0.1)
+    assert o["tokens_per_loop_op"] == 4 and o["tokens_per_head_op"] == 8
+    loop = o["stages"]["loop"]
+    assert loop["mean_op_ms"] == pytest.approx(6.0) and loop["busy"] == pytest.approx(0.18)

@@ -51,9 +51,36 @@ def _check_common(s: dict[str, Any], modes: list[str]) -> None:
     assert s["client_lag"]["max_s"] is not None
 
 
+def _check_ops(run: dict[str, Any]) -> None:
+    """A run's op costs: every generated token sampled by one head op, loop ops carry tokens, compute is spent."""
+    o = run["ops"]
+    assert set(o["stages"]) == {"prelude", "loop", "head"}
+    assert o["stages"]["prelude"]["ops"] >= 1 and o["loop_decode_ops"] >= 1  # a prelude op per prompt at least
+    assert o["stages"]["loop"]["ops"] >= o["loop_decode_ops"]  # prefill loop ops too
+    assert o["tokens_per_head_op"] == pytest.approx(run["output_tokens"] / o["stages"]["head"]["ops"])
+    assert 1 <= o["tokens_per_loop_op"] <= 8  # at most max_num_seqs (quick: 8)
+    for st in o["stages"].values():
+        assert st["compute_s"] > 0 and st["mean_op_ms"] > 0 and 0 < st["busy"] < 1
+
+
 def test_quick_in_process_reports_every_figure(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    s = _run(capsys, "--target", "in-process", "--out", str(tmp_path))
+    s = _run(capsys, "--target", "in-process", "--repeats", "2", "--out", str(tmp_path))
     _check_common(s, ["cdb", "no-refill", "full-depth"])
+    for m in s["modes"].values():
+        for run in m["runs"]:
+            _check_ops(run)
+    assert len(s["repeats"]) == 2 and s["repeats"][0]["modes"] == s["modes"]  # the first repeat is the top level
+    a = s["across_repeats"]
+    for mode in s["modes"]:
+        for rate in (8.0, 24.0):
+            per = [next(r for r in f["modes"][mode]["runs"] if r["rate"] == rate) for f in s["repeats"]]
+            nl = a["mean_normalized_latency_s"][mode][str(rate)]
+            assert nl["per_repeat"] == [r["normalized_latency_s"]["mean"] for r in per]
+            assert nl["min"] <= nl["median"] <= nl["max"] and nl["median"] == pytest.approx(sum(nl["per_repeat"]) / 2)
+    ratios = a["cdb_nl_over"]["no-refill"]["8.0"]["per_repeat"]
+    expect = [a["mean_normalized_latency_s"][m]["8.0"]["per_repeat"] for m in ("cdb", "no-refill")]
+    assert ratios == pytest.approx([x / y for x, y in zip(*expect)])
+    assert a["knees"]["cdb"]["per_repeat"] == [f["knees"]["cdb"] for f in s["repeats"]]
     fd = s["modes"]["full-depth"]["runs"]
     assert all(r["mean_depth"] == 4.0 for r in fd)  # full depth ignores the replayed depths
     assert all(r["mean_depth"] < 3.5 for r in s["modes"]["cdb"]["runs"])  # cdb serves them (mean 2.5 + prefill)
@@ -69,6 +96,10 @@ def test_quick_in_process_reports_every_figure(capsys: pytest.CaptureFixture[str
     itls = saved["modes"]["cdb"]["runs"][0]["per_request"]["itl_s"]
     outs = saved["modes"]["cdb"]["runs"][0]["per_request"]["output_tokens"]
     assert [len(x) for x in itls] == [n - 1 for n in outs]
+    small = json.loads((tmp_path / "summary.json").read_text())  # every figure, no per-request lists
+    assert small["across_repeats"] == saved["across_repeats"] and "per_request" not in small["modes"]["cdb"]["runs"][0]
+    second = [f["repeats"][1]["modes"]["cdb"]["runs"][0] for f in (small, saved)]
+    assert second[0]["ops"] == second[1]["ops"] and "per_request" in second[1]
     for name in ("nl_vs_rate.png", "ttft_p99_vs_rate.png", "nl_cdf_at_knee.png"):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -78,6 +109,8 @@ def test_quick_in_process_reports_every_figure(capsys: pytest.CaptureFixture[str
 def test_quick_deployment_one_mode_through_the_public_api(capsys: pytest.CaptureFixture[str]) -> None:
     s = _run(capsys, "--target", "deployment", "--modes", "cdb")
     _check_common(s, ["cdb"])
+    for run in s["modes"]["cdb"]["runs"]:
+        _check_ops(run)  # read from the scheduler's Prometheus exposition
     assert s["config"]["target"] == "deployment"
     assert all(r["mean_depth"] < 3.5 for r in s["modes"]["cdb"]["runs"])  # replayed depths crossed the API
     assert s["knee_ratio_cdb_over_full_depth"] is None and s["cut_at_full_depth_knee"] is None
