@@ -23,6 +23,7 @@ from cdb_scheduler.plan import (
 from cdb_scheduler.request import Request
 
 _STAGES = (Stage.PRELUDE, Stage.LOOP, Stage.HEAD)
+_OTHERS = {int(s): tuple(int(o) for o in _STAGES if o != s) for s in _STAGES}  # stage -> the other two
 
 
 class OpBuilder:
@@ -53,31 +54,40 @@ class OpBuilder:
     def _common(
         self, stage: Stage, rows: Sequence[int], reqs: Iterable[Request]
     ) -> tuple[int, tuple[Fence, ...], tuple[KVUpdate, ...], tuple[int, ...]]:
-        seq = self._next_seq[stage]
-        self._next_seq[stage] += 1
-        waits = [-1, -1, -1]
+        # Runs for every op over every row: plain ints and locals (the planning CPU per loop step is budgeted).
+        s = int(stage)
+        a, b = _OTHERS[s]
+        seq = self._next_seq[s]
+        self._next_seq[s] = seq + 1
+        row_last = self._row_last
+        wait_a = wait_b = -1
         for row in rows:
-            last = self._row_last.get(row)
+            last = row_last.get(row)
             if last is None:
-                last = self._row_last[row] = [-1, -1, -1]
-            for other in _STAGES:
-                if other != stage and last[other] > waits[other]:
-                    waits[other] = last[other]
-            last[stage] = seq
-        fences = tuple(Fence(s, waits[s]) for s in _STAGES if waits[s] >= 0)
-        sent = self._sent[stage]
+                last = row_last[row] = [-1, -1, -1]
+            else:
+                if last[a] > wait_a:
+                    wait_a = last[a]
+                if last[b] > wait_b:
+                    wait_b = last[b]
+            last[s] = seq
+        waits = {a: wait_a, b: wait_b}
+        fences = tuple(Fence(st, waits[st]) for st in _STAGES if st != s and waits[st] >= 0)
+        sent = self._sent[s]
         updates = []
         seen: set[int] = set()
         for req in reqs:
-            if req.rid in seen:
+            rid = req.rid
+            if rid in seen:
                 continue
-            seen.add(req.rid)
-            known = sent.get(req.rid, 0)
-            if len(req.blocks) > known:
-                updates.append(KVUpdate(req.rid, tuple(req.blocks[known:])))
-                sent[req.rid] = len(req.blocks)
-        released = tuple(self._released[stage])
-        self._released[stage].clear()
+            seen.add(rid)
+            n = len(req.blocks)
+            known = sent.get(rid, 0)
+            if n > known:
+                updates.append(KVUpdate(rid, tuple(req.blocks[known:])))
+                sent[rid] = n
+        released = tuple(self._released[s])
+        self._released[s].clear()
         return seq, fences, tuple(updates), released
 
     def prelude(

@@ -57,7 +57,7 @@ def pick_chunks(
     prefilled request is starved of KV blocks (the scheduler may then preempt)."""
     budget = cfg.prefill_token_budget
     picked: list[Chunk] = []
-    partial = [r for r in running.values() if r.prefilled < r.prompt_len]
+    partial = [r for r in running.values() if r.prefilled < len(r.prompt)]
     for req in partial:
         start = req.prefilled
         end = min(start + cfg.prefill_chunk_size, req.prompt_len)

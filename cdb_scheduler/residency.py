@@ -2,7 +2,8 @@
 
 It owns the waiting queue, the running table and both allocators (bank rows, KV blocks): a request holds a row
 and its blocks exactly while it is running; ``release`` frees both at once, whatever ends the stay (finish,
-abort, failure or preemption).
+abort, failure or preemption). ``releases`` counts them: a queued item can only go stale (its request finished
+or recomputed) through a release, so the scheduler rescans its queues for stale items only after one.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ class Residency:
         self.running: dict[int, Request] = {}
         self._ops = ops
         self._stats = stats
+        self.releases = 0  # stays ended so far (finish, abort, failure, preemption, recovery)
 
     def abort(self, rid: int, reason: FinishReason) -> list[Event]:
         """End request ``rid`` (waiting or running) now; [] if it is not live."""
@@ -38,6 +40,7 @@ class Residency:
         return [self.finish(req, reason)]
 
     def release(self, req: Request) -> None:
+        self.releases += 1
         self.running.pop(req.rid, None)
         if req.row >= 0:
             self.rows.free(req.rid, [req.row])

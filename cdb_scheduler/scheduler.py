@@ -39,6 +39,7 @@ class Scheduler:
         self.ops = OpBuilder()
         self.stats = SchedulerStats()
         self.residency = Residency(config, self.ops, self.stats)
+        self._scanned: dict[int, int] = {}  # id of a queue -> residency.releases at its last stale scan
         res = self.residency  # its queue, table and allocators under their usual names
         self.waiting, self.running, self.rows, self.blocks = res.waiting, res.running, res.rows, res.blocks
         self.ready: deque[Item] = deque()  # loop work, head = next to run
@@ -252,7 +253,7 @@ class Scheduler:
         for seq in [res.seq, *sorted(self._loop)]:
             fl = flight if seq == res.seq else self._loop[seq]
             for it in fl.items:
-                if it.live and it.pending_since == seq:
+                if it.pending_since == seq and it.live:
                     self._route(it, cont)
         self.ready.extendleft(reversed(cont))
 
@@ -337,8 +338,13 @@ class Scheduler:
             if it.live:
                 self._place_successor(it)
 
-    @staticmethod
-    def _drop_stale(q: deque[Item]) -> None:
+    def _drop_stale(self, q: deque[Item]) -> None:
+        """Remove the stale items of ``q`` (one of the three queues). Items enter a queue live, and only a
+        release (``Residency.releases``) makes one stale, so a queue scanned since the last release is clean."""
+        releases = self.residency.releases
+        if self._scanned.get(id(q)) == releases:
+            return
+        self._scanned[id(q)] = releases
         if any(not it.live for it in q):
             live = [it for it in q if it.live]
             q.clear()
