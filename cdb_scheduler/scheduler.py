@@ -229,6 +229,7 @@ class Scheduler:
         if pf is not None and pf.seqs.get(res.stage) == res.seq:
             self._on_prefill(pf, res, events)
         elif res.stage is Stage.LOOP:
+            self.stats.loop_decode_compute_s += res.compute_s
             self._on_loop(res, events)
         elif res.stage is Stage.HEAD:
             self._on_head(res, events)

@@ -19,6 +19,7 @@ class SchedulerStats:
     depth_hist: dict[int, int] = field(default_factory=dict)  # served depth -> tokens
     compute_s: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])  # per stage, from results
     ops: list[int] = field(default_factory=lambda: [0, 0, 0])  # results consumed, per stage
+    loop_decode_compute_s: float = 0.0  # the loop stage's compute in decode ops (prefill loop ops excluded)
     sched_cpu_s: float = 0.0  # scheduler thread CPU time in schedule() and on_result()
 
     def on_loop_issue(self, batch: int, width: int) -> None:

@@ -171,31 +171,50 @@ def _r(x: float | int | None) -> float | int | None:
     return round(x, 6) if isinstance(x, float) else x
 
 
-def op_summary(
-    ops: dict[str, int],
-    compute_s: dict[str, float],
-    loop_ops: int,
-    loop_tokens: int,
-    output_tokens: int,
-    wall_s: float,
-) -> dict[str, Any]:
+@dataclass(frozen=True, slots=True)
+class OpCounters:
+    """Cumulative op counters of a target; ``delta`` of two snapshots is what one run cost."""
+
+    ops: dict[str, int] = field(default_factory=dict)  # stage role -> ops completed
+    compute_s: dict[str, float] = field(default_factory=dict)  # stage role -> the stage's own compute seconds
+    loop_ops: int = 0  # decode loop ops
+    loop_tokens: int = 0  # tokens in them
+    loop_decode_s: float = 0.0  # the loop stage's compute in them
+
+    def delta(self, before: OpCounters) -> OpCounters:
+        return OpCounters(
+            {k: v - before.ops.get(k, 0) for k, v in self.ops.items()},
+            {k: v - before.compute_s.get(k, 0.0) for k, v in self.compute_s.items()},
+            self.loop_ops - before.loop_ops,
+            self.loop_tokens - before.loop_tokens,
+            self.loop_decode_s - before.loop_decode_s,
+        )
+
+
+def op_summary(cost: OpCounters, output_tokens: int, wall_s: float) -> dict[str, Any]:
     """What a run cost op by op: per stage its ops, compute seconds, mean compute per op and busy fraction (its
-    compute over the run's wall time); decode loop ops and their mean tokens; generated tokens per head op (each
-    token is sampled by exactly one head op)."""
+    compute over the run's wall time); the loop stage's decode ops apart (count, mean tokens, mean compute) from its
+    prefill ops (which run every step over a prompt chunk); generated tokens per head op (each token is sampled by
+    exactly one head op)."""
     stages = {
         role: {
             "ops": n,
-            "compute_s": compute_s.get(role, 0.0),
-            "mean_op_ms": 1e3 * compute_s.get(role, 0.0) / n if n else None,
-            "busy": compute_s.get(role, 0.0) / wall_s if wall_s > 0 else None,
+            "compute_s": cost.compute_s.get(role, 0.0),
+            "mean_op_ms": 1e3 * cost.compute_s.get(role, 0.0) / n if n else None,
+            "busy": cost.compute_s.get(role, 0.0) / wall_s if wall_s > 0 else None,
         }
-        for role, n in ops.items()
+        for role, n in cost.ops.items()
     }
-    head = ops.get("head", 0)
+    head = cost.ops.get("head", 0)
+    prefill_ops = cost.ops.get("loop", 0) - cost.loop_ops
+    prefill_s = cost.compute_s.get("loop", 0.0) - cost.loop_decode_s
     return {
         "wall_s": wall_s,
         "stages": stages,
-        "loop_decode_ops": loop_ops,
-        "tokens_per_loop_op": loop_tokens / loop_ops if loop_ops else None,
+        "loop_decode_ops": cost.loop_ops,
+        "tokens_per_loop_op": cost.loop_tokens / cost.loop_ops if cost.loop_ops else None,
+        "loop_decode_op_ms": 1e3 * cost.loop_decode_s / cost.loop_ops if cost.loop_ops else None,
+        "loop_prefill_ops": prefill_ops,
+        "loop_prefill_op_ms": 1e3 * prefill_s / prefill_ops if prefill_ops > 0 else None,
         "tokens_per_head_op": output_tokens / head if head else None,
     }

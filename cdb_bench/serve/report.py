@@ -15,7 +15,8 @@ The ``--json`` object (``serve.json``: the same plus every request's inter-token
   ``ttft_s`` / ``tpot_s`` / ``itl_s`` / ``e2e_s`` / ``normalized_latency_s`` each {mean, p50, p90, p99},
   client_lag {mean_s, p99_s, max_s}, queue {interval_s, samples [[t, waiting, running]], mean/max waiting and
   running}, ops {wall_s, stages.<prelude|loop|head> {ops, compute_s, mean_op_ms, busy}, loop_decode_ops,
-  tokens_per_loop_op, tokens_per_head_op}, per_request {arrival_s, client_lag_s, prompt_tokens, output_tokens,
+  tokens_per_loop_op, loop_decode_op_ms, loop_prefill_ops, loop_prefill_op_ms, tokens_per_head_op},
+  per_request {arrival_s, client_lag_s, prompt_tokens, output_tokens,
   ttft_s, tpot_s, e2e_s, normalized_latency_s};
 - ``modes.<mode>.knee``: {rate, failing, censored, bisect_steps, bound}; ``knees``: mode -> knee rate;
 - ``knee_ratio_cdb_over_full_depth``; ``cut_at_full_depth_knee``: {rate, normalized_latency_s per mode, cut per
@@ -98,9 +99,10 @@ def table(s: dict[str, Any]) -> str:
 def _op_lines(s: dict[str, Any]) -> list[str]:
     """Per mode and rate, what the run cost op by op (the first repeat)."""
     lines = [
-        "op costs (first repeat): ops per stage, mean compute per op (ms) and busy fraction of the run's wall time",
-        f"{'mode':<10} {'req/s':>8} {'loop ops':>8} {'tok/op':>6} {'ms/op':>6} {'busy':>5} {'head ops':>8} "
-        f"{'tok/op':>6} {'ms/op':>6} {'busy':>5} {'pre ops':>7} {'ms/op':>6} {'busy':>5}",
+        "op costs (first repeat): ops, mean compute per op (ms), busy fraction of the run's wall time; loop decode "
+        "and prefill ops apart",
+        f"{'mode':<10} {'req/s':>8} {'dec ops':>7} {'tok/op':>6} {'ms/op':>6} {'pf ops':>6} {'ms/op':>6} "
+        f"{'busy':>5} {'head ops':>8} {'tok/op':>6} {'ms/op':>6} {'busy':>5} {'pre ops':>7} {'ms/op':>6} {'busy':>5}",
     ]
 
     def num(x: float | None, spec: str) -> str:
@@ -111,8 +113,9 @@ def _op_lines(s: dict[str, Any]) -> list[str]:
             o = run["ops"]
             lp, hd, pr = (o["stages"][k] for k in ("loop", "head", "prelude"))
             lines.append(
-                f"{mode:<10} {run['rate']:>8.4g} {lp['ops']:>8d} {num(o['tokens_per_loop_op'], '.1f'):>6} "
-                f"{num(lp['mean_op_ms'], '.2f'):>6} {num(lp['busy'], '.2f'):>5} {hd['ops']:>8d} "
+                f"{mode:<10} {run['rate']:>8.4g} {o['loop_decode_ops']:>7d} {num(o['tokens_per_loop_op'], '.1f'):>6} "
+                f"{num(o['loop_decode_op_ms'], '.2f'):>6} {o['loop_prefill_ops']:>6d} "
+                f"{num(o['loop_prefill_op_ms'], '.2f'):>6} {num(lp['busy'], '.2f'):>5} {hd['ops']:>8d} "
                 f"{num(o['tokens_per_head_op'], '.1f'):>6} {num(hd['mean_op_ms'], '.2f'):>6} "
                 f"{num(hd['busy'], '.2f'):>5} {pr['ops']:>7d} {num(pr['mean_op_ms'], '.2f'):>6} "
                 f"{num(pr['busy'], '.2f'):>5}"

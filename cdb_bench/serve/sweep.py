@@ -87,9 +87,7 @@ def measure(
     cost = target.counters().delta(before)
     summary = summarize_run(records, rate, sc.slo)
     summary["queue"] = queue_summary(samples, sc.sample_interval)
-    summary["ops"] = op_summary(
-        cost.ops, cost.compute_s, cost.loop_ops, cost.loop_tokens, summary["output_tokens"], summary["duration_s"]
-    )
+    summary["ops"] = op_summary(cost, summary["output_tokens"], summary["duration_s"])
     return summary, itl_lists(records)
 
 

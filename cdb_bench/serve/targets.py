@@ -21,12 +21,13 @@ import socket
 import urllib.request
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Protocol
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from cdb_bench.serve.driver import Connection
+from cdb_bench.serve.metrics import OpCounters
 from cdb_bench.serve.requests import ServeRequest
 from cdb_engine.config import EngineConfig, RequestParams
 from cdb_engine.engine import Engine
@@ -41,24 +42,6 @@ from services.launcher import serve_all
 
 TARGETS = ("in-process", "deployment")
 _DONE = (FinishReason.LENGTH, FinishReason.STOP)
-
-
-@dataclass(frozen=True, slots=True)
-class OpCounters:
-    """Cumulative op counters of a target; ``delta`` of two snapshots is what one run cost."""
-
-    ops: dict[str, int] = field(default_factory=dict)  # stage role -> ops completed
-    compute_s: dict[str, float] = field(default_factory=dict)  # stage role -> the stage's own compute seconds
-    loop_ops: int = 0  # decode loop ops
-    loop_tokens: int = 0  # tokens in them
-
-    def delta(self, before: OpCounters) -> OpCounters:
-        return OpCounters(
-            {k: v - before.ops.get(k, 0) for k, v in self.ops.items()},
-            {k: v - before.compute_s.get(k, 0.0) for k, v in self.compute_s.items()},
-            self.loop_ops - before.loop_ops,
-            self.loop_tokens - before.loop_tokens,
-        )
 
 
 class Target(Protocol):
@@ -115,6 +98,7 @@ class InProcessTarget:
             {st.role: s.compute_s[st] for st in Stage},
             s.loop_steps,
             s.loop_tokens,
+            s.loop_decode_compute_s,
         )
 
 
@@ -158,11 +142,12 @@ class DeploymentTarget:
 
 
 def parse_counters(text: str) -> OpCounters:
-    """``OpCounters`` from the scheduler's exposition: ``cdb_stage_compute_seconds`` (count and sum per stage)
-    and ``cdb_loop_batch_size`` (count and sum: decode loop ops and their tokens)."""
+    """``OpCounters`` from the scheduler's exposition: ``cdb_stage_compute_seconds`` (count and sum per stage),
+    ``cdb_loop_batch_size`` (count and sum: decode loop ops and their tokens) and
+    ``cdb_loop_decode_compute_seconds_total``."""
     ops: dict[str, int] = {st.role: 0 for st in Stage}
     compute: dict[str, float] = {st.role: 0.0 for st in Stage}
-    loop_ops = loop_tokens = 0.0
+    loop_ops = loop_tokens = loop_decode = 0.0
     for fam in text_string_to_metric_families(text):
         for sample in fam.samples:
             if sample.name == "cdb_stage_compute_seconds_count":
@@ -173,7 +158,9 @@ def parse_counters(text: str) -> OpCounters:
                 loop_ops = sample.value
             elif sample.name == "cdb_loop_batch_size_sum":
                 loop_tokens = sample.value
-    return OpCounters(ops, compute, int(loop_ops), int(loop_tokens))
+            elif sample.name == "cdb_loop_decode_compute_seconds_total":
+                loop_decode = sample.value
+    return OpCounters(ops, compute, int(loop_ops), int(loop_tokens), loop_decode)
 
 
 def _free_port() -> int:

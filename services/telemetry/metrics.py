@@ -197,6 +197,9 @@ class Metrics:
             ["rule", "source"],
         )
         self.refills = c("cdb_refill_events_total", "Loop slots refilled by a waiting token after an exit.")
+        self.loop_decode_compute = c(
+            "cdb_loop_decode_compute_seconds_total", "The loop stage's own compute in decode ops (not prefill ops)."
+        )
         self.compute = h("cdb_stage_compute_seconds", "A stage's own compute time per op.", COMPUTE_BUCKETS, ["stage"])
         self.stages_attached = OptionalGauge(
             "cdb_stages_attached",
@@ -261,10 +264,12 @@ class Metrics:
         self.rejected.inc(1, code)
 
     # --- per engine step (scheduler loop / executor) ------------------------------------------------------
-    def observe_loop_batch(self, size: int, capacity: int) -> None:
-        """Per loop-stage decode op: tokens in it and the loop batch capacity (``max_num_seqs``)."""
+    def observe_loop_batch(self, size: int, capacity: int, compute_s: float = 0.0) -> None:
+        """Per loop-stage decode op: tokens in it, the loop batch capacity (``max_num_seqs``), its compute time."""
         self.batch_size.observe(size)
         self.occupancy.observe(size / capacity if capacity else 0.0)
+        if compute_s > 0:
+            self.loop_decode_compute.inc(compute_s)
 
     def observe_stage_compute(self, stage: str, seconds: float) -> None:
         """Per stage result: the stage's own compute time (``StageResult.compute_s``)."""

@@ -45,7 +45,7 @@ class OpRecorder:
         if not result.error:
             self.metrics.observe_stage_compute(op.stage.role, result.compute_s)
             if isinstance(op, LoopOp) and not op.prefill:
-                self.metrics.observe_loop_batch(len(op.rids), self.capacity)
+                self.metrics.observe_loop_batch(len(op.rids), self.capacity, result.compute_s)
         if self.traces is not None:
             self.traces.on_op_done(op, result, sent_ns, done_ns)
 

@@ -125,7 +125,7 @@ def test_op_counters_read_from_the_scheduler_exposition_and_their_delta() -> Non
     before = parse_counters(m.render())
     assert before.ops == {"prelude": 0, "loop": 0, "head": 0} and before.loop_ops == 0
     for size in (6, 2):
-        m.observe_loop_batch(size=size, capacity=8)
+        m.observe_loop_batch(size=size, capacity=8, compute_s=0.004)
         m.observe_stage_compute("loop", 0.004)
     m.observe_stage_compute("loop", 0.01)  # a prefill loop op: compute, no decode batch
     m.observe_stage_compute("head", 0.002)
@@ -133,7 +133,10 @@ def test_op_counters_read_from_the_scheduler_exposition_and_their_delta() -> Non
     cost = parse_counters(m.render()).delta(before)
     assert cost.ops == {"prelude": 1, "loop": 3, "head": 1} and (cost.loop_ops, cost.loop_tokens) == (2, 8)
     assert cost.compute_s["loop"] == pytest.approx(0.018) and cost.compute_s["head"] == pytest.approx(0.002)
-    o = op_summary(cost.ops, cost.compute_s, cost.loop_ops, cost.loop_tokens, output_tokens=8, wall_s=0.1)
+    assert cost.loop_decode_s == pytest.approx(0.008)
+    o = op_summary(cost, output_tokens=8, wall_s=0.1)
+    assert o["loop_decode_op_ms"] == pytest.approx(4.0) and o["loop_prefill_ops"] == 1
+    assert o["loop_prefill_op_ms"] == pytest.approx(10.0)
     assert o["tokens_per_loop_op"] == 4 and o["tokens_per_head_op"] == 8
     loop = o["stages"]["loop"]
     assert loop["mean_op_ms"] == pytest.approx(6.0) and loop["busy"] == pytest.approx(0.18)

@@ -59,6 +59,8 @@ def _check_ops(run: dict[str, Any]) -> None:
     assert o["stages"]["loop"]["ops"] >= o["loop_decode_ops"]  # prefill loop ops too
     assert o["tokens_per_head_op"] == pytest.approx(run["output_tokens"] / o["stages"]["head"]["ops"])
     assert 1 <= o["tokens_per_loop_op"] <= 8  # at most max_num_seqs (quick: 8)
+    assert o["loop_prefill_ops"] == o["stages"]["loop"]["ops"] - o["loop_decode_ops"] >= 1  # one prompt at least
+    assert o["loop_decode_op_ms"] > 0 and o["loop_prefill_op_ms"] > 0
     for st in o["stages"].values():
         assert st["compute_s"] > 0 and st["mean_op_ms"] > 0 and 0 < st["busy"] < 1
 

@@ -31,6 +31,7 @@ CDB_FAMILIES = {
     "cdb_served_depth_mean": "gauge",
     "cdb_exit_threshold": "gauge",
     "cdb_refill_events_total": "counter",
+    "cdb_loop_decode_compute_seconds_total": "counter",
     "cdb_stage_compute_seconds": "histogram",
     "cdb_stages_attached": "gauge",
     "cdb_stage_recoveries_total": "counter",
@@ -106,7 +107,7 @@ def test_scrape_reports_what_was_observed(server: tuple[Metrics, MetricsServer])
     metrics.observe_request_end(0.05, "stop")
     metrics.observe_request_end(0.5, "cancelled")
     metrics.observe_rejected("RESOURCE_EXHAUSTED")
-    metrics.observe_loop_batch(size=6, capacity=8)
+    metrics.observe_loop_batch(size=6, capacity=8, compute_s=0.0008)
     metrics.observe_stage_compute("loop", 0.0008)
     metrics.observe_stage_compute("head", 0.0003)
     metrics.inc_refills(3)
@@ -139,6 +140,7 @@ def test_scrape_reports_what_was_observed(server: tuple[Metrics, MetricsServer])
     assert s['cdb_stage_compute_seconds_count{stage="loop"}'] == 1
     assert s['cdb_stage_compute_seconds_bucket{le="0.0005",stage="head"}'] == 1
     assert s["cdb_refill_events_total"] == 3
+    assert s["cdb_loop_decode_compute_seconds_total"] == pytest.approx(0.0008)
     assert (s["cdb_requests_waiting"], s["cdb_requests_running"]) == (2, 5)
     assert (s["cdb_kv_blocks_used"], s["cdb_kv_blocks_total"]) == (10, 64)
     assert (s["cdb_bank_rows_used"], s["cdb_bank_rows_total"]) == (5, 40)
