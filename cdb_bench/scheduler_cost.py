@@ -3,8 +3,9 @@
 The scheduler runs alone against instant stages (every op completes the moment it is polled), in steady state:
 ``--max-num-seqs`` resident requests with replayed depths, a new request arriving as each one ends. Its thread CPU
 in ``schedule()`` and ``on_result()`` per loop step is divided by the time one real loop step over that many
-tokens takes on the model (``cdb_bench.step_time.time_loop_step``). Planning overlaps with compute on its own
-thread, so this fraction is what it costs on the CPU, not latency.
+tokens takes on the model (``cdb_bench.step_time.LoopStepTimer``), timed after each eighth of the steady window and
+set against that eighth's planning (the median of the eight ratios: a shared machine's speed drifts by minutes).
+Planning overlaps with compute on its own thread, so this fraction is what it costs on the CPU, not latency.
 """
 
 from __future__ import annotations
@@ -12,12 +13,15 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import time
+import statistics
 from collections import deque
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 from cdb_bench import outputs
-from cdb_bench.step_time import time_loop_step
+from cdb_bench.step_time import LoopStepTimer
 from cdb_bench.workload import depth_sampler
 from cdb_model.presets import preset_config
 from cdb_scheduler.config import Mode, SchedulerConfig
@@ -48,9 +52,19 @@ class InstantStages:
 
 
 def scheduler_cpu_per_step(
-    max_num_seqs: int, max_depth: int, steps: int, depth_mean: float, seed: int = 0, mode: Mode = Mode.CDB
-) -> dict[str, float]:
-    """Drive a scheduler for ``steps`` decode loop steps in steady state; its CPU seconds per loop step."""
+    max_num_seqs: int,
+    max_depth: int,
+    steps: int,
+    depth_mean: float,
+    seed: int = 0,
+    mode: Mode = Mode.CDB,
+    probe: Callable[[], float] | None = None,
+    chunks: int = 8,
+) -> dict[str, Any]:
+    """Drive a scheduler for ``steps`` decode loop steps in steady state; its CPU seconds per loop step. With
+    ``probe`` (the reference step's time in ms), the steady window is cut into ``chunks``, ``probe`` runs after
+    each, and each chunk's planning CPU per step is divided by the step time measured right after it: on a machine
+    whose speed drifts, both sides of every ratio come from the same minute (``chunk_ratios``; their median)."""
     rng = random.Random(seed)
     draw = depth_sampler(rng, depth_mean, 1, max_depth)
     cfg = SchedulerConfig(
@@ -69,7 +83,11 @@ def scheduler_cpu_per_step(
 
     for _ in range(max_num_seqs * 2):
         arrive()
-    warm = start = None
+    warm: tuple[float, int] | None = None
+    marks: list[tuple[float, int]] = []  # (planning CPU, loop steps) at each chunk boundary
+    ratios: list[float] = []
+    probes: list[float] = []
+    chunk = max(1, (steps - steps // 10) // chunks)
     while sched.stats.loop_steps < steps:
         for op in sched.schedule():
             stages.submit(op)
@@ -79,11 +97,22 @@ def scheduler_cpu_per_step(
         for ev in sched.on_result(res):
             if isinstance(ev, Finished):
                 arrive()
-        if warm is None and sched.stats.loop_steps >= steps // 10:  # past the admission ramp
-            warm, start = (sched.stats.sched_cpu_s, sched.stats.loop_steps), time.perf_counter()
-    assert warm is not None and start is not None
+        st = sched.stats
+        if warm is None:
+            if st.loop_steps >= steps // 10:  # past the admission ramp
+                warm = (st.sched_cpu_s, st.loop_steps)
+                marks.append(warm)
+        elif probe is not None and st.loop_steps - marks[-1][1] >= chunk:
+            cpu, n = st.sched_cpu_s - marks[-1][0], st.loop_steps - marks[-1][1]
+            probes.append(probe())
+            ratios.append(1e3 * cpu / n / probes[-1])
+            marks.append((st.sched_cpu_s, st.loop_steps))
+    assert warm is not None
     cpu, n = sched.stats.sched_cpu_s - warm[0], sched.stats.loop_steps - warm[1]
-    return {"sched_cpu_s_per_step": cpu / n, "occupancy": sched.stats.occupancy, "loop_steps": n}
+    out: dict[str, Any] = {"sched_cpu_s_per_step": cpu / n, "occupancy": sched.stats.occupancy, "loop_steps": n}
+    if ratios:
+        out |= {"chunk_ratios": ratios, "chunk_step_ms": probes, "ratio_median": statistics.median(ratios)}
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,10 +128,13 @@ def main(argv: list[str] | None = None) -> int:
     max_depth = preset_config(args.model).max_depth
     rows = []
     for width in outputs.progress(args.max_num_seqs, len(args.max_num_seqs), "widths", not args.no_progress):
-        fig = scheduler_cpu_per_step(width, max_depth, args.steps, args.depth_mean)
-        step_ms = time_loop_step(args.model, tokens=width)
-        fig.update(max_num_seqs=width, loop_step_ms=step_ms)
-        fig["sched_cpu_over_step_compute"] = 1e3 * fig["sched_cpu_s_per_step"] / step_ms
+        timer = LoopStepTimer(args.model, tokens=width)
+        fig = scheduler_cpu_per_step(width, max_depth, args.steps, args.depth_mean, probe=partial(timer.ms, 5))
+        if "ratio_median" not in fig:  # a window too short for one chunk: one step time for all of it
+            step_ms = timer.ms()
+            fig |= {"chunk_step_ms": [step_ms], "ratio_median": 1e3 * fig["sched_cpu_s_per_step"] / step_ms}
+        fig.update(max_num_seqs=width, loop_step_ms=statistics.median(fig["chunk_step_ms"]))
+        fig["sched_cpu_over_step_compute"] = fig["ratio_median"]
         rows.append(fig)
     summary = {"model": args.model, "depth_mean": args.depth_mean, "widths": rows}
     if args.out:

@@ -15,27 +15,40 @@ from cdb_model.presets import build_preset, preset_config, preset_names
 from cdb_scheduler.plan import KVUpdate, Stage
 
 
+class LoopStepTimer:
+    """One decode loop step of a preset over ``tokens`` requests with ``context`` positions each (float32), built
+    once and timed on demand."""
+
+    def __init__(self, name: str, tokens: int = 32, context: int = 64) -> None:
+        c = preset_config(name)
+        self.model = build_preset(name, stages={Stage.LOOP})
+        block = 16
+        per_req = -(-context // block)
+        self.pool = PagedKVPool(
+            c.num_loop_layers, 1, tokens * per_req, block, c.num_kv_heads, c.head_dim, dtype=torch.float32, device="cpu"
+        )
+        self.tables = BlockTables()
+        self.tables.apply(KVUpdate(r, tuple(range(r * per_req, (r + 1) * per_req))) for r in range(tokens))
+        self.tokens, self.context = tokens, context
+        self.positions = torch.full((tokens,), context - 1)
+        self.rows = torch.randn(tokens, c.bank_width)
+
+    def ms(self, repeats: int = 20) -> float:
+        """The fastest of ``repeats`` steps, in milliseconds."""
+        n, pos = self.tokens, self.context - 1
+        with torch.inference_mode():
+            best = float("inf")
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                kv = PagedKV(self.pool, self.tables, range(n), [pos] * n, [0] * n)
+                self.model.loop_step(self.rows, self.positions, torch.zeros(n, dtype=torch.long), kv)
+                best = min(best, time.perf_counter() - t0)
+        return best * 1e3
+
+
 def time_loop_step(name: str, tokens: int = 32, context: int = 64, repeats: int = 20) -> float:
     """Milliseconds of one decode loop step over ``tokens`` requests with ``context`` positions each (float32)."""
-    c = preset_config(name)
-    model = build_preset(name, stages={Stage.LOOP})
-    block = 16
-    per_req = -(-context // block)
-    pool = PagedKVPool(
-        c.num_loop_layers, 1, tokens * per_req, block, c.num_kv_heads, c.head_dim, dtype=torch.float32, device="cpu"
-    )
-    tables = BlockTables()
-    tables.apply(KVUpdate(r, tuple(range(r * per_req, (r + 1) * per_req))) for r in range(tokens))
-    positions = torch.full((tokens,), context - 1)
-    rows = torch.randn(tokens, c.bank_width)
-    with torch.inference_mode():
-        best = float("inf")
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            kv = PagedKV(pool, tables, range(tokens), [context - 1] * tokens, [0] * tokens)
-            model.loop_step(rows, positions, torch.zeros(tokens, dtype=torch.long), kv)
-            best = min(best, time.perf_counter() - t0)
-    return best * 1e3
+    return LoopStepTimer(name, tokens, context).ms(repeats)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 import pytest
@@ -40,6 +41,20 @@ def test_scheduler_cpu_per_step_is_measured_in_steady_state() -> None:
     fig = scheduler_cpu_per_step(max_num_seqs=16, max_depth=4, steps=200, depth_mean=2.5)
     assert fig["loop_steps"] >= 150 and 0 < fig["sched_cpu_s_per_step"] < 0.05
     assert fig["occupancy"] > 0.8, "steady state keeps the loop batch full"
+    assert "chunk_ratios" not in fig  # no reference step to divide by
+
+
+def test_the_reference_step_is_timed_after_every_chunk_of_the_steady_window() -> None:
+    calls: list[int] = []
+
+    def probe() -> float:
+        calls.append(1)
+        return 2.0  # ms
+
+    fig = scheduler_cpu_per_step(max_num_seqs=16, max_depth=4, steps=400, depth_mean=2.5, probe=probe, chunks=4)
+    assert len(calls) == len(fig["chunk_ratios"]) == len(fig["chunk_step_ms"]) in (3, 4)  # the last may fall short
+    assert fig["chunk_step_ms"] == [2.0] * len(calls) and all(r > 0 for r in fig["chunk_ratios"])
+    assert fig["ratio_median"] == statistics.median(fig["chunk_ratios"])
 
 
 def test_the_scheduler_benchmark_writes_json_and_a_plot(tmp_path: Path) -> None:
