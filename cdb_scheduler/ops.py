@@ -23,7 +23,7 @@ from cdb_scheduler.plan import (
 from cdb_scheduler.request import Request
 
 _STAGES = (Stage.PRELUDE, Stage.LOOP, Stage.HEAD)
-_OTHERS = {int(s): tuple(int(o) for o in _STAGES if o != s) for s in _STAGES}  # stage -> the other two
+_OTHERS = {int(s): tuple(int(o) for o in _STAGES if o != s) for s in _STAGES}  # stage -> the other two, in order
 
 
 class OpBuilder:
@@ -71,8 +71,7 @@ class OpBuilder:
                 if last[b] > wait_b:
                     wait_b = last[b]
             last[s] = seq
-        waits = {a: wait_a, b: wait_b}
-        fences = tuple(Fence(st, waits[st]) for st in _STAGES if st != s and waits[st] >= 0)
+        fences = tuple(Fence(_STAGES[st], w) for st, w in ((a, wait_a), (b, wait_b)) if w >= 0)  # in stage order
         sent = self._sent[s]
         updates = []
         seen: set[int] = set()

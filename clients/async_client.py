@@ -15,60 +15,29 @@ from collections.abc import AsyncIterator, Sequence
 from types import TracebackType
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 from typing_extensions import Unpack
 
 from cdb_api.v1 import generation_pb2 as pb
-from cdb_api.v1 import generation_pb2_grpc
-from clients.balancing import LbPolicy, RetryPolicy
 from clients.common import (
-    DEFAULT_RETRY,
-    ChannelOptions,
+    ClientBase,
     GenerateOptions,
     GenerateResult,
+    Metadata,
     ServerInfo,
     StreamFinish,
     StreamToken,
-    TlsOptions,
-    address_text,
-    api_key_metadata,
     build_request,
-    open_channel,
     stream_item,
 )
 
-Metadata = Sequence[tuple[str, str]]
 
-
-class AsyncClient:
+class AsyncClient(ClientBase):
     """A ``grpc.aio`` channel to one server or several replicas; create it inside a running event loop. ``tls``,
     ``api_key``, ``lb_policy``, ``retry``, ``options``: as for ``Client``."""
 
-    def __init__(
-        self,
-        address: str | Sequence[str],
-        *,
-        timeout: float | None = None,
-        metadata: Metadata = (),
-        tls: TlsOptions | None = None,
-        api_key: str | None = None,
-        lb_policy: LbPolicy | str = LbPolicy.ROUND_ROBIN,
-        retry: RetryPolicy | None = DEFAULT_RETRY,
-        options: ChannelOptions = (),
-    ) -> None:
-        self.address = address_text(address)
-        self.timeout = timeout
-        self.metadata = tuple(metadata)
-        self._auth = api_key_metadata(api_key)
-        self.channel = open_channel(address, tls=tls, aio=True, lb_policy=lb_policy, retry=retry, options=options)
-        self._stub = generation_pb2_grpc.GenerationStub(self.channel)
-        self._health = health_pb2_grpc.HealthStub(self.channel)
-
-    def _kw(self, timeout: float | None, metadata: Metadata) -> dict[str, object]:
-        return {
-            "timeout": self.timeout if timeout is None else timeout,
-            "metadata": self.metadata + self._auth + tuple(metadata),
-        }
+    _AIO = True
+    channel: grpc.aio.Channel
 
     async def generate(
         self,

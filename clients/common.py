@@ -15,11 +15,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, TypedDict, overload
+from typing import ClassVar, Literal, TypedDict, overload
 
 import grpc
+from grpc_health.v1 import health_pb2_grpc
 
 from cdb_api.v1 import generation_pb2 as pb
+from cdb_api.v1 import generation_pb2_grpc
 from clients.balancing import LbPolicy, RetryPolicy, channel_options, channel_target
 
 ChannelOptions = Sequence[tuple[str, str | int]]
@@ -103,6 +105,18 @@ def open_channel(
 ) -> grpc.aio.Channel: ...
 
 
+@overload
+def open_channel(
+    address: str | Sequence[str],
+    *,
+    tls: TlsOptions | None = ...,
+    aio: bool,
+    options: ChannelOptions = ...,
+    lb_policy: LbPolicy | str = ...,
+    retry: RetryPolicy | None = ...,
+) -> grpc.Channel | grpc.aio.Channel: ...
+
+
 def open_channel(
     address: str | Sequence[str],
     *,
@@ -133,6 +147,43 @@ def open_channel(
 def address_text(address: str | Sequence[str]) -> str:
     """``address`` as one string, for messages."""
     return address if isinstance(address, str) else ",".join(address)
+
+
+Metadata = Sequence[tuple[str, str]]
+
+
+class ClientBase:
+    """What ``Client`` and ``AsyncClient`` share: the address, each call's default deadline and metadata, the API
+    key, the channel (``grpc.aio`` when the class sets ``_AIO``) and its stubs."""
+
+    _AIO: ClassVar[bool] = False
+    channel: grpc.Channel | grpc.aio.Channel
+
+    def __init__(
+        self,
+        address: str | Sequence[str],
+        *,
+        timeout: float | None = None,
+        metadata: Metadata = (),
+        tls: TlsOptions | None = None,
+        api_key: str | None = None,
+        lb_policy: LbPolicy | str = LbPolicy.ROUND_ROBIN,
+        retry: RetryPolicy | None = DEFAULT_RETRY,
+        options: ChannelOptions = (),
+    ) -> None:
+        self.address = address_text(address)
+        self.timeout = timeout
+        self.metadata = tuple(metadata)  # e.g. W3C ``traceparent``, sent with every call
+        self._auth = api_key_metadata(api_key)
+        self.channel = open_channel(address, tls=tls, aio=self._AIO, lb_policy=lb_policy, retry=retry, options=options)
+        self._stub = generation_pb2_grpc.GenerationStub(self.channel)
+        self._health = health_pb2_grpc.HealthStub(self.channel)
+
+    def _kw(self, timeout: float | None, metadata: Metadata) -> dict[str, object]:
+        return {
+            "timeout": self.timeout if timeout is None else timeout,
+            "metadata": self.metadata + self._auth + tuple(metadata),
+        }
 
 
 FINISH_REASONS = {

@@ -21,62 +21,30 @@ from collections.abc import Iterator, Sequence
 from types import TracebackType
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 from typing_extensions import Unpack
 
 from cdb_api.v1 import generation_pb2 as pb
-from cdb_api.v1 import generation_pb2_grpc
-from clients.balancing import LbPolicy, RetryPolicy
 from clients.common import (
-    DEFAULT_RETRY,
-    ChannelOptions,
+    ClientBase,
     GenerateOptions,
     GenerateResult,
+    Metadata,
     ServerInfo,
     StreamFinish,
     StreamToken,
-    TlsOptions,
-    address_text,
-    api_key_metadata,
     build_request,
-    open_channel,
     stream_item,
 )
 
-Metadata = Sequence[tuple[str, str]]
 
-
-class Client:
+class Client(ClientBase):
     """A channel to one server or several replicas. ``timeout`` is the default deadline of each call, all its
     attempts included (None: no deadline); ``tls``: TLS (and mTLS) options, else plaintext; ``api_key``: sent as
     ``authorization: Bearer KEY`` on every call; ``lb_policy`` (``round_robin`` or ``pick_first``), ``retry``
     (None: no retries) and ``options`` (more channel arguments): see ``clients.common.open_channel``."""
 
-    def __init__(
-        self,
-        address: str | Sequence[str],
-        *,
-        timeout: float | None = None,
-        metadata: Metadata = (),
-        tls: TlsOptions | None = None,
-        api_key: str | None = None,
-        lb_policy: LbPolicy | str = LbPolicy.ROUND_ROBIN,
-        retry: RetryPolicy | None = DEFAULT_RETRY,
-        options: ChannelOptions = (),
-    ) -> None:
-        self.address = address_text(address)
-        self.timeout = timeout
-        self.metadata = tuple(metadata)  # e.g. W3C ``traceparent``, sent with every call
-        self._auth = api_key_metadata(api_key)
-        self.channel = open_channel(address, tls=tls, lb_policy=lb_policy, retry=retry, options=options)
-        self._stub = generation_pb2_grpc.GenerationStub(self.channel)
-        self._health = health_pb2_grpc.HealthStub(self.channel)
-
-    def _kw(self, timeout: float | None, metadata: Metadata) -> dict[str, object]:
-        return {
-            "timeout": self.timeout if timeout is None else timeout,
-            "metadata": self.metadata + self._auth + tuple(metadata),
-        }
+    channel: grpc.Channel
 
     def generate(
         self,

@@ -31,7 +31,7 @@ from cdb_bench.routing.policies import POLICIES, Policy, Segregation, balanced_s
 from cdb_bench.routing.report import decide, rank, table, write_outputs
 from cdb_bench.routing.sim import simulate, summarize
 from cdb_bench.routing.workload import Workload, make_workload
-from cdb_bench.serve.cli import positive_floats
+from cdb_bench.serve.cli import parse_with_quick, positive_floats
 from cdb_bench.serve.lengths import DATASETS
 from cdb_engine.config import EngineConfig
 from cdb_model.presets import preset_config, preset_names
@@ -82,13 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.quick:
-        parser.set_defaults(**QUICK)
-        args = parser.parse_args(argv)
-    for name, conv in (("loads", positive_floats), ("policies", _policies), ("live_rates", positive_floats)):
-        if isinstance(getattr(args, name), str):
-            setattr(args, name, conv(getattr(args, name)))
+    converters = {"loads": positive_floats, "policies": _policies, "live_rates": positive_floats}
+    args = parse_with_quick(parser, argv, QUICK, converters)
     if args.costs is not None and len(args.costs) != 4:
         parser.error("--costs: four numbers (ms): loop base, loop per token, head base, head per token")
     if args.replicas < 2 or args.width < 1 or args.requests < 10 or args.live_requests < 1 or args.live_repeats < 1:

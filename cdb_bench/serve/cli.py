@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -55,6 +56,26 @@ def positive_floats(text: str) -> tuple[float, ...]:
     if not values or any(not v > 0 for v in values):
         raise argparse.ArgumentTypeError(f"expected positive numbers, got {text!r}")
     return values
+
+
+def parse_with_quick(
+    parser: argparse.ArgumentParser,
+    argv: list[str] | None,
+    quick: Mapping[str, Any],
+    converters: Mapping[str, Callable[[str], Any]],
+) -> argparse.Namespace:
+    """Parse ``argv``; ``--quick`` swaps in the ``quick`` defaults only, so options given explicitly still win;
+    options still holding a string default are run through their ``converters`` (argparse leaves defaults as they
+    are)."""
+    args = parser.parse_args(argv)
+    if args.quick:
+        parser.set_defaults(**quick)
+        args = parser.parse_args(argv)
+    for name, convert in converters.items():
+        value = getattr(args, name)
+        if isinstance(value, str):
+            setattr(args, name, convert(value))
+    return args
 
 
 def _modes(text: str) -> tuple[str, ...]:
@@ -116,14 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """Options; ``--quick`` changes the defaults only, so options given explicitly still win."""
     parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.quick:
-        parser.set_defaults(**QUICK)
-        args = parser.parse_args(argv)
-    for name in ("rates", "modes"):  # string defaults are not run through their type by argparse
-        value = getattr(args, name)
-        if isinstance(value, str):
-            setattr(args, name, positive_floats(value) if name == "rates" else _modes(value))
+    args = parse_with_quick(parser, argv, QUICK, {"rates": positive_floats, "modes": _modes})
     if args.requests < 1 or args.scale <= 0 or args.bisect < 0 or args.cv <= 0 or args.latency_bound <= 0:
         parser.error("--requests >= 1, --scale > 0, --bisect >= 0, --cv > 0 and --latency-bound > 0 are required")
     if args.repeats < 1:
