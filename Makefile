@@ -46,4 +46,4 @@ bench: install
 	$(BIN)/cdb bench offline
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -16,7 +16,8 @@ from services.launcher import die_with_parent, pin_cpus
 from services.net import ListenError, is_host_port, parse_stage_addrs
 from services.settings import Configuration, SettingsError, load_configuration
 
-STAGE_ENGINE_FIELDS = ("model", "dtype", "device")  # what a stage loads; the rest comes with Configure
+STAGE_ENGINE_FIELDS = ("model", "dtype", "device", "synthetic_cost", "synthetic_depths")  # what a stage loads;
+# the rest comes with Configure
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -113,6 +114,8 @@ def stage_main(argv: list[str] | None = None) -> int:
             device=config.device,
             ready_file=args.ready_file,
             settings=conf.settings,
+            synthetic_cost=config.synthetic_cost,
+            synthetic_depths=config.synthetic_depths,
         )
     except ListenError as exc:
         print(f"{parser.prog}: {exc}", file=sys.stderr)

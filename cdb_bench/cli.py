@@ -14,6 +14,7 @@ BENCHMARKS = {
     "serve": ("cdb_bench.serve.cli", "open-loop serving: rate sweep, latencies, goodput, capacity knee"),
     "scheduler": ("cdb_bench.scheduler_cost", "the scheduler's CPU per loop step against the step's compute"),
     "step": ("cdb_bench.step_time", "time one loop step per preset"),
+    "hostpath": ("cdb_bench.hostpath", "the host path at GPU op speeds: the loop stage's busy fraction (synthetic)"),
     "routing": ("cdb_bench.routing.cli", "routing policies over replicas: simulated, then on real local replicas"),
     "soak": ("cdb_bench.soak", "requests with cancels and deadlines while a random stage is killed every few seconds"),
 }

@@ -79,6 +79,20 @@ def histogram(path: Path, title: str, counts: Mapping[int, int], xlabel: str) ->
     return _save(plt, fig, ax, path, title)
 
 
+def lines(
+    path: Path, title: str, series: Mapping[str, tuple[Sequence[float], Sequence[float]]], xlabel: str, ylabel: str
+) -> Path:
+    """One line with markers per named series of (xs, ys)."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 4))
+    for name, (xs, ys) in series.items():
+        ax.plot(xs, ys, marker="o", label=name)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.legend(fontsize=7)
+    return _save(plt, fig, ax, path, title)
+
+
 def _save(plt: Any, fig: Any, ax: Any, path: Path, title: str) -> Path:
     ax.set_title(title)
     ax.grid(axis="y", alpha=0.3)

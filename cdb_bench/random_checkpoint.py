@@ -22,41 +22,8 @@ from cdb_engine.setup import torch_dtype
 from cdb_model.config import ModelConfig
 from cdb_model.models import build_model
 from cdb_model.presets import init_tensor
+from cdb_model.released import HUGINN_0125, OURO_14B
 
-OURO_14B: dict[str, Any] = {
-    "model_type": "ouro",
-    "hidden_size": 2048,
-    "num_hidden_layers": 24,
-    "num_attention_heads": 16,
-    "num_key_value_heads": 16,
-    "head_dim": 128,
-    "intermediate_size": 5632,
-    "vocab_size": 49152,
-    "max_position_embeddings": 65536,
-    "rope_theta": 1e6,
-    "rms_norm_eps": 1e-6,
-    "tie_word_embeddings": False,
-    "total_ut_steps": 4,
-    "early_exit_threshold": 1.0,
-    "eos_token_id": 0,
-}
-HUGINN_0125: dict[str, Any] = {
-    "model_type": "huginn_raven",
-    "n_embd": 5280,
-    "n_heads": 55,
-    "n_layers_in_prelude": 2,
-    "n_layers_in_recurrent_block": 4,
-    "n_layers_in_coda": 2,
-    "intermediate_size": 17920,
-    "vocab_size": 65536,
-    "padded_vocab_size": 65536,
-    "block_size": 4096,
-    "rope_base": 50000,
-    "norm_eps": 1e-6,
-    "qk_bias": True,
-    "tie_embeddings": True,
-    "mean_recurrence": 32,
-}
 # The released configs (above, as published), what the written ones change (Ouro: early exit on, as served here),
 # and the preset whose init recipe shapes the exit signals.
 RELEASED = {

@@ -126,9 +126,21 @@ class EngineConfig:
     fuse_refill_embed: bool = field(
         default=True, metadata=_help("Ouro: the head op embeds a refill's input token (no prelude op per step)")
     )
+    fuse_loop_head: bool = field(
+        default=False,
+        metadata=_help("Ouro: loop ops sample the exited tokens and run their successors (no head op)"),
+    )
     allow_replay_depths: bool = field(
         default=False,
         metadata=_help("accept per-request replayed depths (benchmarks; implied by exit rule replay)"),
+    )
+    synthetic_cost: str = field(
+        default="",
+        metadata=_help("synthetic stages, modelled device time: loop=A:B:C,head=.. (µs) or h200:ouro-1.4b"),
+    )
+    synthetic_depths: str = field(
+        default="",
+        metadata=_help("synthetic stages' exit depths MEAN:MIN; empty: 2.5:2 for Ouro, 6:3 for Huginn"),
     )
 
     def __post_init__(self) -> None:
@@ -136,6 +148,13 @@ class EngineConfig:
             object.__setattr__(self, "dtype", DType.BFLOAT16 if self.device.startswith("cuda") else DType.FLOAT32)
         for name, kind in _CHOICES.items():
             object.__setattr__(self, name, parse_choice(name, kind, getattr(self, name)))
+        if self.synthetic_cost or self.synthetic_depths:
+            from cdb_engine.synthetic import SyntheticDepths, parse_cost
+
+            if not self.synthetic_cost:
+                raise ValueError("synthetic_depths needs synthetic_cost")
+            parse_cost(self.synthetic_cost)
+            SyntheticDepths.parse(self.synthetic_depths, "ouro")
         for name in ("max_num_seqs", "num_kv_blocks", "kv_block_size", "max_waiting", "loop_pipeline_depth"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")

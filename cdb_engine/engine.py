@@ -38,6 +38,19 @@ log = logging.getLogger("cdb.engine")
 
 
 @dataclass(slots=True)
+class EngineCpu:
+    """CPU seconds of the engine thread, by part: planning is ``SchedulerStats.sched_cpu_s`` (``schedule`` and
+    ``on_result``); ``submit_s`` hands ops to the executor (transport: op encoding and queueing); ``dispatch_s``
+    turns tokens into events for their requests (streaming: detokenization and the sinks); ``thread_s`` is the
+    thread's whole CPU (the rest: commands and polling)."""
+
+    start_s: float = 0.0
+    thread_s: float = 0.0
+    submit_s: float = 0.0
+    dispatch_s: float = 0.0
+
+
+@dataclass(slots=True)
 class _Live:
     request_id: str
     req: Request
@@ -48,7 +61,14 @@ class _Live:
 class Engine:
     """Continuous depth batching over an executor (in-process by default)."""
 
-    def __init__(self, config: EngineConfig, executor_factory: Callable[[StageSetup], Executor] | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        executor_factory: Callable[[StageSetup], Executor] | None = None,
+        on_fatal: Callable[[str], None] | None = None,
+    ) -> None:
+        """``on_fatal(error)``: called on the engine thread if the loop itself fails, after every live request has
+        been failed (a server exits non-zero there, so that it is restarted instead of refusing everything)."""
         self.config = config
         self.model_config = load_config(config.model)
         self.tokenizer = load_tokenizer(config.model)
@@ -56,6 +76,7 @@ class Engine:
         self.scheduler = Scheduler(self.limits.scheduler_config(config, self.model_config))
         self.setup = StageSetup.of(config, self.model_config, self.limits.max_depth)
         self._factory = executor_factory
+        self._on_fatal = on_fatal
         self._executor: Executor | None = None
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._live: dict[int, _Live] = {}  # engine thread only
@@ -67,15 +88,16 @@ class Engine:
         self._accepting = True
         self.error: str | None = None
         self.last_progress = time.monotonic()
+        self.cpu = EngineCpu()  # written by the engine thread only
 
     # ----------------------------------------------------------------- lifecycle
     def start(self) -> Engine:
         if self._thread is not None:
             return self
         if self._factory is None:
-            from cdb_engine.inprocess import InProcessExecutor
+            from cdb_engine.inprocess import in_process_executor
 
-            self._executor = InProcessExecutor(self.setup, num_threads=self.config.num_threads)
+            self._executor = in_process_executor(self.config, self.setup, self.model_config)
         else:
             self._executor = self._factory(self.setup)
         self._thread = threading.Thread(target=self._run, name="cdb-scheduler", daemon=True)
@@ -184,23 +206,39 @@ class Engine:
         ex = self._executor
         assert ex is not None
         sched = self.scheduler
+        self.cpu.start_s = time.thread_time()
+        cpu, clock = self.cpu, time.thread_time
         try:
             while not self._stopping:
                 self._run_commands()
-                for op in sched.schedule():
+                ops = sched.schedule()
+                t0 = clock()
+                for op in ops:
                     ex.submit(op)
+                t1 = clock()
+                cpu.submit_s += t1 - t0
                 res = ex.poll(None)
                 if isinstance(res, StageLoss):
                     log.warning("%s: recomputing %d running requests", res.reason, len(sched.running))
                     self._dispatch(sched.recover())
                 elif res is not None:
                     self.last_progress = time.monotonic()
-                    self._dispatch(sched.on_result(res))
-        except Exception as exc:  # a scheduler bug must not hang clients: fail everything loudly
+                    events = sched.on_result(res)
+                    t2 = clock()
+                    self._dispatch(events)
+                    cpu.dispatch_s += clock() - t2
+                cpu.thread_s = clock() - cpu.start_s
+        except Exception as exc:  # the loop cannot go on: fail every live request, then tell the owner (on_fatal)
             log.exception("engine loop failed")
             self.error = f"engine loop failed: {type(exc).__name__}: {exc}"
-            for rid in list(self._live):
-                self._dispatch(sched.abort(rid, FinishReason.ERROR))
+            for rid, live in list(self._live.items()):
+                try:
+                    self._dispatch(sched.abort(rid, FinishReason.ERROR))
+                except Exception:  # the scheduler's state is broken too: end the request's stream directly
+                    if rid in self._live:
+                        self._on_finish(live, Finished(rid, FinishReason.ERROR, len(live.req.output), 0, self.error))
+            if self._on_fatal is not None:
+                self._on_fatal(self.error)
 
     def _run_commands(self) -> None:
         while True:

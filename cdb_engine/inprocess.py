@@ -14,9 +14,12 @@ from collections.abc import Callable
 
 import torch
 
+from cdb_engine.config import EngineConfig
 from cdb_engine.setup import StageSetup, torch_dtype
 from cdb_engine.stage_worker import StageWorker
+from cdb_engine.synthetic import SyntheticModel, SyntheticWorker, synthetic_model
 from cdb_model.base import LoopedLM
+from cdb_model.config import ModelConfig
 from cdb_model.kv import KVLayout, KVPolicy
 from cdb_model.loader import load_model
 from cdb_scheduler.plan import Stage, StageOp, StageResult
@@ -27,7 +30,14 @@ _WAKE = object()
 class InProcessExecutor:
     """``Executor`` over direct calls. ``model`` may be passed in to share weights between engines."""
 
-    def __init__(self, setup: StageSetup, model: LoopedLM | None = None, num_threads: int | None = None) -> None:
+    def __init__(
+        self,
+        setup: StageSetup,
+        model: LoopedLM | SyntheticModel | None = None,
+        num_threads: int | None = None,
+        worker_factory: Callable[..., StageWorker | SyntheticWorker] = StageWorker,
+    ) -> None:
+        """``worker_factory``: ``StageWorker``'s signature (``SyntheticWorker`` over a ``SyntheticModel``)."""
         if num_threads:
             torch.set_num_threads(num_threads)
         dtype = torch_dtype(setup.dtype)
@@ -36,7 +46,7 @@ class InProcessExecutor:
         self.tokens = torch.zeros(setup.bank_rows, dtype=torch.long, device=setup.device)
         layout = KVLayout(KVPolicy(setup.kv_policy), setup.max_depth, setup.kv_shared_after)
         self.workers = {
-            stage: StageWorker(
+            stage: worker_factory(
                 self.model, stage, self.bank, layout, setup.num_kv_blocks, setup.kv_block_size, self.tokens
             )
             for stage in Stage
@@ -80,3 +90,13 @@ class InProcessExecutor:
 def shared_model_factory(model: LoopedLM) -> Callable[[StageSetup], InProcessExecutor]:
     """An ``executor_factory`` whose executors share ``model``'s weights (many engines, one model in memory)."""
     return lambda setup: InProcessExecutor(setup, model=model)
+
+
+def in_process_executor(config: EngineConfig, setup: StageSetup, model_config: ModelConfig) -> InProcessExecutor:
+    """The engine's default executor: the model's stage workers, or synthetic ones (``config.synthetic_cost``)."""
+    if not config.synthetic_cost:
+        return InProcessExecutor(setup, num_threads=config.num_threads)
+    synth = synthetic_model(
+        model_config, config.synthetic_cost, config.synthetic_depths, config.device, torch_dtype(config.dtype)
+    )
+    return InProcessExecutor(setup, synth, worker_factory=SyntheticWorker)

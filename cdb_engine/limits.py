@@ -12,6 +12,29 @@ The server's exit threshold, first match wins (``ThresholdSource``):
    has no exit field; its cheap criterion is latent-diff and the default 0.1 is the most conservative of the CDB
    paper's sweep (0.28 / 0.16 / 0.1).
 ``describe(limits)`` is the one-line summary of what is in effect and why.
+
+Request bounds (``RequestBounds``, ``REQUEST_BOUNDS``): every field a caller sets is checked against them by
+``cdb_engine.validation`` before any expensive work (sizes before tokenization, template rendering or parsing), the
+same for both front ends. Numeric ranges are what the engine and the wire carry (the stage protocol's ``int32``
+``top_k`` and ``logprobs``, the public API's ``uint64`` seed, finite sampling values); sizes and counts are fixed
+limits that keep one request's cost on the engine thread small:
+
+| field | bound |
+|---|---|
+| prompt text (chat: all messages) | at most 1 MiB in UTF-8 (``max_prompt_bytes``), valid Unicode, before tokenization |
+| prompt token ids | at most ``max_input_tokens`` ids, each in [0, vocab_size) |
+| chat messages | at most 1024 (``max_messages``) |
+| ``max_tokens`` | >= 1 and prompt + max_tokens <= ``max_total_tokens`` |
+| ``temperature`` | 0 (greedy) or in [1e-06, 100] (``min_temperature``, ``max_temperature``) |
+| ``top_p`` | in (0, 1] |
+| ``top_k`` | in [0, 2^31 - 1] (0: no filter; more than the vocabulary keeps it all) |
+| ``seed`` | in [0, 2^64 - 1] |
+| ``logprobs`` (top alternatives) | in [0, 20] (``max_logprobs``) |
+| stop strings | at most 16 (``max_stop_strings``), each non-empty, valid Unicode, at most 256 UTF-8 bytes |
+| stop token ids | at most 256 (``max_stop_token_ids``), each in [0, vocab_size) |
+| ``exit_threshold`` | finite, in the exit rule's range (module docstring of ``cdb_engine.validation``) |
+| ``replay_depths`` | at most ``max_total_tokens`` values, each in [1, max_depth] |
+| ``request_id`` (gRPC) | at most 256 UTF-8 bytes (``max_request_id_bytes``) |
 """
 
 from __future__ import annotations
@@ -33,6 +56,30 @@ FAMILY_EXIT_THRESHOLD = {ExitRule.HAZARD: 0.5, ExitRule.LATENT_DIFF: 0.1}
 # remaining mass; no relative latent change is below 0.
 FULL_DEPTH_THRESHOLD = {ExitRule.HAZARD: 1.0, ExitRule.LATENT_DIFF: 0.0}
 _RULE_NAME = {ExitRule.HAZARD: "Ouro exit-gate CDF", ExitRule.LATENT_DIFF: "latent-diff"}
+
+
+INT32_MAX = 2**31 - 1
+UINT64_MAX = 2**64 - 1
+
+
+@dataclass(frozen=True, slots=True)
+class RequestBounds:
+    """Size, count and range limits of one request's fields (the module docstring's table)."""
+
+    max_prompt_bytes: int = 1 << 20  # prompt text, or all chat contents together, in UTF-8 bytes
+    max_messages: int = 1024  # chat messages per request
+    min_temperature: float = 1e-6  # smallest positive temperature (below it the scaled logits overflow to inf)
+    max_temperature: float = 100.0
+    max_top_k: int = INT32_MAX  # the stage protocol's int32
+    max_seed: int = UINT64_MAX  # the public API's uint64
+    max_logprobs: int = 20  # top alternatives per token
+    max_stop_strings: int = 16
+    max_stop_string_bytes: int = 256
+    max_stop_token_ids: int = 256
+    max_request_id_bytes: int = 256
+
+
+REQUEST_BOUNDS = RequestBounds()
 
 
 class ThresholdSource(enum.StrEnum):
@@ -92,6 +139,7 @@ class Limits:
             copy_on_exit=cfg.kv_policy is KVPolicy.LAST_EXITED,
             head_has_kv=mc.num_coda_layers > 0,
             fuse_refill_embed=cfg.fuse_refill_embed and mc.prelude_is_embedding,
+            fuse_loop_head=cfg.fuse_loop_head and mc.prelude_is_embedding and cfg.mode is not Mode.NO_REFILL,
         )
 
 

@@ -18,7 +18,7 @@ from cdb_model.attention import PagedKV
 from cdb_model.base import LoopedLM
 from cdb_model.kv import BlockTables, KVLayout, PagedKVPool
 from cdb_model.sampling import sample
-from cdb_scheduler.plan import HeadOp, LoopOp, PreludeOp, Stage, StageOp, StageResult, TokenLogprobs
+from cdb_scheduler.plan import HeadOp, LoopHead, LoopOp, PreludeOp, Stage, StageOp, StageResult, TokenLogprobs
 
 
 class StageWorker:
@@ -96,6 +96,8 @@ class StageWorker:
             if isinstance(op, PreludeOp):
                 self._prelude(op)
             elif isinstance(op, LoopOp):
+                if op.head is not None:
+                    token_ids, logprobs = self._fused_head(op.head)
                 signals, lookahead = self._loop(op)
             else:
                 token_ids, logprobs = self._head(op)
@@ -138,6 +140,17 @@ class StageWorker:
         x, signal, look = self.model.loop_step(x, positions, self._long(op.steps), kv)
         self._write(rows, x)
         return tuple(signal.tolist()), tuple(look.tolist()) if look is not None else ()
+
+    def _fused_head(self, h: LoopHead) -> tuple[tuple[int, ...], tuple[TokenLogprobs | None, ...]]:
+        """A loop op's fused head (Ouro): sample the rows, then embed each successor's input into its row."""
+        rows = self._long(h.rows)
+        hidden = self.model.coda(self._read(rows), self._long(h.positions), None)  # [N, H]
+        tokens, lps = sample(self.model.logits(hidden), list(h.sampling), list(h.token_index))
+        self.tokens.index_copy_(0, rows, torch.tensor(tokens, dtype=torch.long).to(self.tokens.device))
+        embed = [(row, tokens[j] if e == -1 else e) for j, (row, e) in enumerate(zip(h.rows, h.embed_ids)) if e != -2]
+        if embed:
+            self._write(self._long([r for r, _ in embed]), self.model.embed_input(self._long([t for _, t in embed])))
+        return tuple(tokens), tuple(lps)
 
     def _head(self, op: HeadOp) -> tuple[tuple[int, ...], tuple[TokenLogprobs | None, ...]]:
         if not op.rows:

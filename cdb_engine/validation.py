@@ -1,5 +1,11 @@
 """Request validation: token ids of a prompt, or ``InvalidRequest`` naming the field and the limit.
 
+Every field is checked against ``cdb_engine.limits.REQUEST_BOUNDS`` (the ranges the engine and the wire carry, and
+the size and count limits, tabled in ``cdb_engine.limits``) before the work it bounds: a text prompt's size before it
+is tokenized, chat messages' size before the template renders them (``check_messages_size``), a request id's length
+before it is registered (``check_request_id``). A value that passes can neither overflow a field of the stage
+protocol nor break a torch op on the engine thread.
+
 Per-request ``exit_threshold`` ranges, per exit rule (the API documents the same): Ouro's gate CDF q in (0, 1]
 (1 = full depth; 0 would exit every token at once and is refused), Huginn's latent diff q >= 0 (0 = full depth),
 always a finite number.
@@ -12,31 +18,81 @@ error.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 
 from cdb_engine.config import RequestParams
 from cdb_engine.errors import InvalidRequest
-from cdb_engine.limits import Limits, build_policy
+from cdb_engine.limits import REQUEST_BOUNDS, Limits, RequestBounds, build_policy
 from cdb_model.kv import KVPolicy
 from cdb_model.tokenizer import Tokenizer, use_request_error
 from cdb_scheduler.exit_policy import ExitRule
 
-MAX_LOGPROBS = 20
+MAX_LOGPROBS = REQUEST_BOUNDS.max_logprobs
 
 use_request_error(InvalidRequest)
 
 
-def validate(
-    limits: Limits, tokenizer: Tokenizer, prompt: str | list[int], params: RequestParams, kv_policy: KVPolicy
-) -> list[int]:
-    """Token ids of ``prompt``, or ``InvalidRequest`` naming the field and the limit."""
-    ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+def utf8_size(text: str, field: str) -> int:
+    """Bytes of ``text`` in UTF-8; ``InvalidRequest`` for text that is not valid Unicode (a lone surrogate)."""
+    try:
+        return len(text.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise InvalidRequest(field, "is not valid Unicode (a lone surrogate)") from None
+
+
+def _longer(text: str, max_bytes: int, field: str) -> bool:
+    """``text`` is over ``max_bytes`` in UTF-8 (a longer string is refused before it is encoded)."""
+    return len(text) > max_bytes or utf8_size(text, field) > max_bytes
+
+
+def check_request_id(request_id: str, bounds: RequestBounds = REQUEST_BOUNDS) -> None:
+    """``InvalidRequest`` naming ``request_id`` when it is longer than the bound (or not valid Unicode)."""
+    if _longer(request_id, bounds.max_request_id_bytes, "request_id"):
+        raise InvalidRequest("request_id", f"longer than {bounds.max_request_id_bytes} bytes")
+
+
+def check_messages_size(messages: Sequence[Mapping[str, str]], bounds: RequestBounds = REQUEST_BOUNDS) -> None:
+    """Bound chat messages before a template renders them: their number, and their strings' total UTF-8 size
+    (``max_prompt_bytes``, the same bound as a text prompt's)."""
+    if len(messages) > bounds.max_messages:
+        raise InvalidRequest("messages", f"more than {bounds.max_messages} messages")
+    total = 0
+    for message in messages:
+        for value in message.values():
+            total += utf8_size(value, "messages")
+            if total > bounds.max_prompt_bytes:
+                raise InvalidRequest("messages", f"their text exceeds {bounds.max_prompt_bytes} bytes")
+
+
+def _prompt_ids(limits: Limits, tokenizer: Tokenizer, prompt: str | list[int], bounds: RequestBounds) -> list[int]:
+    """The prompt's ids, its size bounded before it is tokenized or scanned."""
+    if isinstance(prompt, str):
+        if _longer(prompt, bounds.max_prompt_bytes, "prompt"):
+            raise InvalidRequest("prompt", f"longer than {bounds.max_prompt_bytes} bytes")
+        ids = tokenizer.encode(prompt)
+    else:
+        ids = prompt
     if not ids:
         raise InvalidRequest("prompt", "must not be empty")
+    if len(ids) > limits.max_input_tokens:
+        raise InvalidRequest("prompt", f"{len(ids)} tokens exceed max_input_tokens {limits.max_input_tokens}")
+    ids = list(ids)
     bad = [t for t in ids if not 0 <= t < limits.vocab_size]
     if bad:
         raise InvalidRequest("prompt", f"unknown token ids {bad[:5]} (vocabulary size {limits.vocab_size})")
-    if len(ids) > limits.max_input_tokens:
-        raise InvalidRequest("prompt", f"{len(ids)} tokens exceed max_input_tokens {limits.max_input_tokens}")
+    return ids
+
+
+def validate(
+    limits: Limits,
+    tokenizer: Tokenizer,
+    prompt: str | list[int],
+    params: RequestParams,
+    kv_policy: KVPolicy,
+    bounds: RequestBounds = REQUEST_BOUNDS,
+) -> list[int]:
+    """Token ids of ``prompt``, or ``InvalidRequest`` naming the field and the limit."""
+    ids = _prompt_ids(limits, tokenizer, prompt, bounds)
     if params.max_tokens < 1:
         raise InvalidRequest("max_tokens", f"must be >= 1, got {params.max_tokens}")
     if len(ids) + params.max_tokens > limits.max_total_tokens:
@@ -44,20 +100,49 @@ def validate(
             "max_tokens",
             f"prompt ({len(ids)}) + max_tokens ({params.max_tokens}) exceed max_total_tokens {limits.max_total_tokens}",
         )
+    _check_sampling(params, bounds)
+    _check_stops(limits, params, bounds)
+    _check_depths(limits, params, kv_policy)
+    return ids
+
+
+def _check_sampling(params: RequestParams, bounds: RequestBounds) -> None:
     s = params.sampling
-    if not math.isfinite(s.temperature) or s.temperature < 0:
-        raise InvalidRequest("temperature", f"must be a finite number >= 0, got {s.temperature}")
+    t = s.temperature
+    if not math.isfinite(t) or t < 0:
+        raise InvalidRequest("temperature", f"must be a finite number >= 0, got {t}")
+    if t > bounds.max_temperature or 0 < t < bounds.min_temperature:
+        raise InvalidRequest(
+            "temperature", f"must be 0 (greedy) or in [{bounds.min_temperature:g}, {bounds.max_temperature:g}], got {t}"
+        )
     if not (0.0 < s.top_p <= 1.0):
         raise InvalidRequest("top_p", f"must be in (0, 1], got {s.top_p}")
     if s.top_k < 0:
         raise InvalidRequest("top_k", f"must be >= 0, got {s.top_k}")
-    if not 0 <= s.logprobs <= MAX_LOGPROBS:
-        raise InvalidRequest("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {s.logprobs}")
+    if s.top_k > bounds.max_top_k:
+        raise InvalidRequest("top_k", f"must be <= {bounds.max_top_k} (0: no filter), got {s.top_k}")
+    if not 0 <= s.seed <= bounds.max_seed:
+        raise InvalidRequest("seed", f"must be in [0, {bounds.max_seed}], got {s.seed}")
+    if not 0 <= s.logprobs <= bounds.max_logprobs:
+        raise InvalidRequest("logprobs", f"must be in [0, {bounds.max_logprobs}], got {s.logprobs}")
+
+
+def _check_stops(limits: Limits, params: RequestParams, bounds: RequestBounds) -> None:
+    if len(params.stop_token_ids) > bounds.max_stop_token_ids:
+        raise InvalidRequest("stop_token_ids", f"more than {bounds.max_stop_token_ids} ids")
     bad_stop = [t for t in params.stop_token_ids if not 0 <= t < limits.vocab_size]
     if bad_stop:
         raise InvalidRequest("stop_token_ids", f"unknown token ids {bad_stop[:5]}")
-    if any(not s for s in params.stop_strings):
-        raise InvalidRequest("stop_strings", "must not contain an empty string")
+    if len(params.stop_strings) > bounds.max_stop_strings:
+        raise InvalidRequest("stop_strings", f"more than {bounds.max_stop_strings} strings")
+    for stop in params.stop_strings:
+        if not stop:
+            raise InvalidRequest("stop_strings", "must not contain an empty string")
+        if _longer(stop, bounds.max_stop_string_bytes, "stop_strings"):
+            raise InvalidRequest("stop_strings", f"a string is longer than {bounds.max_stop_string_bytes} bytes")
+
+
+def _check_depths(limits: Limits, params: RequestParams, kv_policy: KVPolicy) -> None:
     if params.exit_threshold is not None:
         if not math.isfinite(params.exit_threshold):
             raise InvalidRequest("exit_threshold", f"must be a finite number, got {params.exit_threshold}")
@@ -78,6 +163,7 @@ def validate(
             raise InvalidRequest("replay_depths", "refused: the server was not started with --allow-replay-depths")
         if not params.replay_depths:
             raise InvalidRequest("replay_depths", "must not be empty")
+        if len(params.replay_depths) > limits.max_total_tokens:
+            raise InvalidRequest("replay_depths", f"more than max_total_tokens ({limits.max_total_tokens}) values")
         if any(not 1 <= d <= limits.max_depth for d in params.replay_depths):
             raise InvalidRequest("replay_depths", f"depths must be in [1, {limits.max_depth}]")
-    return ids

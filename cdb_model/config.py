@@ -94,15 +94,21 @@ class ModelConfig:
         Huginn: F0 = prelude blocks + coda blocks + ln_f + LM head; Fr = adapter + core blocks.
         Embedding lookups are excluded; a tied head counts as the head.
         """
+        prelude, loop, head = self.stage_param_counts()
+        return prelude + head, loop
+
+    def stage_param_counts(self) -> tuple[int, int, int]:
+        """Parameters each stage reads per op: (prelude, one loop step, head); embedding lookups excluded
+        (Ouro's prelude reads none)."""
         h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
         if self.arch == "ouro":
             attn = h * self.q_size + 2 * h * self.kv_size + self.q_size * h
             layer = attn + 3 * h * i + 4 * h
             gates = (h + 1) * (2 if self.has_lookahead_gate else 1)
-            return h + v * h, self.num_loop_layers * layer + h + gates
+            return 0, self.num_loop_layers * layer + h + gates, h + v * h
         block = 3 * h * h + 2 * self.q_size + h * h + 3 * h * i + 4 * h
-        f0 = (self.num_prelude_layers + self.num_coda_layers) * block + h + v * h
-        return f0, 2 * h * h + self.num_loop_layers * block
+        prelude, head = self.num_prelude_layers * block, self.num_coda_layers * block + h + v * h
+        return prelude, 2 * h * h + self.num_loop_layers * block, head
 
     @classmethod
     def from_hf(cls, d: Mapping[str, Any], name: str = "") -> ModelConfig:

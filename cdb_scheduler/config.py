@@ -33,6 +33,7 @@ class SchedulerConfig:
     copy_on_exit: bool = False  # KV policy last_exited: on exit after step e, slot e is copied deeper
     head_has_kv: bool = False  # Huginn: the head runs coda blocks over every prompt position (their KV)
     fuse_refill_embed: bool = False  # the head op embeds a successor's input token (Ouro: no prelude op)
+    fuse_loop_head: bool = False  # the loop op samples the tokens that left the loop (Ouro: no head op per step)
 
     def __post_init__(self) -> None:
         checks = [

@@ -14,6 +14,7 @@ from cdb_scheduler.plan import (
     HeadOp,
     KVCopy,
     KVUpdate,
+    LoopHead,
     LoopOp,
     PreludeOp,
     SamplingParams,
@@ -115,8 +116,13 @@ class OpBuilder:
         *,
         prefill: bool = False,
         num_steps: int = 1,
+        head: LoopHead | None = None,
+        head_reqs: Sequence[Request] = (),
     ) -> LoopOp:
-        seq, fences, updates, released = self._common(Stage.LOOP, rows, reqs)
+        if head is not None:
+            seq, fences, updates, released = self._common(Stage.LOOP, [*rows, *head.rows], [*reqs, *head_reqs])
+        else:
+            seq, fences, updates, released = self._common(Stage.LOOP, rows, reqs)
         copies = tuple(self.pending_copies)
         self.pending_copies.clear()
         return LoopOp(
@@ -131,6 +137,7 @@ class OpBuilder:
             prefill,
             num_steps,
             copies,
+            head,
         )
 
     def head(

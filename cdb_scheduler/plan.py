@@ -114,6 +114,23 @@ class PreludeOp(OpBase):
 
 
 @dataclass(frozen=True, slots=True)
+class LoopHead:
+    """The head of tokens that left the loop after an earlier loop op, run by the loop stage at the START of a
+    loop op (Ouro, whose head is a final norm and the LM head, and whose prelude is an embedding lookup): sample
+    each row (``sampling[i]``, stream index ``token_index[i]``), write the id to the token bank, and write the
+    successor's input embedding into the row: ``embed_ids[i]`` -1 the sampled id, >= 0 that id (a recomputed
+    token's recorded input), -2 none (the request ends). The successors run their step 0 in the same op, so a
+    decode step needs no head op and no hop between stages."""
+
+    rids: tuple[int, ...]
+    positions: tuple[int, ...]
+    rows: tuple[int, ...]
+    sampling: tuple[SamplingParams, ...]
+    token_index: tuple[int, ...]
+    embed_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class LoopOp(OpBase):
     """Loop steps over bank rows, in place.
 
@@ -130,6 +147,7 @@ class LoopOp(OpBase):
     prefill: bool = False
     num_steps: int = 1
     kv_copies: tuple[KVCopy, ...] = ()
+    head: LoopHead | None = None  # fused head (see LoopHead); its results are the op's token_ids / logprobs
     stage: Stage = field(default=Stage.LOOP, init=False)
 
 
@@ -172,7 +190,7 @@ class StageResult:
 
     LOOP decode: ``signals[i]`` is the exit signal of token i after its step (Ouro: gate hazard; Huginn: relative
     latent difference), ``lookahead[i]`` the Ouro lookahead-gate hazard when the model has that gate.
-    HEAD: ``token_ids`` and ``logprobs`` for the sampled tokens, in op order.
+    HEAD, and a loop op's fused ``head``: ``token_ids`` and ``logprobs`` for the sampled tokens, in op order.
     ``error`` is set when the stage failed the op; the engine then fails the requests in it.
     """
 

@@ -17,7 +17,7 @@ from cdb_scheduler.config import Mode, SchedulerConfig
 from cdb_scheduler.exit_policy import FixedDepth
 from cdb_scheduler.invariants import check_invariants
 from cdb_scheduler.ops import OpBuilder
-from cdb_scheduler.plan import KVCopy, Stage, StageOp, StageResult, TokenLogprobs
+from cdb_scheduler.plan import KVCopy, LoopHead, Stage, StageOp, StageResult, TokenLogprobs
 from cdb_scheduler.prefill import PrefillFlight, grow_blocks, pick_chunks, prefill_chain
 from cdb_scheduler.refill import refill_policy
 from cdb_scheduler.request import Event, FinishReason, Item, Request, Status, TokenOut
@@ -29,6 +29,7 @@ from cdb_scheduler.stats import SchedulerStats
 class _LoopFlight:
     items: list[Item]
     steps: list[int]
+    head: list[Item]  # fused head (``LoopHead``): tokens sampled at the start of the op
 
 
 class Scheduler:
@@ -95,21 +96,25 @@ class Scheduler:
     def schedule(self) -> list[StageOp]:
         t0 = time.thread_time()
         ops: list[StageOp] = []
+        fused = self.cfg.fuse_loop_head
         while True:
             self._prefill_starved = False
             self._retry_stalled()
             self._drop_stale(self.ready)
-            self._issue_heads(ops, flush=False)
+            if not fused:
+                self._issue_heads(ops, flush=False)
             self._issue_refills(ops)
             self._issue_prefill(ops)
             idle = not (self.ready or self._loop or self.head_queue or self._head or self.refills)
             self.refill.start_wave(self.ready, idle=idle)
-            if self.ready and len(self._loop) < self.cfg.loop_pipeline_depth:
+            if fused:  # exited tokens ride the next loop op, which also runs their successors' step 0
+                self._drop_stale(self.head_queue)
+            if (self.ready or (fused and self.head_queue)) and len(self._loop) < self.cfg.loop_pipeline_depth:
                 # One loop op per round: tokens it lets exit go to the head (and their successors to the
                 # prelude) before the next loop op is formed, so that op already includes the refills.
                 ops.append(self._issue_loop())
                 continue
-            if not self.ready:
+            if not self.ready and not fused:
                 self._issue_heads(ops, flush=True)
                 self._issue_refills(ops)
                 if self.ready and len(self._loop) < self.cfg.loop_pipeline_depth:
@@ -164,16 +169,18 @@ class Scheduler:
             self.refill.place(it, self.ready, self.stats)
 
     def _issue_loop(self) -> StageOp:
+        head, head_items = self._fused_head() if self.cfg.fuse_loop_head else (None, [])
         items: list[Item] = []
         while self.ready and len(items) < self.cfg.max_num_seqs:
             it = self.ready.popleft()
             if it.live:
                 items.append(it)
-        assert items, "ready queue held only stale items"  # schedule() drops them first
+        assert items or head_items, "ready queue held only stale items"  # schedule() drops them first
         steps = [it.next_step for it in items]
         reqs = [it.req for it in items]
-        op = self.ops.loop(reqs, [it.position for it in items], [r.row for r in reqs], steps)
-        self._loop[op.seq] = _LoopFlight(items, steps)
+        positions, rows = [it.position for it in items], [r.row for r in reqs]
+        op = self.ops.loop(reqs, positions, rows, steps, head=head, head_reqs=[it.req for it in head_items])
+        self._loop[op.seq] = _LoopFlight(items, steps, head_items)
         self.stats.on_loop_issue(len(items), self.cfg.max_num_seqs)
         cont: list[Item] = []
         for it in items:
@@ -182,6 +189,33 @@ class Scheduler:
             self._route(it, cont)
         self.ready.extendleft(reversed(cont))
         return op
+
+    def _fused_head(self) -> tuple[LoopHead | None, list[Item]]:
+        """Take every exited token into the loop op being formed (``LoopHead``) and queue its successor, whose
+        input embedding that op writes into the row before its step 0 (a recomputed token's recorded input is
+        embedded as given)."""
+        items = [it for it in self.head_queue if it.live]
+        self.head_queue.clear()
+        if not items:
+            return None, items
+        embed_ids = []
+        for it in items:
+            req = it.req
+            known = req.output[it.index] if it.index < len(req.output) else -1
+            follows = it.index + 1 < req.max_tokens
+            embed_ids.append(known if follows else -2)
+            if follows:
+                self._spawn(req, it.index + 1, known, embedded=True)
+        reqs = [it.req for it in items]
+        head = LoopHead(
+            rids=tuple(r.rid for r in reqs),
+            positions=tuple(it.position for it in items),
+            rows=tuple(r.row for r in reqs),
+            sampling=tuple(r.sampling for r in reqs),
+            token_index=tuple(it.index for it in items),
+            embed_ids=tuple(embed_ids),
+        )
+        return head, items
 
     def _route(self, it: Item, cont: list[Item]) -> None:
         """Decide the fate of the last issued step of ``it`` if the horizon allows; route it."""
@@ -243,8 +277,13 @@ class Scheduler:
     def _on_loop(self, res: StageResult, events: list[Event]) -> None:
         flight = self._loop.pop(res.seq)
         if res.error:
-            self.residency.fail([it.req for it in flight.items if it.live], res.error, events)
+            failed = {it.req.rid: it.req for it in (*flight.head, *flight.items) if it.live}
+            self.residency.fail(failed.values(), res.error, events)
             return
+        for i, it in enumerate(flight.head):  # the fused head's tokens, sampled before the op's step
+            if it.live:
+                lp = res.logprobs[i] if res.logprobs else None
+                self._accept(it.req, it.index, res.token_ids[i], it.depth, lp, events, replay=it.replay)
         for i, (it, step) in enumerate(zip(flight.items, flight.steps)):
             if it.live and it.req.policy.needs_signals and not it.forced_depth:
                 look = res.lookahead[i] if res.lookahead else None

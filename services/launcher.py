@@ -248,6 +248,8 @@ def _start_tree(
         for stage in Stage:
             argv = ["-m", "cdb", "stage", "--role", stage.role, "--model", config.model, "--listen", sockets[stage]]
             argv += ["--dtype", config.dtype, "--device", config.device, "--ready-file", ready[stage]]
+            if config.synthetic_cost:
+                argv += ["--synthetic-cost", config.synthetic_cost, "--synthetic-depths", config.synthetic_depths]
             handle.stages[stage] = handle._spawn(argv, stage.role, env)
         sched_ready = os.path.join(handle.workdir, "scheduler.ready")
         if listen is not None:
@@ -287,6 +289,8 @@ def serve_forever(
     limits = resolve_limits(config, load_config(config.model))
     print(f"cdb serving {config.model} on {handle.address} (stages: prelude, loop, head)", flush=True)
     print(f"  {describe(limits)}", flush=True)
+    if config.synthetic_cost:
+        print(f"  SYNTHETIC stages: modelled device time {config.synthetic_cost}; tokens mean nothing", flush=True)
     if http:
         print(f"OpenAI-compatible HTTP API on http://{http}/v1", flush=True)
     if metrics_listen:

@@ -36,6 +36,8 @@ allowed where the default says so. The tables are the fields' own help (``metada
 | ``CDB_MAX_STREAMS_PER_CONNECTION`` | 256 | HTTP/2 max concurrent streams per client connection of the public port |
 | ``CDB_KEEPALIVE_MIN_TIME_S`` | 10 | clients may ping no more often than this (more often: GOAWAY) |
 | ``CDB_HTTP_ADDR`` | (unset) | ``HOST:PORT`` of the OpenAI-compatible HTTP API (``cdb serve --http``) |
+| ``CDB_MAX_REQUEST_BYTES`` | 4194304 | largest HTTP request body; more: 413 before parsing and the API-key check |
+| ``CDB_STAGE_OP_LOG`` | (unset) | folder where each stage writes its per-op timeline (``cdb bench hostpath``) |
 
 The engine options, the same for the four processes of a tree (each also ``--option`` of ``cdb serve``, ``cdb
 scheduler`` and ``cdb demo``; ``cdb stage`` takes ``--model``, ``--dtype`` and ``--device``):
@@ -69,7 +71,10 @@ scheduler`` and ``cdb demo``; ``cdb stage`` takes ``--model``, ``--dtype`` and `
 | ``CDB_INIT_SEED`` | -1 | Huginn initial state: < 0 zero, else a seeded truncated normal per position |
 | ``CDB_NUM_THREADS`` | auto | torch intra-op threads of the in-process executor; auto: torch's default |
 | ``CDB_FUSE_REFILL_EMBED`` | true | Ouro: the head op embeds a refill's input token (no prelude op per step) |
+| ``CDB_FUSE_LOOP_HEAD`` | false | Ouro: loop ops sample the exited tokens and run their successors (no head op) |
 | ``CDB_ALLOW_REPLAY_DEPTHS`` | false | accept per-request replayed depths (benchmarks; implied by exit rule replay) |
+| ``CDB_SYNTHETIC_COST`` | (unset) | synthetic stages, modelled device time: loop=A:B:C,head=.. (µs) or h200:ouro-1.4b |
+| ``CDB_SYNTHETIC_DEPTHS`` | (unset) | synthetic stages' exit depths MEAN:MIN; empty: 2.5:2 for Ouro, 6:3 for Huginn |
 """
 
 from __future__ import annotations
@@ -142,6 +147,11 @@ class Settings:
     )
     keepalive_min_time_s: float = _help("clients may ping no more often than this (more often: GOAWAY)", 10.0)
     http_addr: str = _help("``HOST:PORT`` of the OpenAI-compatible HTTP API (``cdb serve --http``)", "")
+    max_request_bytes: int = _help("largest HTTP request body; more: 413 before parsing and the API-key check", 4 << 20)
+    stage_op_log: str = _help(
+        "folder where each stage writes its per-op timeline (``cdb bench hostpath``)",
+        "",
+    )
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -11,7 +11,7 @@ import enum
 import pytest
 
 import services.settings
-from cdb.processes import scheduler_parser, stage_parser
+from cdb.processes import STAGE_ENGINE_FIELDS, scheduler_parser, stage_parser
 from cdb.serve import demo_parser, serve_parser
 from cdb_engine.options import FIELDS, field_help, field_kind
 from services.settings import Settings, load_configuration, variables_table
@@ -64,7 +64,7 @@ def test_every_enum_option_lists_its_choices(parser: argparse.ArgumentParser) ->
 
 def test_the_engine_options_help_is_the_fields_help(parser: argparse.ArgumentParser) -> None:
     engine = [a for a in _options(parser) if a.dest in FIELDS]
-    assert {a.dest for a in engine} == (set(FIELDS) if parser.prog != "cdb stage" else {"model", "dtype", "device"})
+    assert {a.dest for a in engine} == (set(FIELDS) if parser.prog != "cdb stage" else set(STAGE_ENGINE_FIELDS))
     for action in engine:
         assert action.help == field_help(action.dest)
 

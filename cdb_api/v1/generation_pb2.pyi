@@ -185,7 +185,7 @@ class Counters(_message.Message):
     def __init__(self, waiting: _Optional[int] = ..., running: _Optional[int] = ..., held_rows: _Optional[int] = ..., used_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., loop_steps: _Optional[int] = ..., recoveries: _Optional[int] = ..., recomputed: _Optional[int] = ...) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model", "architecture", "max_depth", "vocab_size", "kv_policy", "mode", "deployment", "limits", "counters", "healthy", "error", "kv_block_size", "dtype", "exit_rule", "exit_threshold", "exit_threshold_source", "early_exit", "exit_summary", "mean_served_depth")
+    __slots__ = ("model", "architecture", "max_depth", "vocab_size", "kv_policy", "mode", "deployment", "limits", "counters", "healthy", "error", "kv_block_size", "dtype", "exit_rule", "exit_threshold", "exit_threshold_source", "early_exit", "exit_summary", "mean_served_depth", "synthetic_cost")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     MAX_DEPTH_FIELD_NUMBER: _ClassVar[int]
@@ -205,6 +205,7 @@ class InfoResponse(_message.Message):
     EARLY_EXIT_FIELD_NUMBER: _ClassVar[int]
     EXIT_SUMMARY_FIELD_NUMBER: _ClassVar[int]
     MEAN_SERVED_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    SYNTHETIC_COST_FIELD_NUMBER: _ClassVar[int]
     model: str
     architecture: str
     max_depth: int
@@ -224,4 +225,5 @@ class InfoResponse(_message.Message):
     early_exit: bool
     exit_summary: str
     mean_served_depth: float
-    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., max_depth: _Optional[int] = ..., vocab_size: _Optional[int] = ..., kv_policy: _Optional[str] = ..., mode: _Optional[str] = ..., deployment: _Optional[str] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., counters: _Optional[_Union[Counters, _Mapping]] = ..., healthy: _Optional[bool] = ..., error: _Optional[str] = ..., kv_block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., exit_rule: _Optional[str] = ..., exit_threshold: _Optional[float] = ..., exit_threshold_source: _Optional[str] = ..., early_exit: _Optional[bool] = ..., exit_summary: _Optional[str] = ..., mean_served_depth: _Optional[float] = ...) -> None: ...
+    synthetic_cost: str
+    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., max_depth: _Optional[int] = ..., vocab_size: _Optional[int] = ..., kv_policy: _Optional[str] = ..., mode: _Optional[str] = ..., deployment: _Optional[str] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., counters: _Optional[_Union[Counters, _Mapping]] = ..., healthy: _Optional[bool] = ..., error: _Optional[str] = ..., kv_block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., exit_rule: _Optional[str] = ..., exit_threshold: _Optional[float] = ..., exit_threshold_source: _Optional[str] = ..., early_exit: _Optional[bool] = ..., exit_summary: _Optional[str] = ..., mean_served_depth: _Optional[float] = ..., synthetic_cost: _Optional[str] = ...) -> None: ...

@@ -162,7 +162,7 @@ class PreludeBatch(_message.Message):
     def __init__(self, rids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., positions: _Optional[_Iterable[int]] = ..., rows: _Optional[_Iterable[int]] = ..., init_seeds: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class LoopBatch(_message.Message):
-    __slots__ = ("rids", "positions", "rows", "steps", "prefill", "num_steps", "kv_copies")
+    __slots__ = ("rids", "positions", "rows", "steps", "prefill", "num_steps", "kv_copies", "head")
     RIDS_FIELD_NUMBER: _ClassVar[int]
     POSITIONS_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
@@ -170,6 +170,7 @@ class LoopBatch(_message.Message):
     PREFILL_FIELD_NUMBER: _ClassVar[int]
     NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
     KV_COPIES_FIELD_NUMBER: _ClassVar[int]
+    HEAD_FIELD_NUMBER: _ClassVar[int]
     rids: _containers.RepeatedScalarFieldContainer[int]
     positions: _containers.RepeatedScalarFieldContainer[int]
     rows: _containers.RepeatedScalarFieldContainer[int]
@@ -177,10 +178,11 @@ class LoopBatch(_message.Message):
     prefill: bool
     num_steps: int
     kv_copies: _containers.RepeatedCompositeFieldContainer[KVCopy]
-    def __init__(self, rids: _Optional[_Iterable[int]] = ..., positions: _Optional[_Iterable[int]] = ..., rows: _Optional[_Iterable[int]] = ..., steps: _Optional[_Iterable[int]] = ..., prefill: _Optional[bool] = ..., num_steps: _Optional[int] = ..., kv_copies: _Optional[_Iterable[_Union[KVCopy, _Mapping]]] = ...) -> None: ...
+    head: HeadBatch
+    def __init__(self, rids: _Optional[_Iterable[int]] = ..., positions: _Optional[_Iterable[int]] = ..., rows: _Optional[_Iterable[int]] = ..., steps: _Optional[_Iterable[int]] = ..., prefill: _Optional[bool] = ..., num_steps: _Optional[int] = ..., kv_copies: _Optional[_Iterable[_Union[KVCopy, _Mapping]]] = ..., head: _Optional[_Union[HeadBatch, _Mapping]] = ...) -> None: ...
 
 class HeadBatch(_message.Message):
-    __slots__ = ("rids", "positions", "rows", "sample", "token_index", "temperature", "top_k", "top_p", "seed", "logprobs", "return_logprob", "embed")
+    __slots__ = ("rids", "positions", "rows", "sample", "token_index", "temperature", "top_k", "top_p", "seed", "logprobs", "return_logprob", "embed", "embed_ids")
     RIDS_FIELD_NUMBER: _ClassVar[int]
     POSITIONS_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
@@ -193,6 +195,7 @@ class HeadBatch(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     RETURN_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     EMBED_FIELD_NUMBER: _ClassVar[int]
+    EMBED_IDS_FIELD_NUMBER: _ClassVar[int]
     rids: _containers.RepeatedScalarFieldContainer[int]
     positions: _containers.RepeatedScalarFieldContainer[int]
     rows: _containers.RepeatedScalarFieldContainer[int]
@@ -205,7 +208,8 @@ class HeadBatch(_message.Message):
     logprobs: _containers.RepeatedScalarFieldContainer[int]
     return_logprob: _containers.RepeatedScalarFieldContainer[bool]
     embed: _containers.RepeatedScalarFieldContainer[bool]
-    def __init__(self, rids: _Optional[_Iterable[int]] = ..., positions: _Optional[_Iterable[int]] = ..., rows: _Optional[_Iterable[int]] = ..., sample: _Optional[_Iterable[bool]] = ..., token_index: _Optional[_Iterable[int]] = ..., temperature: _Optional[_Iterable[float]] = ..., top_k: _Optional[_Iterable[int]] = ..., top_p: _Optional[_Iterable[float]] = ..., seed: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[int]] = ..., return_logprob: _Optional[_Iterable[bool]] = ..., embed: _Optional[_Iterable[bool]] = ...) -> None: ...
+    embed_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, rids: _Optional[_Iterable[int]] = ..., positions: _Optional[_Iterable[int]] = ..., rows: _Optional[_Iterable[int]] = ..., sample: _Optional[_Iterable[bool]] = ..., token_index: _Optional[_Iterable[int]] = ..., temperature: _Optional[_Iterable[float]] = ..., top_k: _Optional[_Iterable[int]] = ..., top_p: _Optional[_Iterable[float]] = ..., seed: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[int]] = ..., return_logprob: _Optional[_Iterable[bool]] = ..., embed: _Optional[_Iterable[bool]] = ..., embed_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Ping(_message.Message):
     __slots__ = ()

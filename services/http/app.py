@@ -4,6 +4,8 @@
   (non-streamed, or SSE with ``stream: true`` ending in ``data: [DONE]``), ``GET /v1/models``, ``GET /health``,
   ``GET /metrics`` (the scheduler's own Prometheus exposition). Requests go through the same engine and the same
   ``GenerationService`` state as the gRPC API: its drain, readiness verdict, metrics and traces cover them too.
+- Request bodies over ``CDB_MAX_REQUEST_BYTES`` get 413 before they are parsed or their API key is checked
+  (``body_limit.BodyLimit``); building and validating a request (template, tokenization) runs off the event loop.
 - ``HttpServer`` / ``serve_http``: uvicorn on ``HOST:PORT`` on the running loop, without uvicorn's signal handlers
   (the scheduler owns SIGTERM and drains); stopping closes the listener, lets in-flight responses end for up to
   ``shutdown_timeout_s`` and then cuts them (which aborts their requests).
@@ -30,7 +32,9 @@ from starlette.exceptions import HTTPException
 
 from cdb_engine.config import RequestParams
 from cdb_engine.engine import Engine
+from cdb_engine.validation import check_messages_size
 from cdb_model.loader import load_generation_defaults
+from services.http.body_limit import BodyLimit
 from services.http.calls import Call, Prepare
 from services.http.errors import ApiError, api_error, validation_error
 from services.http.responses import ChatRender, CompletionRender, Render
@@ -63,6 +67,7 @@ def create_app(
     created = int(time.time())
     generation = load_generation_defaults(engine.config.model)  # sampling defaults of unset fields, max_new_tokens
     app = FastAPI(title="cdb OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_request_bytes)  # before parsing and the API-key check
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
@@ -104,7 +109,9 @@ def create_app(
         """Admit the request (every refusal is an error reply), then stream it or answer once it has finished."""
         headers = request.headers.items()
         try:
-            call = Call.open(service, render.id, prepare, operation=operation, max_tokens=max_tokens, headers=headers)
+            call = await Call.open(
+                service, render.id, prepare, operation=operation, max_tokens=max_tokens, headers=headers
+            )
         except Exception as exc:
             return api_error(exc, fields).response()
         reply_headers = {"X-Request-Id": render.id}
@@ -147,9 +154,11 @@ def create_app(
             logprobs=body.logprobs,
         )
 
-        def prepare() -> tuple[str | list[int], RequestParams]:
+        def prepare() -> tuple[str | list[int], RequestParams]:  # on a worker thread (GenerationService.admit)
             body.refuse_unsupported()
-            ids = engine.tokenizer.apply_chat_template(body.chat_messages(), add_generation_prompt=True)
+            chat = body.chat_messages()
+            check_messages_size(chat)  # before the template renders them
+            ids = engine.tokenizer.apply_chat_template(chat, add_generation_prompt=True)
             requested = body.requested_max_tokens()
             if requested is None:  # the checkpoint's max_new_tokens, else up to the context limit
                 requested = generation.max_new_tokens or max(1, engine.limits.max_total_tokens - len(ids))

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Callable, Iterable
 
 from cdb_engine.config import RequestParams
 from cdb_engine.events import Event, FinishEvent
+from cdb_engine.limits import INT32_MAX
 from cdb_engine.stream import RequestStream
 from services import telemetry
 from services.scheduler.errors import status_for
@@ -31,7 +32,7 @@ class Call:
         self._closed = False
 
     @classmethod
-    def open(
+    async def open(
         cls,
         service: GenerationService,
         request_id: str,
@@ -41,12 +42,12 @@ class Call:
         max_tokens: int,
         headers: Iterable[tuple[str, str]],
     ) -> Call:
-        """Build the request (``prepare``: prompt and params; may raise ``InvalidRequest``), validate and submit
-        it; every refusal raises (and is counted) before anything is streamed."""
+        """Build the request (``prepare``: prompt and params; may raise ``InvalidRequest``; run on a worker thread),
+        validate and submit it; every refusal raises (and is counted) before anything is streamed."""
         engine = service.engine
         span = telemetry.start_request_span(
             model=engine.config.model,
-            max_tokens=max_tokens,
+            max_tokens=max(-INT32_MAX, min(max_tokens, INT32_MAX)),  # as requested, within a span attribute's range
             metadata=headers,
             request_id=request_id,
             operation=operation,
@@ -63,7 +64,7 @@ class Call:
         def open_stream(ids: list[int], params: RequestParams) -> RequestStream:
             return engine.open_stream(ids, params, request_id, observer=observer)
 
-        return cls(service, request_id, service.admit(prepare, open_stream, request_id, observer))
+        return cls(service, request_id, await service.admit(prepare, open_stream, request_id, observer))
 
     async def events(self) -> AsyncIterator[Event]:
         try:

@@ -29,6 +29,7 @@ from cdb_engine.engine import Engine
 from cdb_engine.errors import InvalidRequest
 from cdb_engine.events import Event, FinishEvent, TokenEvent
 from cdb_engine.stream import RequestStream
+from cdb_engine.validation import check_request_id
 from cdb_scheduler.request import FinishReason
 from services import telemetry
 from services.scheduler import messages
@@ -108,13 +109,14 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, request_id: str
     ) -> AsyncGenerator[Event]:
         """One request's engine events (carrying the scoped id); raises what the caller maps to a status."""
+        check_request_id(request_id)
         scope, scoped_id = self._scoped(context, request_id)
         observer = self._observe(request, context, request_id, scope)
 
         def open_stream(ids: list[int], params: RequestParams) -> RequestStream:
             return self._open(ids, params, scoped_id, request_id, observer)
 
-        stream = self.admit(lambda: messages.request_to_engine(request), open_stream, scoped_id, observer)
+        stream = await self.admit(lambda: messages.request_to_engine(request), open_stream, scoped_id, observer)
         try:
             async with stream:
                 async for ev in stream:
@@ -124,7 +126,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         finally:
             self.release(scoped_id)
 
-    def admit(
+    async def admit(
         self,
         prepare: Callable[[], tuple[str | list[int], RequestParams]],
         open_stream: Callable[[list[int], RequestParams], RequestStream],
@@ -134,16 +136,21 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         """Admission of one request of either front end (gRPC, HTTP): build it (``prepare``: prompt and params),
         validate it, refuse it while draining or when the stages are given up on, open its engine stream, and
         register it as live under ``key`` (the drain waits for it; ``release`` ends that). Every refusal is counted
-        by ``observer`` and raised before anything is streamed."""
+        by ``observer`` and raised before anything is streamed.
+
+        Building and validating (chat template rendering, tokenization: bounded, but not free) run on a worker
+        thread, never on the event loop that serves every other call."""
         try:
-            prompt, params = prepare()
-            ids = self.engine.validate(prompt, params)
+            ids, params = await asyncio.to_thread(self._build, prepare)
             observer.validated(len(ids), params)
             if self.draining:
                 raise ServerDraining("server is shutting down")
             if self.broken:
                 raise StageFailed(self.broken)
             stream = open_stream(ids, params)
+        except asyncio.CancelledError as exc:  # the caller left while its request was being built
+            observer.gone(exc)
+            raise
         except Exception as exc:
             observer.rejected(exc)
             raise
@@ -151,6 +158,11 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         self.live[key] = observer
         self.idle.clear()
         return stream
+
+    def _build(self, prepare: Callable[[], tuple[str | list[int], RequestParams]]) -> tuple[list[int], RequestParams]:
+        """The validated ids and params of one request (on a worker thread)."""
+        prompt, params = prepare()
+        return self.engine.validate(prompt, params), params
 
     def release(self, key: str) -> None:
         """A request registered by ``admit`` has ended."""
@@ -201,6 +213,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
 
     @mapped_errors
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
+        check_request_id(request.request_id)
         _, scoped_id = self._scoped(context, request.request_id)
         found = self.engine.abort(scoped_id)
         if found and (observer := self.live.get(scoped_id)) is not None:

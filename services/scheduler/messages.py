@@ -119,6 +119,7 @@ def info_to_pb(engine: Engine, deployment: str, max_concurrent_rpcs: int, extra_
         error=error or "",
         kv_block_size=cfg.kv_block_size,
         dtype=cfg.dtype,
+        synthetic_cost=cfg.synthetic_cost,
         exit_rule=limits.exit_rule,
         exit_threshold=limits.exit_threshold,
         exit_threshold_source=limits.threshold_source,

@@ -35,12 +35,14 @@ from grpc_health.v1 import health, health_pb2_grpc
 from cdb_engine.config import EngineConfig
 from cdb_engine.engine import Engine
 from cdb_engine.errors import EngineStopped
+from cdb_engine.isolation import isolating
 from cdb_engine.limits import describe
 from cdb_engine.setup import StageSetup
 from cdb_scheduler.plan import Executor, Stage
 from services import telemetry
 from services.net import NO_REUSEPORT, bound_address, is_host_port, listen_on, require_loopback, write_ready_file
 from services.reflection import enable_reflection
+from services.scheduler.fatal import ExitOnEngineFailure
 from services.scheduler.handlers import GenerationService, add_generation_service
 from services.scheduler.readiness import SERVICE_NAME, Readiness
 from services.scheduler.security import PortSecurity
@@ -184,13 +186,19 @@ def run_scheduler(
         observer: OpRecorder | None = None
 
         def in_process(setup: StageSetup) -> Executor:
-            from cdb_engine.inprocess import InProcessExecutor
+            from cdb_engine.inprocess import in_process_executor
 
-            inner = InProcessExecutor(setup, num_threads=config.num_threads)
+            inner = in_process_executor(config, setup, engine_model_config)
             return ObservedExecutor(inner, observer) if observer is not None else inner
 
-        engine = Engine(config, executor_factory=factory or in_process)
+        # An op that cannot be built or sent fails its own requests; a loop that cannot go on ends the process (exit 1).
+        engine_failure = ExitOnEngineFailure(settings.drain_timeout_s + 10.0)
+        engine = Engine(config, executor_factory=isolating(factory or in_process), on_fatal=engine_failure)
+        engine_model_config = engine.model_config
         metrics = Metrics(config.model, engine.limits.max_depth)
+        if config.synthetic_cost:
+            metrics.set_synthetic(config.synthetic_cost)
+            log.warning("SYNTHETIC stages (%s): they model device time; tokens mean nothing", config.synthetic_cost)
         metrics.add_collector(EngineGauges(engine, factory))
         observer = OpRecorder(metrics, config.max_num_seqs, traces)
         if factory is not None:
@@ -222,6 +230,8 @@ def run_scheduler(
                     companion=companion,
                 )
             )
+        if engine_failure.error is not None:
+            raise SystemExit(1)  # the engine loop failed (logged): a supervisor restarts the process
     finally:
         if engine is not None:
             with contextlib.suppress(EngineStopped):

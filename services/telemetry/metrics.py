@@ -217,6 +217,17 @@ class Metrics:
         self.prompt_tokens = c("cdb_prompt_tokens_total", "Prompt tokens of admitted requests.")
         self.generated_tokens = c("cdb_generation_tokens_total", "Tokens generated.")
         self.loop_steps = c("cdb_loop_steps_total", "Loop-block applications to generated tokens.")
+        self.engine_cpu = c(
+            "cdb_engine_thread_cpu_seconds_total",
+            "CPU of the engine (scheduler) thread by part: plan (schedule, on_result), submit (ops to the stages), "
+            "dispatch (tokens to their requests), other (commands, polling).",
+            ["part"],
+        )
+        self.synthetic = g(
+            "cdb_synthetic_stages",
+            "1 when the stages model device time instead of running the model (its tokens mean nothing), by cost.",
+            ["cost"],
+        )
         self.info = g("cdb_model_info", "The served model (value always 1).", ["model"])
         self.info.set(1, model)
         prom.ProcessCollector(registry=r)
@@ -314,6 +325,15 @@ class Metrics:
         if previous is not None and previous != labels:
             self.exit_threshold.remove(*previous)
         self.exit_threshold.set(threshold, *labels)
+
+    def inc_engine_cpu(self, part: str, seconds: float) -> None:
+        """CPU seconds the engine thread spent in ``part`` (plan | submit | dispatch | other) since last time."""
+        if seconds > 0:
+            self.engine_cpu.inc(seconds, part)
+
+    def set_synthetic(self, cost: str) -> None:
+        """The stages are synthetic with this cost SPEC (``cdb_engine.synthetic``)."""
+        self.synthetic.set(1, cost)
 
     def set_stages_attached(self, attached: bool) -> None:
         """Whether every stage server is attached (the gRPC executor is neither in an outage nor broken)."""

@@ -111,6 +111,7 @@ class EngineGauges:
         self.stages = stages
         self._lock = threading.Lock()
         self._refills = self._recoveries = self._recomputed = 0
+        self._cpu = dict.fromkeys(("plan", "submit", "dispatch", "other"), 0.0)
 
     def __call__(self, m: Metrics) -> None:
         engine = self.engine
@@ -132,6 +133,12 @@ class EngineGauges:
             if refills > self._refills:
                 m.inc_refills(refills - self._refills)
                 self._refills = refills
+            cpu = engine.cpu
+            parts = {"plan": sched.sched_cpu_s, "submit": cpu.submit_s, "dispatch": cpu.dispatch_s}
+            parts["other"] = max(self._cpu["other"], cpu.thread_s - sum(parts.values()))
+            for part, total in parts.items():
+                m.inc_engine_cpu(part, total - self._cpu[part])
+                self._cpu[part] = max(total, self._cpu[part])
             recoveries, recomputed = max(st.recoveries, self._recoveries), max(st.recomputed, self._recomputed)
             m.inc_recoveries(recoveries - self._recoveries, recomputed - self._recomputed)
             self._recoveries, self._recomputed = recoveries, recomputed

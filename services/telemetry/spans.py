@@ -90,7 +90,8 @@ class RequestSpan:
                     "gen_ai.request.temperature": float(sampling.temperature),
                     "gen_ai.request.top_p": float(sampling.top_p),
                     "gen_ai.request.top_k": float(sampling.top_k),  # a double in the conventions
-                    "gen_ai.request.seed": sampling.seed,
+                    # OTLP integers are int64: a uint64 seed above that range as its two's complement
+                    "gen_ai.request.seed": sampling.seed - 2**64 if sampling.seed >= 2**63 else sampling.seed,
                 }
             )
 

@@ -7,7 +7,7 @@ stop here: the executor and the stage server see plan objects only.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from cdb_api.v1 import stage_pb2 as pb
 from cdb_scheduler.plan import (
@@ -15,6 +15,7 @@ from cdb_scheduler.plan import (
     HeadOp,
     KVCopy,
     KVUpdate,
+    LoopHead,
     LoopOp,
     PreludeOp,
     SamplingParams,
@@ -66,21 +67,43 @@ def op_to_pb(op: StageOp, traceparent: str = "", trace_contexts: Mapping[int, st
         loop.prefill = op.prefill
         loop.num_steps = op.num_steps
         loop.kv_copies.extend(pb.KVCopy(rid=c.rid, position=c.position, from_slot=c.from_slot) for c in op.kv_copies)
+        if op.head is not None:
+            h = op.head
+            _head_columns(loop.head, h.rids, h.positions, h.rows, h.token_index, h.sampling)
+            loop.head.embed_ids.extend(h.embed_ids)
     else:
         head = msg.head
-        head.rids.extend(op.rids)
-        head.positions.extend(op.positions)
-        head.rows.extend(op.rows)
+        _head_columns(head, op.rids, op.positions, op.rows, op.token_index, op.sampling)
         head.sample.extend(op.sample)
-        head.token_index.extend(op.token_index)
-        head.temperature.extend(s.temperature for s in op.sampling)
-        head.top_k.extend(s.top_k for s in op.sampling)
-        head.top_p.extend(s.top_p for s in op.sampling)
-        head.seed.extend(s.seed & _MASK64 for s in op.sampling)
-        head.logprobs.extend(s.logprobs for s in op.sampling)
-        head.return_logprob.extend(s.return_logprob for s in op.sampling)
         head.embed.extend(op.embed)
     return msg
+
+
+def _head_columns(
+    head: pb.HeadBatch,
+    rids: Sequence[int],
+    positions: Sequence[int],
+    rows: Sequence[int],
+    token_index: Sequence[int],
+    sampling: Sequence[SamplingParams],
+) -> None:
+    head.rids.extend(rids)
+    head.positions.extend(positions)
+    head.rows.extend(rows)
+    head.token_index.extend(token_index)
+    head.temperature.extend(s.temperature for s in sampling)
+    head.top_k.extend(s.top_k for s in sampling)
+    head.top_p.extend(s.top_p for s in sampling)
+    head.seed.extend(s.seed & _MASK64 for s in sampling)
+    head.logprobs.extend(s.logprobs for s in sampling)
+    head.return_logprob.extend(s.return_logprob for s in sampling)
+
+
+def _sampling_of(h: pb.HeadBatch) -> tuple[SamplingParams, ...]:
+    return tuple(
+        SamplingParams(temperature=t, top_k=k, top_p=p, seed=s, logprobs=n, return_logprob=r)
+        for t, k, p, s, n, r in zip(h.temperature, h.top_k, h.top_p, h.seed, h.logprobs, h.return_logprob)
+    )
 
 
 def op_from_pb(msg: pb.StageBatch) -> StageOp:
@@ -116,13 +139,11 @@ def op_from_pb(msg: pb.StageBatch) -> StageOp:
             prefill=lp.prefill,
             num_steps=lp.num_steps,
             kv_copies=tuple(KVCopy(c.rid, c.position, c.from_slot) for c in lp.kv_copies),
+            head=_loop_head(lp.head) if lp.HasField("head") else None,
         )
     if which == "head":
         h = msg.head
-        sampling = tuple(
-            SamplingParams(temperature=t, top_k=k, top_p=p, seed=s, logprobs=n, return_logprob=r)
-            for t, k, p, s, n, r in zip(h.temperature, h.top_k, h.top_p, h.seed, h.logprobs, h.return_logprob)
-        )
+        sampling = _sampling_of(h)
         return HeadOp(
             msg.seq,
             fences,
@@ -137,6 +158,17 @@ def op_from_pb(msg: pb.StageBatch) -> StageOp:
             embed=tuple(h.embed),
         )
     raise ValueError(f"batch {msg.seq} carries no stage work ({which})")
+
+
+def _loop_head(h: pb.HeadBatch) -> LoopHead:
+    return LoopHead(
+        rids=tuple(h.rids),
+        positions=tuple(h.positions),
+        rows=tuple(h.rows),
+        sampling=_sampling_of(h),
+        token_index=tuple(h.token_index),
+        embed_ids=tuple(h.embed_ids),
+    )
 
 
 def result_to_pb(res: StageResult) -> pb.StageReply:

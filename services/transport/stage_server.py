@@ -28,7 +28,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from cdb_api.v1 import stage_pb2 as pb
 from cdb_api.v1 import stage_pb2_grpc
 from cdb_engine.setup import torch_dtype
-from cdb_model.loader import load_model
+from cdb_engine.synthetic import SyntheticWorker, synthetic_model
+from cdb_model.loader import load_config, load_model
 from cdb_scheduler.plan import Stage
 from services import telemetry
 from services.net import NO_REUSEPORT, bound_address, listen_on, require_loopback, write_ready_file
@@ -101,9 +102,12 @@ def run_stage(
     device: str = "cpu",
     ready_file: str | None = None,
     settings: Settings | None = None,
+    synthetic_cost: str = "",
+    synthetic_depths: str = "",
 ) -> None:
     """Load ``role``'s weights of ``model``, serve until SIGTERM/SIGINT. Writes the bound address to
-    ``ready_file`` (atomically) once serving."""
+    ``ready_file`` (atomically) once serving. With ``synthetic_cost`` the stage loads no weights: it models the
+    device time of its ops (``cdb_engine.synthetic``)."""
     settings = settings or load_settings()
     stage = Stage.from_role(role)
     require_loopback(listen)
@@ -111,12 +115,21 @@ def run_stage(
     telemetry.init_tracing(f"cdb-{role}")
     try:
         torch.set_num_threads(settings.stage_threads)
-        lm = load_model(model, dtype=torch_dtype(dtype), device=device, stages={stage})
         observer = telemetry.StageTracer(role) if telemetry.enabled() else None  # off: not even a call per batch
-        service = StageService(stage, model, dtype, lm, settings, observer=observer)
+        if synthetic_cost:
+            synth = synthetic_model(load_config(model), synthetic_cost, synthetic_depths, device, torch_dtype(dtype))
+            service = StageService(stage, model, dtype, synth, settings, SyntheticWorker, observer)
+            what = f"SYNTHETIC {role} stage (modelled device time {synth.cost.describe()}; its tokens mean nothing)"
+        else:
+            # Ouro's loop stage also holds the head (final norm, LM head, embedding): a loop op may sample the
+            # tokens that left the loop and embed their successors (``LoopHead``, ``--fuse-loop-head``).
+            stages = {stage, Stage.HEAD} if stage is Stage.LOOP and load_config(model).prelude_is_embedding else {stage}
+            lm = load_model(model, dtype=torch_dtype(dtype), device=device, stages=stages)
+            service = StageService(stage, model, dtype, lm, settings, observer=observer)
+            what = f"{role} stage"
         server, port = build_server(service, listen, secret)
         address = bound_address(listen, port)
-        log.info("%s stage of %s serving on %s", role, model, address)
+        log.info("%s of %s serving on %s", what, model, address)
         done = threading.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: done.set())

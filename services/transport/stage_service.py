@@ -14,8 +14,9 @@ only ever parsed as protobuf.
 
 from __future__ import annotations
 
-import dataclasses
+import json
 import logging
+import os
 import queue
 import threading
 import time
@@ -57,9 +58,11 @@ class _Session:
     lock: threading.Lock = field(default_factory=threading.Lock)
     streams: int = 0
     closed: bool = False
+    timeline: list[tuple[int, ...]] | None = None  # with CDB_STAGE_OP_LOG: one record per op (OP_LOG_FIELDS)
 
-    def close(self) -> None:
-        """Unmap the shared memory once the running batch (if any) ends. Idempotent."""
+    def close(self, op_log: str = "", role: str = "") -> None:
+        """Unmap the shared memory once the running batch (if any) ends; write the timeline to ``op_log`` (a
+        folder) if recorded. Idempotent."""
         with self.lock:
             if self.closed:
                 return
@@ -68,6 +71,28 @@ class _Session:
             self.bank.close()
             self.tokens.close()
             self.fences.close()
+            if op_log and self.timeline:
+                write_op_log(op_log, role, self.holder, self.timeline)
+
+
+# A stage's per-op timeline (``CDB_STAGE_OP_LOG``): time.perf_counter_ns() stamps (CLOCK_MONOTONIC: comparable
+# across the processes of a host) of each op's arrival, its turn on the executor thread, its fences satisfied,
+# its work started and ended; and the op's tokens and compute (ns; modelled on a synthetic stage).
+OP_LOG_FIELDS = ("seq", "tokens", "arrived", "dequeued", "fenced", "started", "ended", "compute_ns")
+
+
+def write_op_log(folder: str, role: str, holder: str, records: list[tuple[int, ...]]) -> str:
+    """Write ``records`` as ``FOLDER/ROLE-PID-N.json``; returns the path."""
+    os.makedirs(folder, exist_ok=True)
+    base = os.path.join(folder, f"{role}-{os.getpid()}")
+    n = 0
+    while os.path.exists(f"{base}-{n}.json"):
+        n += 1
+    path = f"{base}-{n}.json"
+    with open(path + ".tmp", "w") as f:  # renamed when complete: a reader never sees half a file
+        json.dump({"role": role, "holder": holder, "fields": OP_LOG_FIELDS, "ops": records}, f)
+    os.replace(path + ".tmp", path)
+    return path
 
 
 def _device(name: str) -> torch.device:
@@ -141,7 +166,7 @@ class StageService(stage_pb2_grpc.StageServicer):
         with self._lock:
             old, self._session = self._session, session
         if old is not None:
-            old.close()
+            old.close(self.settings.stage_op_log, self.stage.role)
         kv = request.kv
         bank = session.bank
         log.info("%s configured: %s bank, kv %s x %d", self.stage.name, bank.spec.kind, kv.policy, kv.num_blocks)
@@ -173,7 +198,8 @@ class StageService(stage_pb2_grpc.StageServicer):
                 segment.close()
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"cannot attach the shared memory: {exc}")
             raise  # not reached: abort raises
-        return _Session(bank, tokens, fences, worker, request.holder)
+        timeline: list[tuple[int, ...]] | None = [] if self.settings.stage_op_log else None
+        return _Session(bank, tokens, fences, worker, request.holder, timeline=timeline)
 
     def Run(self, request_iterator: Iterator[pb.StageBatch], context: grpc.ServicerContext) -> Iterator[pb.StageReply]:
         with self._lock:
@@ -194,21 +220,23 @@ class StageService(stage_pb2_grpc.StageServicer):
         context.add_callback(on_done)
 
         def read() -> None:
+            clock = time.perf_counter_ns
             try:
                 for msg in request_iterator:
-                    inbox.put(msg)
+                    inbox.put((msg, clock()))
             except grpc.RpcError:
                 pass  # the caller went away; the callback stops the executor
             inbox.put(_END)
 
         def execute() -> None:
             try:
-                while not stop.is_set() and (msg := inbox.get()) is not _END:
+                while not stop.is_set() and (got := inbox.get()) is not _END:
+                    msg, arrived = got
                     with session.lock:
                         if session.closed or self._session is not session:
                             outbox.put(grpc.StatusCode.ABORTED)
                             return
-                        reply = self._execute(session, msg)
+                        reply = self._execute(session, msg, arrived)
                     outbox.put(reply)
                 outbox.put(_END)
             finally:
@@ -231,15 +259,16 @@ class StageService(stage_pb2_grpc.StageServicer):
                 self._session = None
         if drop:
             session.fences.abort()  # a batch of it waiting on a fence gives up now
-            session.close()
+            session.close(self.settings.stage_op_log, self.stage.role)
             log.info("%s stage: session of %s dropped (its stream ended)", self.stage.name, session.holder or "-")
 
-    def _execute(self, session: _Session, msg: pb.StageBatch) -> pb.StageReply:
+    def _execute(self, session: _Session, msg: pb.StageBatch, arrived: int = 0) -> pb.StageReply:
         """Wait for the batch's fences, run it, publish completion; never raises."""
         if msg.WhichOneof("work") == "ping":
             return pb.StageReply(seq=msg.seq, stage=role_to_pb(self.stage), pong=True)
         fence_wait = 0.0
         observer, op, start_ns = self.observer, None, 0
+        dequeued = fenced = time.perf_counter_ns()
         try:
             op = op_from_pb(msg)
             if op.stage is not self.stage:
@@ -247,11 +276,13 @@ class StageService(stage_pb2_grpc.StageServicer):
             if observer is not None:
                 observer.update(msg.trace_contexts, op.released)
             fence_wait = session.fences.wait(op.fences, self.settings.fence_timeout_s, self.settings.fence_spin_s)
-            start, start_ns = time.perf_counter(), time.time_ns()
-            result = session.worker.execute(op)
-            if self.model.device.type == "cuda":
-                torch.cuda.synchronize(self.model.device)  # fence = host-side "done"; see services/fences.py
-            result = dataclasses.replace(result, compute_s=time.perf_counter() - start)
+            fenced, start_ns = time.perf_counter_ns(), time.time_ns()
+            result = session.worker.execute(op)  # compute_s: device-synchronised (or modelled) by the worker
+            if session.timeline is not None:
+                tokens = len(op.rows)
+                ended = time.perf_counter_ns()
+                record = (op.seq, tokens, arrived, dequeued, fenced, ended - int(result.compute_s * 1e9), ended)
+                session.timeline.append((*record, int(result.compute_s * 1e9)))
         except (FenceTimeout, FenceAborted) as exc:
             result = StageResult(self.stage, msg.seq, 0.0, error=f"{self.stage.name} stage: {exc}")
         except Exception as exc:  # the op fails, the scheduler fails its requests, the stage keeps serving
@@ -271,4 +302,4 @@ class StageService(stage_pb2_grpc.StageServicer):
             session, self._session = self._session, None
         if session is not None:
             session.fences.abort()
-            session.close()
+            session.close(self.settings.stage_op_log, self.stage.role)

@@ -252,3 +252,63 @@ def test_one_ahead_never_exits_after_the_first_step_with_the_shipped_lookahead_g
         depths[horizon] = [d for _, ds in got for d in ds[1:]]
     assert 1 in depths["same-step"]
     assert min(depths["one-ahead"]) == 2 and depths["one-ahead"].count(2) > len(depths["one-ahead"]) // 2
+
+
+FUSED_HEAD_CASES = [
+    Case("ouro-tiny", 0.5, kv, hz, mode)
+    for kv in ("single", "last_exited")
+    for hz in ("one-ahead", "same-step")
+    for mode in ("cdb", "full-depth")
+] + [Case("ouro-kjv", None, "last_exited", "one-ahead", "cdb")]
+
+
+@pytest.mark.parametrize("case", FUSED_HEAD_CASES, ids=lambda c: "-".join(str(v) for v in vars(c).values()))
+def test_loop_op_with_fused_head_equals_sequential_reference(case: Case) -> None:
+    """Ouro's loop op samples the tokens that left the loop and runs their successors' step 0 (``LoopHead``):
+    tokens and depths equal the reference's; decode needs no head op (only the prefill chains use the head)."""
+    rng = random.Random(zlib.crc32(repr(case).encode()))
+    model = model64(case.model)
+    cfg = EngineConfig(
+        model=case.model,
+        dtype="float64",
+        mode=case.mode,
+        kv_policy=case.kv_policy,
+        horizon=case.horizon,
+        exit_threshold=case.threshold,
+        max_num_seqs=rng.choice([1, 3, 8]),
+        num_kv_blocks=rng.choice([24, 256]),
+        kv_block_size=4,
+        prefill_chunk_size=16,
+        prefill_token_budget=32,
+        fuse_loop_head=True,
+    )
+    work = workload(rng, 10)
+    got, eng = run_engine(model, cfg, work)
+    assert got == run_reference(model, eng, work, cfg)
+    st = eng.sched_stats
+    assert st.ops[Stage.HEAD] <= st.ops[Stage.PRELUDE], "head ops only in prefill chains (one prelude op each)"
+
+
+def test_fused_head_through_preemption_matches_reference() -> None:
+    """Recomputed requests (a tiny KV pool preempts) embed their recorded inputs in the fused head."""
+    model = model64("ouro-tiny")
+    cfg = EngineConfig(
+        model="ouro-tiny",
+        dtype="float64",
+        exit_threshold=0.5,
+        kv_policy="last_exited",
+        max_num_seqs=8,
+        num_kv_blocks=20,
+        kv_block_size=4,
+        prefill_chunk_size=16,
+        prefill_token_budget=32,
+        fuse_loop_head=True,
+    )
+    rng = random.Random(11)
+    work = [
+        ([rng.randrange(3, 259) for _ in range(rng.randint(10, 30))], RequestParams(max_tokens=12, ignore_eos=True))
+        for _ in range(12)
+    ]
+    got, eng = run_engine(model, cfg, work)
+    assert eng.sched_stats.preemptions > 0, "the pool should be too small to hold every request at once"
+    assert got == run_reference(model, eng, work, cfg)

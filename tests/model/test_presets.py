@@ -6,14 +6,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from cdb_bench.random_checkpoint import HUGINN_0125 as HUGINN
-from cdb_bench.random_checkpoint import OURO_14B
 from cdb_model.attention import DenseKVCache
 from cdb_model.config import ModelConfig, UnknownModelTypeError
 from cdb_model.kv import KVLayout, KVPolicy
 from cdb_model.loader import load_model
 from cdb_model.presets import build_preset, preset_config, preset_names
 from cdb_model.reference import reference_generate
+from cdb_model.released import HUGINN_0125 as HUGINN
+from cdb_model.released import OURO_14B
 from cdb_model.tokenizer import ByteTokenizer
 from cdb_scheduler.exit_policy import FixedDepth, Horizon, LatentDiff, OuroHazard
 from cdb_scheduler.plan import SamplingParams, Stage

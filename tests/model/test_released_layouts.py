@@ -13,9 +13,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from cdb_bench.random_checkpoint import HUGINN_0125, OURO_14B
 from cdb_model.config import ModelConfig
 from cdb_model.loader import MissingTensorsError, ShapeMismatchError, expected_tensors, load_model
+from cdb_model.released import HUGINN_0125, OURO_14B
 from cdb_scheduler.plan import Stage
 
 

@@ -46,8 +46,14 @@ CDB_FAMILIES = {
     "cdb_generation_tokens_total": "counter",
     "cdb_loop_steps_total": "counter",
     "cdb_model_info": "gauge",
+    "cdb_engine_thread_cpu_seconds_total": "counter",
+    "cdb_synthetic_stages": "gauge",
 }
-_LABELLED_COUNTERS = ("cdb_requests_finished_total", "cdb_requests_rejected_total")
+_LABELLED_COUNTERS = (
+    "cdb_requests_finished_total",
+    "cdb_requests_rejected_total",
+    "cdb_engine_thread_cpu_seconds_total",
+)
 
 SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(?:[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\]|\\.)*",?)*\})? (\S+)$')
 

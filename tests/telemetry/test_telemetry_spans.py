@@ -322,3 +322,13 @@ def test_request_params_are_optional_and_noop_when_not_recording() -> None:
     observer.validated(2)
     observer.validated(2, RequestParams())
     assert not span.recording
+
+
+def test_a_seed_above_int64_is_exported_as_its_twos_complement(tracing: OtlpReceiver) -> None:
+    """OTLP integers are int64; the API's seeds are uint64: the largest still exports (and the batch with it)."""
+    span = telemetry.start_request_span(model="ouro-tiny", max_tokens=4, request_id="big-seed")
+    span.request_params(4, SamplingParams(seed=2**64 - 1))
+    span.finish("stop", 0)
+    telemetry.force_flush()
+    req = one(tracing.wait_for(lambda s: any(x.kind == KIND_SERVER for x in s)), "text_completion ouro-tiny")
+    assert req.attributes["gen_ai.request.seed"] == -1

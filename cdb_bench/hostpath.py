@@ -1,0 +1,467 @@
+"""``cdb bench hostpath``: does the host path of a loop step fit inside a GPU step? Measured on synthetic stages.
+
+The real deployed tree (three stage processes on the real transport: shared bank, fences, gRPC streams) runs on
+synthetic stages (``cdb_engine.synthetic``: everything but the model's arithmetic, which becomes modelled device
+time), in steady state: a closed loop of ``concurrency`` requests (new ones as old ones end) with live exit
+decisions from the stages' drawn depths. Tokens are consumed two ways:
+
+- ``in-process``: the scheduler runs in this process (``Engine`` over ``GrpcExecutor``), tokens go to sinks here;
+- ``api``: the whole tree with its scheduler process; streaming clients in another process over the public
+  gRPC API.
+
+Per point (family x loop op time x width x consumer), over the steady window:
+
+- ``eta``: the loop stage's busy fraction, modelled device time / wall time (from the loop stage's per-op
+  timeline, ``CDB_STAGE_OP_LOG``);
+- tokens/s, and against the ideal ``width / (mean depth x mean loop op time)`` (a busy loop stage at full width);
+- the loop stage's idle time between ops, by cause: the op arrived late (the scheduler's host path), its fences
+  (the head or prelude op it waits on), its preparation on the stage; the reaction time from an op's end to the
+  arrival of the op that its reply lets the scheduler plan (``loop_pipeline_depth`` later);
+- the scheduler process's CPU per loop step, split by part: planning, submitting ops (transport on the engine
+  thread), dispatching tokens (streaming on the engine thread), the engine thread's rest, and the process's other
+  threads (gRPC transport threads; with ``api`` also the public front end).
+
+Op times: the loop op costs ``OP`` µs flat (nearly flat in the batch, as on a GPU below saturation); the head
+and prelude ops cost what the family's ``h200`` profile gives them relative to its loop op. ``--profiles`` adds
+points on the named profiles themselves (``h200:ouro-1.4b``, ``h200:huginn-3.5b``: cost grows with tokens and
+context).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import glob
+import itertools
+import json
+import os
+import random
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from cdb_bench import outputs
+from cdb_engine.config import EngineConfig, RequestParams
+from cdb_engine.engine import Engine
+from cdb_engine.events import Event, FinishEvent, TokenEvent
+from cdb_engine.synthetic import parse_cost
+from cdb_scheduler.plan import Stage
+from services.launcher import ServeHandle, serve_all, start_stages
+from services.settings import load_settings
+from services.transport.executor import GrpcExecutorFactory
+
+FAMILIES = {"ouro": ("ouro-bench", "h200:ouro-1.4b"), "huginn": ("huginn-bench", "h200:huginn-3.5b")}
+CONSUMERS = ("in-process", "api")
+PROMPT_LEN = 32
+OUTPUT_LEN = (128, 256)
+
+
+def scaled_cost(family: str, op_us: float) -> str:
+    """A flat cost SPEC whose loop op takes ``op_us``; head and prelude scaled as in the family's profile."""
+    prof = parse_cost(FAMILIES[family][1])
+    ratio = op_us / prof.loop.fixed_us
+    parts = [f"loop={op_us:g}:0:0", f"head={prof.head.fixed_us * ratio:.1f}:0:0"]
+    if prof.prelude.fixed_us:
+        parts.append(f"prelude={prof.prelude.fixed_us * ratio:.1f}:0:0")
+    return ",".join(parts)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Point:
+    family: str
+    cost: str
+    width: int
+    consumer: str
+    op_us: float | None  # None: a named profile
+    fuse_loop_head: bool = True
+
+    @property
+    def label(self) -> str:
+        what = f"{self.op_us:g}us" if self.op_us is not None else self.cost
+        return f"{self.family} {what} w{self.width} {self.consumer}"
+
+
+def _params(rng: random.Random) -> RequestParams:
+    return RequestParams(max_tokens=rng.randint(*OUTPUT_LEN), ignore_eos=True)
+
+
+def _prompt(rng: random.Random, vocab: int) -> list[int]:
+    return [rng.randrange(3, vocab) for _ in range(PROMPT_LEN)]
+
+
+# ---------------------------------------------------------------------------------------------------- consumers
+
+
+class _ClosedLoop:
+    """In-process consumer: keeps ``concurrency`` requests in the engine; counts tokens on the engine thread."""
+
+    def __init__(self, engine: Engine, concurrency: int, seed: int) -> None:
+        self.engine, self.rng = engine, random.Random(seed)
+        self.tokens = 0
+        self.stopping = False
+        self.vocab = engine.model_config.vocab_size
+        for _ in range(concurrency):
+            self._submit()
+
+    def _submit(self) -> None:
+        if not self.stopping:
+            self.engine.submit(_prompt(self.rng, self.vocab), _params(self.rng), self._sink, force=True)
+
+    def _sink(self, ev: Event) -> None:
+        if isinstance(ev, TokenEvent):
+            self.tokens += 1
+        elif isinstance(ev, FinishEvent):
+            self._submit()
+
+
+def _cpu_self() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def _cpu_of(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _scrape(url: str) -> dict[str, float]:
+    """The scheduler's counters this benchmark reads, from its Prometheus exposition."""
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("cdb_engine_thread_cpu_seconds_total{"):
+            part = line.split('part="', 1)[1].split('"', 1)[0]
+            out[f"cpu_{part}"] = float(line.rsplit(" ", 1)[1])
+        elif line.startswith(("cdb_loop_steps_total ", "cdb_generation_tokens_total ")):
+            name, value = line.split()
+            out[name] = float(value)
+        elif line.startswith('cdb_stage_compute_seconds_count{stage="loop"}'):
+            out["loop_ops"] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def _window(warmup_s: float, seconds: float) -> Iterator[None]:
+    time.sleep(warmup_s)  # the steady window starts after the admission ramp
+    yield
+    time.sleep(seconds)
+    yield
+
+
+def run_in_process(point: Point, tree: ServeHandle, warmup_s: float, seconds: float, seed: int) -> dict[str, Any]:
+    cfg = _config(point)
+    factory = GrpcExecutorFactory(tree.stage_addrs, tree.settings)
+    engine = Engine(cfg, factory).start()
+    try:
+        loop = _ClosedLoop(engine, _concurrency(point.width), seed)
+        marks = []
+        for _ in _window(warmup_s, seconds):
+            st, cpu = engine.sched_stats, engine.cpu
+            marks.append(
+                {
+                    "t": time.perf_counter_ns(),
+                    "tokens": loop.tokens,
+                    "loop_ops": st.ops[Stage.LOOP],
+                    "cpu_process": _cpu_self(),
+                    "cpu_plan": st.sched_cpu_s,
+                    "cpu_submit": cpu.submit_s,
+                    "cpu_dispatch": cpu.dispatch_s,
+                    "cpu_thread": cpu.thread_s,
+                    "mean_depth": st.mean_depth,
+                }
+            )
+        loop.stopping = True
+    finally:
+        engine.shutdown()
+    a, b = marks
+    return _figures(a, b) | {"mean_depth": b["mean_depth"]}
+
+
+def _figures(a: dict[str, float], b: dict[str, float]) -> dict[str, Any]:
+    steps = max(1.0, b["loop_ops"] - a["loop_ops"])
+    wall = (b["t"] - a["t"]) / 1e9
+    per_step = {k[4:]: 1e6 * (b[k] - a[k]) / steps for k in a if k.startswith("cpu_")}
+    thread = per_step.pop("thread")
+    engine_parts = per_step["plan"] + per_step["submit"] + per_step["dispatch"]
+    per_step["engine_other"] = max(0.0, thread - engine_parts)
+    per_step["other_threads"] = max(0.0, per_step["process"] - thread)
+    return {
+        "window": (a["t"], b["t"]),
+        "wall_s": wall,
+        "tokens_per_s": (b["tokens"] - a["tokens"]) / wall,
+        "loop_ops_window": steps,
+        "sched_cpu_us_per_step": per_step,
+    }
+
+
+_CLIENT = r"""
+import asyncio, json, random, sys, time
+from clients.async_client import AsyncClient
+
+address, concurrency, seconds, seed, vocab, plen, lo, hi = sys.argv[1:9]
+concurrency, seconds, seed, vocab, plen, lo, hi = map(float, (concurrency, seconds, seed, vocab, plen, lo, hi))
+rng = random.Random(int(seed))
+stats = {"tokens": 0, "requests": 0}
+
+async def worker(client, end):
+    while time.perf_counter() < end:
+        prompt = [rng.randrange(3, int(vocab)) for _ in range(int(plen))]
+        async for ev in client.stream(prompt, max_tokens=rng.randint(int(lo), int(hi)), ignore_eos=True):
+            stats["tokens"] += type(ev).__name__ == "StreamToken"
+        stats["requests"] += 1
+
+async def main():
+    async with AsyncClient(address, timeout=600) as client:
+        end = time.perf_counter() + seconds
+        print("ready", flush=True)
+        await asyncio.gather(*[worker(client, end) for _ in range(int(concurrency))])
+    print(json.dumps(stats), flush=True)
+
+asyncio.run(main())
+"""
+
+
+def run_api(point: Point, warmup_s: float, seconds: float, seed: int, op_log: str) -> dict[str, Any]:
+    cfg = _config(point)
+    metrics_port = _free_port()
+    env = {**os.environ, "CDB_STAGE_OP_LOG": op_log}
+    with serve_all(cfg, "127.0.0.1:0", env=env, metrics_listen=f"127.0.0.1:{metrics_port}") as tree:
+        assert tree.scheduler is not None
+        url = f"http://127.0.0.1:{metrics_port}/metrics"
+        vocab = Engine(cfg).model_config.vocab_size
+        argv = [str(v) for v in (tree.address, _concurrency(point.width), warmup_s + seconds + 60, seed, vocab)]
+        argv += [str(PROMPT_LEN), str(OUTPUT_LEN[0]), str(OUTPUT_LEN[1])]
+        client = subprocess.Popen(
+            [sys.executable, "-c", _CLIENT, *argv], stdout=subprocess.PIPE, text=True, env=_no_pin(dict(os.environ))
+        )
+        try:
+            assert client.stdout is not None
+            client.stdout.readline()  # connected
+            marks = []
+            for _ in _window(warmup_s, seconds):
+                m = _scrape(url)
+                marks.append(
+                    {
+                        "t": time.perf_counter_ns(),
+                        "tokens": m.get("cdb_generation_tokens_total", 0.0),
+                        "loop_ops": m.get("loop_ops", 0.0),
+                        "cpu_process": _cpu_of(tree.scheduler.pid),
+                        "cpu_plan": m.get("cpu_plan", 0.0),
+                        "cpu_submit": m.get("cpu_submit", 0.0),
+                        "cpu_dispatch": m.get("cpu_dispatch", 0.0),
+                        "cpu_thread": sum(m.get(f"cpu_{p}", 0.0) for p in ("plan", "submit", "dispatch", "other")),
+                    }
+                )
+                if len(marks) == 1:
+                    depth0 = m
+            mean_depth = (m["cdb_loop_steps_total"] - depth0["cdb_loop_steps_total"]) / max(
+                1.0, m["cdb_generation_tokens_total"] - depth0["cdb_generation_tokens_total"]
+            )
+        finally:
+            client.kill()
+            client.wait()
+    a, b = marks
+    return _figures(a, b) | {"mean_depth": mean_depth}
+
+
+def _no_pin(env: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in env.items() if k != "CDB_STAGE_OP_LOG"}
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _concurrency(width: int) -> int:
+    return width + max(4, width // 4)  # a few waiting requests refill freed slots at once
+
+
+def _config(point: Point) -> EngineConfig:
+    model = FAMILIES[point.family][0]
+    return EngineConfig(
+        model=model,
+        synthetic_cost=point.cost,
+        max_num_seqs=point.width,
+        max_waiting=4 * point.width,
+        num_kv_blocks=point.width * (PROMPT_LEN + OUTPUT_LEN[1]) // 16 + 64,
+        fuse_loop_head=point.fuse_loop_head,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------- stage side
+
+
+def loop_timeline(op_log: str, window: tuple[int, int], depth: int) -> dict[str, Any]:
+    """The loop stage's busy fraction and its idle gaps by cause, over ``window`` (perf_counter ns)."""
+    ops: list[list[int]] = []
+    for path in glob.glob(os.path.join(op_log, "loop-*.json")):
+        with open(path) as f:
+            doc = json.load(f)
+        ops.extend(doc["ops"])
+    ops.sort(key=lambda r: r[6])  # by end: the loop stage runs its ops in order
+    t0, t1 = window
+    busy = 0.0
+    late, fence, prep, idle = [], [], [], []
+    reaction = []
+    by_end = [r for r in ops if t0 <= r[6] <= t1]
+    for i, r in enumerate(ops):
+        _, _, arrived, dequeued, fenced, started, ended, compute = r
+        lo, hi = max(started, t0), min(ended, t1)
+        if hi > lo:
+            busy += (hi - lo) * compute / max(1, ended - started)
+        if i == 0 or not t0 <= started <= t1:
+            continue
+        prev_end = ops[i - 1][6]
+        gap = max(0, started - prev_end)
+        idle.append(gap)
+        wait_arrival = min(gap, max(0, arrived - prev_end))
+        late.append(wait_arrival)
+        fence.append(min(gap - wait_arrival, max(0, fenced - max(dequeued, prev_end, arrived))))
+        prep.append(max(0, gap - late[-1] - fence[-1]))
+        if i + depth < len(ops):
+            reaction.append(ops[i + depth][2] - ended)
+    n = max(1, len(idle))
+    computes = [r[7] for r in by_end]
+
+    def q(xs: Sequence[int], p: float) -> float:
+        return sorted(xs)[int(p * (len(xs) - 1))] / 1e3 if xs else 0.0
+
+    return {
+        "eta": busy / max(1, t1 - t0),
+        "loop_ops": len(by_end),
+        "mean_loop_op_us": statistics.fmean(computes) / 1e3 if computes else 0.0,
+        "mean_loop_tokens": statistics.fmean(r[1] for r in by_end) if by_end else 0.0,
+        "idle_us_per_op": {
+            "total": sum(idle) / n / 1e3,
+            "op_arrived_late": sum(late) / n / 1e3,
+            "fences": sum(fence) / n / 1e3,
+            "stage_preparation": sum(prep) / n / 1e3,
+        },
+        "reaction_us": {"p50": q(reaction, 0.5), "p90": q(reaction, 0.9)},
+    }
+
+
+# ---------------------------------------------------------------------------------------------------- driver
+
+
+def run_point(point: Point, warmup_s: float, seconds: float, seed: int = 0) -> dict[str, Any]:
+    op_log = tempfile.mkdtemp(prefix="cdb-oplog-")
+    if point.consumer == "api":
+        fig = run_api(point, warmup_s, seconds, seed, op_log)
+    else:
+        settings = dataclasses.replace(load_settings(), stage_op_log=op_log)
+        env = {**os.environ, "CDB_STAGE_OP_LOG": op_log}
+        with start_stages(_config(point), settings=settings, env=env) as tree:
+            fig = run_in_process(point, tree, warmup_s, seconds, seed)
+    fig |= loop_timeline(op_log, fig.pop("window"), _config(point).loop_pipeline_depth)
+    fig["ideal_tokens_per_s"] = point.width / max(1e-9, fig["mean_depth"] * fig["mean_loop_op_us"] / 1e6)
+    fig["of_ideal"] = fig["tokens_per_s"] / fig["ideal_tokens_per_s"]
+    where = {"family": point.family, "cost": point.cost, "op_us": point.op_us, "width": point.width}
+    return where | {"consumer": point.consumer, "fuse_loop_head": point.fuse_loop_head} | fig
+
+
+def points(args: argparse.Namespace) -> list[Point]:
+    out = []
+    for family, consumer, fused in itertools.product(args.families, args.consumers, args.fuse_loop_head):
+        for op_us, width in itertools.product(args.op_us, args.widths):
+            out.append(Point(family, scaled_cost(family, op_us), width, consumer, op_us, fused))
+        if args.profiles:
+            out.extend(Point(family, FAMILIES[family][1], width, consumer, None, fused) for width in args.widths)
+    return out
+
+
+def _table(rows: list[dict[str, Any]]) -> str:
+    head = (
+        f"{'family':<7}{'cost':<18}{'w':>4} {'consumer':<11}{'fused':<6}{'eta':>6}{'of ideal':>9}{'tok/s':>9}"
+        f"{'depth':>6}"
+        f"{'op us':>8}{'late':>7}{'fence':>7}{'prep':>6}{'react':>7}  cpu us/step: plan submit dispatch rest other"
+    )
+    lines = [head]
+    for r in rows:
+        cost = f"{r['op_us']:g}us flat" if r["op_us"] is not None else r["cost"]
+        i, c = r["idle_us_per_op"], r["sched_cpu_us_per_step"]
+        lines.append(
+            f"{r['family']:<7}{cost:<18}{r['width']:>4} {r['consumer']:<11}{'on' if r['fuse_loop_head'] else 'off':<6}"
+            f"{r['eta']:>6.3f}{r['of_ideal']:>9.3f}"
+            f"{r['tokens_per_s']:>9.0f}{r['mean_depth']:>6.2f}{r['mean_loop_op_us']:>8.0f}"
+            f"{i['op_arrived_late']:>7.0f}{i['fences']:>7.0f}{i['stage_preparation']:>6.0f}"
+            f"{r['reaction_us']['p50']:>7.0f}  {c['plan']:6.0f} {c['submit']:6.0f} {c['dispatch']:6.0f} "
+            f"{c['engine_other']:5.0f} {c['other_threads']:6.0f}"
+        )
+    return "\n".join(lines)
+
+
+def write_outputs(summary: dict[str, Any], out: Path) -> list[Path]:
+    """``hostpath.json`` and ``eta.png``: the loop stage's busy fraction against the loop op time, per family,
+    width and consumer."""
+    series: dict[str, tuple[list[float], list[float]]] = {}
+    for r in summary["points"]:
+        if r["op_us"] is None:
+            continue
+        fused = "fused" if r["fuse_loop_head"] else "head op"
+        xs, ys = series.setdefault(f"{r['family']} w{r['width']} {r['consumer']} {fused}", ([], []))
+        xs.append(r["op_us"])
+        ys.append(r["eta"])
+    paths = [outputs.write_json(out, "hostpath", summary)]
+    if series:
+        paths.append(
+            outputs.lines(
+                out / "eta.png",
+                "loop stage busy fraction on synthetic stages",
+                series,
+                "loop op time (µs)",
+                "eta (modelled device time / wall)",
+            )
+        )
+    return paths
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="cdb bench hostpath", description=__doc__.splitlines()[0] if __doc__ else "")
+    p.add_argument("--families", nargs="+", choices=sorted(FAMILIES), default=["ouro", "huginn"])
+    p.add_argument("--op-us", nargs="+", type=float, default=[250, 500, 1000, 2000], help="loop op times (µs)")
+    p.add_argument("--widths", nargs="+", type=int, default=[32, 64, 128])
+    p.add_argument("--consumers", nargs="+", choices=CONSUMERS, default=list(CONSUMERS))
+    p.add_argument("--no-profiles", dest="profiles", action="store_false", help="skip the named profiles")
+    p.add_argument(
+        "--fuse-loop-head",
+        nargs="+",
+        choices=("on", "off"),
+        default=["on"],
+        help="Ouro's head in the loop op (engine option --fuse-loop-head); both: side by side",
+    )
+    p.add_argument("--seconds", type=float, default=3.0, help="steady window per point")
+    p.add_argument("--warmup", type=float, default=1.5, help="seconds before the window (admission ramp)")
+    p.add_argument("--quick", action="store_true", help="ouro, 500 µs, width 64, both consumers, short windows")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--out", type=Path, help="write hostpath.json and eta.png here")
+    args = p.parse_args(argv)
+    args.fuse_loop_head = [v == "on" for v in args.fuse_loop_head]
+    if args.quick:
+        args.families, args.op_us, args.widths, args.profiles = ["ouro"], [500.0], [64], False
+        args.seconds, args.warmup = min(args.seconds, 1.5), min(args.warmup, 1.0)
+    todo = points(args)
+    rows = []
+    for point in outputs.progress(todo, len(todo), "hostpath", enabled=not args.json):
+        rows.append(run_point(point, args.warmup, args.seconds))
+    summary = {"points": rows, "seconds": args.seconds, "warmup_s": args.warmup}
+    print(json.dumps(summary, indent=2) if args.json else _table(rows))
+    if args.out:
+        for path in write_outputs(summary, args.out):
+            print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

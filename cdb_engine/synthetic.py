@@ -1,0 +1,341 @@
+"""Synthetic stages: everything a stage does except the model's arithmetic, which becomes modelled device time.
+
+A synthetic stage keeps the session, the bank, the KV block tables (and checks every position has its block), the
+fences and the replies of a real one; instead of running the model it waits, asleep (no interpreter lock held,
+no CPU burnt), for the op's modelled device time. It exists to measure the host path at GPU op speeds on a
+machine without a GPU: its tokens mean nothing.
+
+The device is modelled as one in-order stream per stage: an op starts when the stage has it ready and the
+previous op has finished (``max(ready, previous end)``) and lasts its modelled time; the stage replies at its end.
+
+Cost of one op (µs), per stage, from a SPEC:
+- explicit, ``loop=A:B:C,head=A:B:C,prelude=A:B:C`` (a stage left out costs nothing): ``A + B * tokens +
+  C * context / 1000``, where ``tokens`` are the op's tokens (the head: the sampled ones) and ``context`` the
+  KV positions they read (``position + 1`` per token of a stage with KV layers);
+- a named profile ``DEVICE:MODEL`` (``h200:ouro-1.4b``, ``h200:huginn-3.5b``), from the released checkpoint's
+  shape in bf16 and the device's memory bandwidth ``BW`` and dense bf16 peak ``F`` (roofline):
+  ``max(W / BW, 2 * P * tokens / F) + KV * context / BW`` with ``P`` the stage's parameters per op
+  (``ModelConfig.stage_param_counts``), ``W = 2 P`` bytes and ``KV`` the K and V bytes of one position in the
+  stage's layers (one depth slot). A prefill loop op runs ``num_steps`` such steps.
+
+Exit depths: each decode token's depth is drawn from ``(seed = rid, position)`` in ``[MIN, max depth]`` with mean
+``MEAN`` (``MIN + Binomial(max - MIN, p)``; ``--synthetic-depths MEAN:MIN``, default 2.5:2 for Ouro, 6:3 for
+Huginn). The loop stage reports the signals that make the family's exit rule, with the default one-ahead
+horizon and any threshold strictly inside its range, exit at that depth (a same-step horizon exits one step
+earlier); replayed depths (``replay_depths``) and full depth ignore them as usual. The head returns token ids
+from a seeded stream of ``(rid, token index)`` that avoids the model's stop ids.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from cdb_model.config import ModelConfig
+from cdb_model.kv import BlockTables, KVLayout
+from cdb_model.released import HUGINN_0125, OURO_14B
+from cdb_scheduler.plan import (
+    HeadOp,
+    LoopOp,
+    PreludeOp,
+    SamplingParams,
+    Stage,
+    StageOp,
+    StageResult,
+    TokenLogprobs,
+    derive_seed,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Device:
+    """What bounds a stage op on a device: memory bandwidth (bytes/s) and dense bf16 peak (FLOP/s)."""
+
+    bandwidth: float
+    flops: float
+
+
+DEVICES = {"h200": Device(bandwidth=4.8e12, flops=989e12)}
+MODELS: dict[str, dict[str, Any]] = {"ouro-1.4b": OURO_14B, "huginn-3.5b": HUGINN_0125}
+_DTYPE_BYTES = 2  # bf16
+
+
+@dataclass(frozen=True, slots=True)
+class OpCost:
+    """Modelled device time of one op (µs): ``A + B * tokens`` (``roofline``: ``max(A, B * tokens)``) plus
+    ``C * context / 1000``."""
+
+    fixed_us: float = 0.0
+    per_token_us: float = 0.0
+    per_kctx_us: float = 0.0
+    roofline: bool = False
+
+    def seconds(self, tokens: int, context: int) -> float:
+        work = self.per_token_us * tokens
+        body = max(self.fixed_us, work) if self.roofline else self.fixed_us + work
+        return 1e-6 * (body + self.per_kctx_us * context / 1000.0)
+
+    def describe(self) -> str:
+        op = "max" if self.roofline else "+"
+        return f"{self.fixed_us:g}{op}{self.per_token_us:g}/tok+{self.per_kctx_us:g}/kctx µs"
+
+
+@dataclass(frozen=True, slots=True)
+class SyntheticCost:
+    """Modelled op costs of the three stages (``parse_cost``)."""
+
+    spec: str
+    prelude: OpCost
+    loop: OpCost
+    head: OpCost
+
+    def of(self, stage: Stage) -> OpCost:
+        return (self.prelude, self.loop, self.head)[stage]
+
+    def describe(self) -> str:
+        return f"{self.spec} (" + ", ".join(f"{s.role} {self.of(s).describe()}" for s in Stage) + ")"
+
+
+def profile_cost(device: str, model: str) -> SyntheticCost:
+    """The named profile ``DEVICE:MODEL`` (see the module docstring for the formula)."""
+    if device not in DEVICES:
+        raise ValueError(f"synthetic cost: unknown device {device!r} (one of {', '.join(DEVICES)})")
+    if model not in MODELS:
+        raise ValueError(f"synthetic cost: unknown model {model!r} (one of {', '.join(MODELS)})")
+    dev, c = DEVICES[device], ModelConfig.from_hf(MODELS[model], name=model)
+    params = c.stage_param_counts()
+    kv_layers = (c.num_prelude_layers, c.num_loop_layers, c.num_coda_layers)
+    costs = []
+    for stage in Stage:
+        p, layers = params[stage], kv_layers[stage]
+        weights_s = _DTYPE_BYTES * p / dev.bandwidth
+        flops_s = 2 * p / dev.flops
+        kv_bytes = 2 * c.kv_size * _DTYPE_BYTES * layers  # K and V of one position, one depth slot
+        if stage is Stage.PRELUDE and p == 0:  # an embedding lookup: one row read per token
+            weights_s, flops_s = 0.0, _DTYPE_BYTES * c.hidden_size / dev.bandwidth
+        costs.append(OpCost(1e6 * weights_s, 1e6 * flops_s, 1e9 * kv_bytes / dev.bandwidth, roofline=True))
+    return SyntheticCost(f"{device}:{model}", *costs)
+
+
+def parse_cost(spec: str) -> SyntheticCost:
+    """A SPEC (module docstring) as costs; ValueError naming what is wrong."""
+    text = spec.strip()
+    if not text:
+        raise ValueError("synthetic cost: empty SPEC")
+    if "=" not in text:
+        device, sep, model = text.partition(":")
+        if not sep:
+            raise ValueError(f"synthetic cost {spec!r}: expected DEVICE:MODEL or stage=A:B:C,...")
+        return profile_cost(device.strip().lower(), model.strip().lower())
+    costs = {stage: OpCost() for stage in Stage}
+    for part in text.split(","):
+        role, _, values = part.partition("=")
+        try:
+            stage = Stage.from_role(role.strip())
+        except ValueError as exc:
+            raise ValueError(f"synthetic cost {spec!r}: {exc}") from None
+        fields = values.split(":")
+        try:
+            numbers = [float(v) for v in fields]
+        except ValueError:
+            numbers = []
+        if len(numbers) != 3 or any(not math.isfinite(v) or v < 0 for v in numbers):
+            raise ValueError(f"synthetic cost {spec!r}: {stage.role} needs A:B:C, three numbers >= 0 (µs)")
+        costs[stage] = OpCost(numbers[0], numbers[1], numbers[2])
+    return SyntheticCost(text, costs[Stage.PRELUDE], costs[Stage.LOOP], costs[Stage.HEAD])
+
+
+@dataclass(frozen=True, slots=True)
+class SyntheticDepths:
+    """Drawn exit depths: mean and minimum (the maximum is the tree's max depth)."""
+
+    mean: float
+    min: int
+
+    @classmethod
+    def parse(cls, text: str, arch: str) -> SyntheticDepths:
+        """``MEAN:MIN``; empty: the family's default (Ouro 2.5:2, Huginn 6:3)."""
+        if not text.strip():
+            return cls(2.5, 2) if arch == "ouro" else cls(6.0, 3)
+        mean, sep, low = text.partition(":")
+        try:
+            depths = cls(float(mean), int(low) if sep else 1)
+        except ValueError:
+            raise ValueError(f"synthetic depths {text!r}: expected MEAN:MIN (a number and an integer)") from None
+        if not math.isfinite(depths.mean) or depths.min < 1 or depths.mean < depths.min:
+            raise ValueError(f"synthetic depths {text!r}: need MIN >= 1 and MEAN >= MIN")
+        return depths
+
+    def draw(self, rid: int, position: int, max_depth: int) -> int:
+        """The depth of token ``(rid, position)``: ``lo + Binomial(hi - lo, p)`` with the configured mean."""
+        lo = min(self.min, max_depth)
+        n = max_depth - lo
+        if n == 0:
+            return lo
+        p = min(1.0, max(0.0, (self.mean - lo) / n))
+        base = derive_seed(rid, position)
+        return lo + sum(derive_seed(base, j) < p * 2**63 for j in range(n))
+
+
+@dataclass(slots=True)
+class SyntheticModel:
+    """What a synthetic stage knows of its model: the config (no weights), the device, the dtype and its costs."""
+
+    config: ModelConfig
+    device: torch.device
+    dtype: torch.dtype
+    cost: SyntheticCost
+    depths: SyntheticDepths
+
+
+_PR_SET_TIMERSLACK = 29
+_libc = ctypes.CDLL(None) if sys.platform == "linux" else None
+_HIGH = 0.999999  # an Ouro hazard that crosses any threshold q < 1 (q = 1.0 still means full depth)
+
+
+class SyntheticWorker:
+    """``StageWorker``'s interface over a :class:`SyntheticModel`: bookkeeping, checks and replies of the real
+    worker, modelled device time instead of arithmetic."""
+
+    def __init__(
+        self,
+        model: SyntheticModel,
+        stage: Stage,
+        bank: Tensor,
+        kv_layout: KVLayout,
+        num_blocks: int,
+        block_size: int,
+        tokens: Tensor | None = None,
+    ) -> None:
+        c = model.config
+        if bank.dim() != 2 or bank.shape[1] != c.bank_width:
+            raise ValueError(f"bank must be [rows, {c.bank_width}], got {list(bank.shape)}")
+        self.model, self.stage, self.kv_layout, self.block_size = model, stage, kv_layout, block_size
+        self.cost = model.cost.of(stage)
+        self.tokens = tokens if tokens is not None else torch.zeros(bank.shape[0], dtype=torch.long)
+        self.tables = BlockTables()
+        self.has_kv = (c.num_prelude_layers, c.num_loop_layers, c.num_coda_layers)[stage] > 0
+        self._stops = frozenset(c.stop_token_ids)
+        self._depths: dict[tuple[int, int], int] = {}  # (rid, position) -> drawn depth, while in the loop
+        self._free_at = 0.0  # when the modelled device stream is done with the previous op (perf_counter)
+        self._slack = threading.local()
+
+    def execute(self, op: StageOp) -> StageResult:
+        """Apply the op's table deltas, check its blocks, wait its modelled time; its result."""
+        if op.stage is not self.stage:
+            raise ValueError(f"{op.stage.name} op sent to the {self.stage.name} worker")
+        self.tables.release(op.released)
+        self.tables.apply(op.kv_updates)
+        if op.released and self._depths:
+            gone = set(op.released)
+            self._depths = {k: d for k, d in self._depths.items() if k[0] not in gone}
+        result = StageResult(self.stage, op.seq, 0.0)
+        if isinstance(op, LoopOp):
+            for c in op.kv_copies:
+                self._check(c.rid, c.position)
+            seconds = self._seconds(op.rids, op.positions, len(op.rows)) * (op.num_steps if op.prefill else 1)
+            if not op.prefill and op.rows:
+                result = self._signals(op)
+            if op.head is not None:  # fused head: the head's modelled time, in this op
+                h = op.head
+                seconds += self.model.cost.head.seconds(len(h.rows), 0)
+                take = (True,) * len(h.rows)
+                sampled = self._sample(h.rids, h.rows, take, h.sampling, h.token_index)
+                result = replace(result, token_ids=sampled.token_ids, logprobs=sampled.logprobs)
+        elif isinstance(op, HeadOp):
+            self._seconds(op.rids, op.positions, 0)  # every token's coda KV is checked
+            seconds = self._seconds((), (), sum(op.sample)) if not self.has_kv else self._head_seconds(op)
+            result = self._sample(op.rids, op.rows, op.sample, op.sampling, op.token_index)
+        else:
+            assert isinstance(op, PreludeOp)
+            seconds = self._seconds(op.rids, op.positions, len(op.rows))
+        self._wait(seconds)
+        return replace(result, seq=op.seq, compute_s=seconds)
+
+    def _check(self, rid: int, position: int) -> None:
+        if position // self.block_size >= len(self.tables.table(rid)):
+            raise IndexError(f"request {rid}: position {position} has no KV block")
+
+    def _seconds(self, rids: Sequence[int], positions: Sequence[int], tokens: int) -> float:
+        context = 0
+        if self.has_kv:
+            for rid, pos in zip(rids, positions):
+                self._check(rid, pos)
+                context += pos + 1
+        return self.cost.seconds(tokens, context)
+
+    def _head_seconds(self, op: HeadOp) -> float:
+        context = sum(p + 1 for p in op.positions)  # the coda runs every token; its LM head the sampled ones
+        return self.cost.seconds(sum(op.sample), context)
+
+    def _signals(self, op: LoopOp) -> StageResult:
+        m = self.model
+        max_depth, ouro = self.kv_layout.max_depth, m.config.arch == "ouro"
+        signals = []
+        depths = self._depths
+        for rid, pos, step in zip(op.rids, op.positions, op.steps):
+            depth = depths.get((rid, pos))
+            if depth is None or step == 0:
+                depth = depths[(rid, pos)] = m.depths.draw(rid, pos, max_depth)
+            leave = step + 2 >= depth  # the signal is read one step ahead: the token exits at its depth
+            signals.append((_HIGH if leave else 0.0) if ouro else (0.0 if leave else 1.0))
+        look = tuple(signals) if ouro and m.config.has_lookahead_gate else ()
+        return StageResult(self.stage, op.seq, 0.0, signals=tuple(signals), lookahead=look)
+
+    def _sample(
+        self,
+        rids: Sequence[int],
+        op_rows: Sequence[int],
+        sample: Sequence[bool],
+        sampling: Sequence[SamplingParams],
+        token_index: Sequence[int],
+    ) -> StageResult:
+        vocab = self.model.config.vocab_size
+        ids: list[int] = []
+        lps: list[TokenLogprobs | None] = []
+        rows: list[int] = []
+        for i, take in enumerate(sample):
+            if not take:
+                continue
+            s = sampling[i]
+            token = derive_seed(derive_seed(s.seed, rids[i]), token_index[i]) % vocab
+            while token in self._stops:
+                token = (token + 1) % vocab
+            ids.append(token)
+            rows.append(op_rows[i])
+            if s.return_logprob or s.logprobs:
+                uniform = -math.log(vocab)
+                top = tuple((token + k) % vocab for k in range(s.logprobs))
+                lps.append(TokenLogprobs(uniform, top, (uniform,) * len(top)))
+            else:
+                lps.append(None)
+        if rows:  # a following prelude op (Huginn) reads the sampled id here, as from a real head
+            self.tokens[torch.tensor(rows, dtype=torch.long)] = torch.tensor(ids, dtype=torch.long)
+        return StageResult(self.stage, -1, 0.0, token_ids=tuple(ids), logprobs=tuple(lps))
+
+    def _wait(self, seconds: float) -> None:
+        """Sleep until the op's modelled end on the device stream (timer slack 1 ns: sub-ms sleeps are exact)."""
+        if _libc is not None and not getattr(self._slack, "set", False):
+            _libc.prctl(_PR_SET_TIMERSLACK, 1, 0, 0, 0)  # per thread
+            self._slack.set = True
+        now = time.perf_counter()
+        end = max(now, self._free_at) + seconds
+        self._free_at = end
+        if end > now:
+            time.sleep(end - now)
+
+
+def synthetic_model(config: ModelConfig, cost: str, depths: str, device: str, dtype: torch.dtype) -> SyntheticModel:
+    """The :class:`SyntheticModel` of a tree's settings (``EngineConfig.synthetic_cost`` / ``synthetic_depths``)."""
+    return SyntheticModel(
+        config, torch.device(device), dtype, parse_cost(cost), SyntheticDepths.parse(depths, config.arch)
+    )

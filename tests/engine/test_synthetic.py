@@ -1,0 +1,69 @@
+"""Synthetic stages: cost SPECs and profiles, drawn depths, and an engine that serves on them."""
+
+from __future__ import annotations
+
+import statistics
+
+import pytest
+
+from cdb_engine.config import EngineConfig, RequestParams
+from cdb_engine.engine import Engine
+from cdb_engine.synthetic import SyntheticDepths, parse_cost
+from cdb_model.config import ModelConfig
+from cdb_model.released import OURO_14B
+from cdb_scheduler.plan import Stage
+
+
+def test_an_explicit_spec_costs_what_it_says_and_stages_left_out_cost_nothing() -> None:
+    cost = parse_cost("loop=500:2:40,head=40:0.5:0")
+    assert cost.loop.seconds(tokens=64, context=10_000) == pytest.approx(1e-6 * (500 + 2 * 64 + 40 * 10))
+    assert cost.head.seconds(tokens=10, context=0) == pytest.approx(1e-6 * 45)
+    assert cost.prelude.seconds(tokens=100, context=100) == 0.0
+
+
+@pytest.mark.parametrize(
+    ("spec", "words"),
+    [("loop=1:2", "A:B:C"), ("loop=-1:0:0", "A:B:C"), ("coda=1:1:1", "unknown stage role"), ("h200:gpt-9", "model")],
+)
+def test_a_bad_spec_is_refused_naming_the_problem(spec: str, words: str) -> None:
+    with pytest.raises(ValueError, match=words):
+        parse_cost(spec)
+    with pytest.raises(ValueError, match=words):
+        EngineConfig(synthetic_cost=spec)
+
+
+def test_the_h200_ouro_profile_follows_the_bandwidth_formula() -> None:
+    """Loop op: the looped block's bf16 weights over 4.8 TB/s (~0.51 ms); the head: the LM head (~0.04 ms); KV:
+    24 layers x K and V x 2048 x 2 bytes per context token."""
+    c = ModelConfig.from_hf(OURO_14B)
+    _, loop_params, head_params = c.stage_param_counts()
+    cost = parse_cost("h200:ouro-1.4b")
+    assert cost.loop.seconds(1, 0) == pytest.approx(2 * loop_params / 4.8e12)
+    assert 0.45e-3 < cost.loop.seconds(64, 0) < 0.6e-3  # memory-bound: flat in the batch below the ridge
+    assert cost.head.seconds(1, 0) == pytest.approx(2 * head_params / 4.8e12)
+    kv_per_token = 24 * 2 * 2048 * 2
+    assert cost.loop.seconds(1, 1000) - cost.loop.seconds(1, 0) == pytest.approx(1000 * kv_per_token / 4.8e12)
+    assert 0.6e-3 < parse_cost("h200:huginn-3.5b").loop.seconds(1, 0) < 0.8e-3
+
+
+def test_drawn_depths_have_the_configured_mean_and_minimum() -> None:
+    d = SyntheticDepths.parse("2.5:2", "ouro")
+    draws = [d.draw(rid, pos, 4) for rid in range(200) for pos in range(50)]
+    assert min(draws) == 2 and max(draws) == 4
+    assert statistics.fmean(draws) == pytest.approx(2.5, abs=0.03)
+    assert SyntheticDepths.parse("", "huginn") == SyntheticDepths(6.0, 3)
+
+
+@pytest.mark.parametrize("model", ["ouro-tiny", "huginn-tiny"])
+def test_an_engine_on_synthetic_stages_serves_the_drawn_depths_with_live_exit_decisions(model: str) -> None:
+    depths = "2.5:2" if model == "ouro-tiny" else "4:2"
+    cfg = EngineConfig(model=model, synthetic_cost="loop=50:0:0,head=20:0:0", synthetic_depths=depths, max_num_seqs=8)
+    with Engine(cfg) as engine:
+        outs = engine.generate([[5, 6, 7]] * 12, RequestParams(max_tokens=24, ignore_eos=True))
+        mean = engine.sched_stats.mean_depth
+        loop_compute = engine.sched_stats.compute_s[Stage.LOOP]
+    decode = [d for o in outs for d in o.depths[1:]]
+    assert all(len(o.token_ids) == 24 for o in outs)
+    want = SyntheticDepths.parse(depths, "").mean
+    assert statistics.fmean(decode) == pytest.approx(want, abs=0.25), "the exit rule follows the drawn depths"
+    assert mean > 0 and loop_compute == pytest.approx(engine.sched_stats.ops[Stage.LOOP] * 50e-6, rel=0.5)
