@@ -4,6 +4,7 @@ naming the field and leaves the engine serving; tokenization and chat-template r
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
 import threading
@@ -57,8 +58,6 @@ def test_a_body_within_the_limit_reaches_the_app_whole_even_when_chunked() -> No
 
 
 def test_the_body_limit_middleware_refuses_a_declared_length_without_reading_the_body() -> None:
-    import asyncio
-
     sent: list[dict[str, object]] = []
 
     async def app(scope: object, receive: object, send: object) -> None:
