@@ -123,11 +123,9 @@ def run_reference(model: LoopedLM, eng: Engine, work: list[tuple[list[int], Requ
     return out
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(str(v) for v in vars(c).values()))
-def test_engine_equals_sequential_reference(case: Case) -> None:
-    rng = random.Random(zlib.crc32(repr(case).encode()))  # stable across processes (str hashes are salted)
-    model = model64(case.model)
-    cfg = EngineConfig(
+def case_config(case: Case, rng: random.Random, **extra: bool) -> EngineConfig:
+    """The engine of a case: its settings, and a width and pool size drawn from ``rng``."""
+    return EngineConfig(
         model=case.model,
         dtype="float64",
         mode=case.mode,
@@ -141,7 +139,15 @@ def test_engine_equals_sequential_reference(case: Case) -> None:
         prefill_token_budget=32,
         init_seed=case.init_seed,
         min_depth=case.min_depth,
+        **extra,
     )
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(str(v) for v in vars(c).values()))
+def test_engine_equals_sequential_reference(case: Case) -> None:
+    rng = random.Random(zlib.crc32(repr(case).encode()))  # stable across processes (str hashes are salted)
+    model = model64(case.model)
+    cfg = case_config(case, rng)
     work = workload(rng, 10)
     got, eng = run_engine(model, cfg, work)
     want = run_reference(model, eng, work, cfg)
@@ -268,20 +274,7 @@ def test_loop_op_with_fused_head_equals_sequential_reference(case: Case) -> None
     tokens and depths equal the reference's; decode needs no head op (only the prefill chains use the head)."""
     rng = random.Random(zlib.crc32(repr(case).encode()))
     model = model64(case.model)
-    cfg = EngineConfig(
-        model=case.model,
-        dtype="float64",
-        mode=case.mode,
-        kv_policy=case.kv_policy,
-        horizon=case.horizon,
-        exit_threshold=case.threshold,
-        max_num_seqs=rng.choice([1, 3, 8]),
-        num_kv_blocks=rng.choice([24, 256]),
-        kv_block_size=4,
-        prefill_chunk_size=16,
-        prefill_token_budget=32,
-        fuse_loop_head=True,
-    )
+    cfg = case_config(case, rng, fuse_loop_head=True)
     work = workload(rng, 10)
     got, eng = run_engine(model, cfg, work)
     assert got == run_reference(model, eng, work, cfg)
