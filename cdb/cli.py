@@ -7,6 +7,8 @@ import importlib
 import sys
 from collections.abc import Callable
 
+from services.version import server_version
+
 # name -> (module, function, help): each takes every word after its name (``main(argv)``).
 COMMANDS = {
     "serve": ("cdb.serve", "serve_main", "start the scheduler and the three stages on this machine"),
@@ -45,6 +47,7 @@ def _command(name: str) -> Callable[[list[str]], int | None]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="cdb", description="Continuous depth batching server for looped LMs")
+    p.add_argument("--version", action="version", version=f"cdb {server_version()}")
     sub = p.add_subparsers(dest="command", required=True)
     for name, (_, _, text) in COMMANDS.items():
         sub.add_parser(name, help=text, add_help=False)

@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
-import logging
 import os
 import sys
 from collections.abc import Callable, Mapping
 
+from cdb.model_source import ModelNotFoundError, ModelSource, resolve_model
 from cdb_engine.config import EngineConfig
 from cdb_engine.options import add_engine_args, engine_config_from_args
 from cdb_scheduler.plan import Stage
 from services.launcher import die_with_parent, pin_cpus
 from services.net import ListenError, is_host_port, parse_stage_addrs
-from services.settings import Configuration, SettingsError, load_configuration
+from services.settings import LOG_LEVELS, Configuration, Settings, SettingsError, load_configuration, served_names
+from services.telemetry.logs import configure_logging
+from services.version import server_version
 
 STAGE_ENGINE_FIELDS = ("model", "dtype", "device", "synthetic_cost", "synthetic_depths")  # what a stage loads;
 # the rest comes with Configure
@@ -35,8 +38,39 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def new_parser(prog: str, description: str | None) -> argparse.ArgumentParser:
-    """A ``cdb`` command's parser: defaults shown in the help."""
-    return argparse.ArgumentParser(prog=prog, description=description, formatter_class=HelpFormatter)
+    """A ``cdb`` command's parser: defaults shown in the help, ``--version``."""
+    parser = argparse.ArgumentParser(prog=prog, description=description, formatter_class=HelpFormatter)
+    parser.add_argument("--version", action="version", version=f"cdb {server_version()}")
+    return parser
+
+
+def add_served_name_arg(parser: argparse.ArgumentParser) -> None:
+    """``--served-model-name NAME...`` (over ``CDB_SERVED_MODEL_NAME``); read it with ``served_model_names``."""
+    parser.add_argument(
+        "--served-model-name",
+        nargs="+",
+        metavar="NAME",
+        help="the names the HTTP API accepts as 'model', the first reported (default: $CDB_SERVED_MODEL_NAME, "
+        "comma-separated; else the model as named)",
+    )
+
+
+def served_model_names(args: argparse.Namespace, settings: Settings, source: ModelSource) -> list[str]:
+    """The names the model is served under: ``--served-model-name``, else ``CDB_SERVED_MODEL_NAME``, else the model
+    as the user named it (a hub id, not its cache folder); ValueError for an empty name or one with a comma (the
+    names travel to the scheduler comma-separated)."""
+    given = args.served_model_name or []
+    if any(not name.strip() or "," in name for name in given):
+        raise ValueError(f"--served-model-name takes names without commas, none empty; got {given!r}")
+    return [name.strip() for name in given] or served_names(settings.served_model_name) or [source.name]
+
+
+def resolve_model_arg(args: argparse.Namespace) -> ModelSource:
+    """Resolve ``args.model`` (a hub id: its snapshot in the local Hugging Face cache) and put the path the loader
+    reads in its place; ``ModelNotFoundError`` (one line) when a hub id is not in the cache."""
+    source = resolve_model(args.model)
+    args.model = source.path
+    return source
 
 
 def add_config_arg(parser: argparse.ArgumentParser) -> None:
@@ -46,6 +80,24 @@ def add_config_arg(parser: argparse.ArgumentParser) -> None:
         help="config file (TOML; YAML for .yaml/.yml) of settings and engine options, under the CDB_* variables "
         "and these flags; keys as in services/settings.py (default: $CDB_CONFIG)",
     )
+
+
+def add_log_args(parser: argparse.ArgumentParser, conf: Configuration, *, requests: bool = True) -> None:
+    """``--log-level`` (and ``--request-log`` where requests are served), over ``CDB_LOG_LEVEL`` and
+    ``CDB_REQUEST_LOG``."""
+    parser.add_argument(
+        "--log-level",
+        choices=LOG_LEVELS,
+        default=conf.settings.log_level,
+        help="log level (also CDB_LOG_LEVEL; CDB_LOG_FORMAT=json: JSON lines)",
+    )
+    if requests:
+        parser.add_argument(
+            "--request-log",
+            action="store_true",
+            default=conf.settings.request_log,
+            help="log a line per finished request, never its text (also CDB_REQUEST_LOG)",
+        )
 
 
 def read_configuration(
@@ -65,6 +117,7 @@ def stage_parser(conf: Configuration) -> argparse.ArgumentParser:
     parser.add_argument("--listen", required=True, help="unix:PATH or a loopback HOST:PORT (port 0: any)")
     parser.add_argument("--ready-file", help="write the bound address here once serving")
     add_config_arg(parser)
+    add_log_args(parser, conf, requests=False)
     add_engine_args(parser, conf.engine, only=STAGE_ENGINE_FIELDS)
     return parser
 
@@ -100,11 +153,15 @@ def stage_main(argv: list[str] | None = None) -> int:
         return 2
     conf, parser, args = parsed
     try:
+        resolve_model_arg(args)
         config = engine_config_from_args(args)  # the dtype's auto resolves on the device, as the scheduler's
+    except ModelNotFoundError as exc:
+        print(f"{parser.prog}: {exc}", file=sys.stderr)
+        return 2
     except ValueError as exc:
         parser.error(str(exc))
     pin_cpus(args.role, conf.settings)
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.role} %(levelname)s %(message)s")
+    configure_logging(args.role, conf.settings, args.log_level)
     try:
         run_stage(
             args.role,
@@ -199,7 +256,9 @@ def scheduler_parser(conf: Configuration) -> argparse.ArgumentParser:
         metavar="HOST:PORT",
         help="also serve the OpenAI-compatible HTTP API here (default: $CDB_HTTP_ADDR; unset or empty: none)",
     )
+    add_served_name_arg(parser)
     add_config_arg(parser)
+    add_log_args(parser, conf)
     add_public_port_args(parser)
     add_engine_args(parser, conf.engine)
     return parser
@@ -212,6 +271,7 @@ def scheduler_main(argv: list[str] | None = None) -> int:
     from services.net import check_can_listen
     from services.scheduler.security import PortSecurity
     from services.scheduler.server import run_scheduler
+    from services.transport.segments import sweep_stale_segments
 
     die_with_parent()
     parsed = parse_command(argv, "cdb scheduler", scheduler_parser)
@@ -219,24 +279,31 @@ def scheduler_main(argv: list[str] | None = None) -> int:
         return 2
     conf, parser, args = parsed
     pin_cpus("scheduler", conf.settings)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s scheduler %(levelname)s %(message)s")
+    configure_logging("scheduler", conf.settings, args.log_level, args.request_log)
     try:
         stage_addrs = None if args.in_process else parse_stage_addrs(args.stage)
+        source = resolve_model_arg(args)
         config = engine_config_from_args(args)
         if args.metrics_listen and not is_host_port(args.metrics_listen):
             raise ValueError(f"--metrics-listen must be HOST:PORT, got {args.metrics_listen!r}")
         settings = load_configuration({**os.environ, **public_port_env(args)}, args.config).settings
+        names = served_model_names(args, settings, source)
+        settings = dataclasses.replace(settings, served_model_name=",".join(names))
         PortSecurity.from_settings(settings)  # TLS files and API keys, checked before the model loads
         http = settings.http_addr if args.http is None else args.http
         if http and not is_host_port(http):
             raise ValueError(f"--http must be HOST:PORT, got {http!r}")
         check_config(config)  # a bad model path, preset, device: one line before anything loads
+    except ModelNotFoundError as exc:
+        print(f"{parser.prog}: {exc}", file=sys.stderr)
+        return 2
     except ValueError as exc:
         parser.error(str(exc))
     try:
         check_can_listen(args.listen)  # before the model loads; serve() raises the same if it loses a race
         if http:
             check_can_listen(http)
+        sweep_stale_segments()  # the banks of schedulers that died with their resource tracker (this one makes more)
         run_scheduler(
             config,
             args.listen,

@@ -6,7 +6,18 @@ import argparse
 import os
 import sys
 
-from cdb.processes import add_config_arg, add_public_port_args, new_parser, parse_command, public_port_env
+from cdb.model_source import ModelNotFoundError
+from cdb.processes import (
+    add_config_arg,
+    add_log_args,
+    add_public_port_args,
+    add_served_name_arg,
+    new_parser,
+    parse_command,
+    public_port_env,
+    resolve_model_arg,
+    served_model_names,
+)
 from cdb_engine.config_source import CONFIG_ENV
 from cdb_engine.options import add_engine_args, engine_config_from_args
 from cdb_engine.preflight import ConfigError, check_config
@@ -17,6 +28,7 @@ from services.launcher import serve_all, serve_forever
 from services.net import ListenError, check_can_listen, is_host_port
 from services.scheduler.security import PortSecurity, read_api_keys
 from services.settings import Configuration, load_settings
+from services.telemetry.logs import configure_logging
 
 
 def _tree_parser(prog: str, description: str | None, conf: Configuration) -> argparse.ArgumentParser:
@@ -33,40 +45,93 @@ def _share_config_file(conf: Configuration) -> None:
         os.environ[CONFIG_ENV] = conf.config_file
 
 
+DEFAULT_HTTP_ADDR = "127.0.0.1:8000"  # the conventional port of an OpenAI-compatible server
+
+
 def serve_parser(conf: Configuration) -> argparse.ArgumentParser:
     parser = _tree_parser("cdb serve", serve_main.__doc__, conf)
+    parser.add_argument(
+        "model_arg",
+        nargs="?",
+        metavar="MODEL",
+        help="the model, as --model: a preset, a shipped model, a checkpoint folder or a Hugging Face id "
+        "(ORG/NAME) in the local cache, never downloaded (default: --model)",
+    )
     parser.add_argument(
         "--metrics-listen",
         metavar="HOST:PORT",
         default=conf.settings.metrics_addr,
         help="the scheduler's Prometheus endpoint, http://HOST:PORT/metrics; empty: none (also CDB_METRICS_ADDR)",
     )
-    parser.add_argument(
+    http = parser.add_mutually_exclusive_group()
+    http.add_argument(
         "--http",
         metavar="HOST:PORT",
-        default=conf.settings.http_addr,
-        help="also serve the OpenAI-compatible HTTP API, e.g. 127.0.0.1:8000; empty: none (also CDB_HTTP_ADDR)",
+        # CDB_HTTP_ADDR or the config file, even empty (none), else the conventional port
+        default=conf.settings.http_addr if "http_addr" in conf.origins else DEFAULT_HTTP_ADDR,
+        help="the OpenAI-compatible HTTP API's address, beside gRPC; empty: none (also CDB_HTTP_ADDR)",
     )
+    http.add_argument(
+        "--no-http",
+        dest="http",
+        action="store_const",
+        const="",
+        default=argparse.SUPPRESS,
+        help="serve gRPC only, no HTTP API (default: the HTTP API on, see --http)",
+    )
+    add_served_name_arg(parser)
+    add_log_args(parser, conf)
     add_public_port_args(parser)
     return parser
 
 
+def _model_flag(argv: list[str]) -> str | None:
+    """The value of ``--model`` in ``argv`` when it is given there (its default does not count)."""
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    pre.add_argument("--model")
+    model: str | None = pre.parse_known_args(argv)[0].model
+    return model
+
+
+def _take_model_arg(args: argparse.Namespace, argv: list[str]) -> None:
+    """``cdb serve MODEL``: MODEL is ``--model``; ValueError when both are given and differ."""
+    if args.model_arg is None:
+        return
+    flag = _model_flag(argv)
+    if flag is not None and flag != args.model_arg:
+        raise ValueError(f"the model is named twice, {args.model_arg} (MODEL) and {flag} (--model): give one")
+    args.model = args.model_arg
+
+
 def serve_main(argv: list[str] | None = None) -> int:
-    """``cdb serve``: the scheduler and the three stages on this machine, until Ctrl-C / SIGTERM."""
+    """``cdb serve [MODEL]``: the scheduler and the three stages on this machine, gRPC and the OpenAI-compatible
+    HTTP API, until Ctrl-C / SIGTERM / SIGHUP."""
     parsed = parse_command(argv, "cdb serve", serve_parser)
     if parsed is None:
         return 2
     conf, parser, args = parsed
     try:
+        _take_model_arg(args, sys.argv[1:] if argv is None else argv)
+        source = resolve_model_arg(args)
+    except ValueError as exc:  # the model named twice, or a hub id not in the cache: one line
+        print(f"{parser.prog}: {exc}", file=sys.stderr)
+        return 2
+    try:
         config = engine_config_from_args(args)
         for flag, value in (("--metrics-listen", args.metrics_listen), ("--http", args.http)):
             if value and not is_host_port(value):
                 raise ValueError(f"{flag} must be HOST:PORT, got {value!r}")
-        # The launcher hands this environment to its children: the scheduler child reads the flags from it.
-        _share_config_file(conf)
-        os.environ.update(public_port_env(args))
-        os.environ["CDB_HTTP_ADDR"] = args.http or ""
-        PortSecurity.from_settings(load_settings())  # bad TLS files or keys: fail before the tree starts
+        # The launcher hands this environment to its children: the scheduler child reads the flags from it. Set
+        # only once every check has passed (a refused command leaves this process's environment as it was).
+        tree_env = {CONFIG_ENV: conf.config_file} if conf.config_file else {}
+        tree_env.update(public_port_env(args))
+        tree_env["CDB_HTTP_ADDR"] = args.http or ""
+        tree_env["CDB_SERVED_MODEL_NAME"] = ",".join(served_model_names(args, conf.settings, source))
+        tree_env["CDB_LOG_LEVEL"] = args.log_level  # every process of the tree logs alike
+        tree_env["CDB_REQUEST_LOG"] = "true" if args.request_log else "false"
+        configure_logging("launcher", conf.settings, args.log_level)
+        # bad TLS files or keys: fail before the tree starts
+        PortSecurity.from_settings(load_settings({**os.environ, **tree_env}, conf.config_file))
     except ValueError as exc:
         parser.error(str(exc))
     try:
@@ -75,12 +140,23 @@ def serve_main(argv: list[str] | None = None) -> int:
         print(f"{parser.prog}: {exc}", file=sys.stderr)
         return 2
     try:
-        for address in filter(None, (args.listen, args.http)):
-            check_can_listen(address)
+        check_can_listen(args.listen)
+        if args.http:
+            _check_http_port(args.http)
     except ListenError as exc:
         print(f"{parser.prog}: {exc}", file=sys.stderr)
         return 1
+    os.environ.update(tree_env)
+    if source.from_cache:
+        print(f"cdb serve: {source.name} from the local Hugging Face cache, {source.path}", flush=True)
     return serve_forever(config, args.listen, args.metrics_listen, http=args.http or None)
+
+
+def _check_http_port(address: str) -> None:
+    try:
+        check_can_listen(address)
+    except ListenError as exc:  # most often a second server on the conventional port
+        raise ListenError(f"{exc} (the HTTP API: --http HOST:PORT moves it, --no-http turns it off)") from None
 
 
 _DEPTH_COLOURS = {1: "32", 2: "36", 3: "33", 4: "31"}  # ANSI: green, cyan, yellow, red; deeper: magenta
@@ -125,7 +201,11 @@ def demo_main(argv: list[str] | None = None) -> int:
         return 2
     conf, parser, args = parsed
     try:
+        resolve_model_arg(args)
         config = engine_config_from_args(args)
+    except ModelNotFoundError as exc:
+        print(f"{parser.prog}: {exc}", file=sys.stderr)
+        return 2
     except ValueError as exc:
         parser.error(str(exc))
     _share_config_file(conf)

@@ -31,8 +31,10 @@ from services.settings import load_settings
 
 def tracing_env(on: bool, endpoint: str, base: dict[str, str] | None = None) -> dict[str, str]:
     """The environment of a deployment with tracing off (``OTEL_TRACES_EXPORTER=none``) or on (OTLP to
-    ``endpoint``, every request sampled); other ``OTEL_*`` settings are kept; no metrics endpoint."""
-    env = {k: v for k, v in (os.environ if base is None else base).items() if k != "CDB_METRICS_ADDR"}
+    ``endpoint``, every request sampled); other ``OTEL_*`` settings are kept; no metrics endpoint and no HTTP API
+    (the two trees run at once)."""
+    skip = ("CDB_METRICS_ADDR", "CDB_HTTP_ADDR")
+    env = {k: v for k, v in (os.environ if base is None else base).items() if k not in skip}
     env.pop("OTEL_SDK_DISABLED", None)
     if on:
         env.update(OTEL_TRACES_EXPORTER="otlp", OTEL_EXPORTER_OTLP_ENDPOINT=endpoint)

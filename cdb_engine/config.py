@@ -127,7 +127,7 @@ class EngineConfig:
         default=True, metadata=_help("Ouro: the head op embeds a refill's input token (no prelude op per step)")
     )
     fuse_loop_head: bool = field(
-        default=False,
+        default=True,
         metadata=_help("Ouro: loop ops sample the exited tokens and run their successors (no head op)"),
     )
     allow_replay_depths: bool = field(

@@ -248,18 +248,20 @@ class Engine:
                 return
 
     def _dispatch(self, events: Sequence[TokenOut | Finished]) -> None:
+        now = time.time_ns() if events else 0  # the tokens of one stage result share their time
         for ev in events:
             live = self._live.get(ev.rid)
             if live is None:
                 continue
             if isinstance(ev, TokenOut):
-                self._on_token(live, ev)
+                self._on_token(live, ev, now)
             else:
                 self._on_finish(live, ev)
 
-    def _on_token(self, live: _Live, ev: TokenOut) -> None:
+    def _on_token(self, live: _Live, ev: TokenOut, now: int) -> None:
         text, stopped = live.detok.push(ev.token_id)
-        ok = self._emit(live, TokenEvent(live.request_id, ev.index, ev.token_id, text, ev.depth, ev.logprobs))
+        token = TokenEvent(live.request_id, ev.index, ev.token_id, text, ev.depth, ev.logprobs, now)
+        ok = self._emit(live, token)
         if stopped or not ok:
             reason = FinishReason.STOP if stopped else FinishReason.CANCELLED
             self._dispatch(self.scheduler.abort(ev.rid, reason))

@@ -22,6 +22,7 @@ class TokenEvent:
     text: str
     depth: int
     logprobs: TokenLogprobs | None
+    time_ns: int = 0  # time.time_ns() when the engine took the stage result that produced it (0: not stamped)
 
 
 @dataclass(frozen=True, slots=True)

@@ -33,7 +33,7 @@ import math
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -202,6 +202,20 @@ _libc = ctypes.CDLL(None) if sys.platform == "linux" else None
 _HIGH = 0.999999  # an Ouro hazard that crosses any threshold q < 1 (q = 1.0 still means full depth)
 
 
+@dataclass(frozen=True, slots=True)
+class _Pending:
+    """A launched synthetic op: calling it waits for its modelled end (``ready_at``, perf_counter) and gives its
+    result; the stage may take its next op off the wire until then."""
+
+    worker: SyntheticWorker
+    result: StageResult
+    ready_at: float
+
+    def __call__(self) -> StageResult:
+        self.worker._wait_until(self.ready_at)
+        return self.result
+
+
 class SyntheticWorker:
     """``StageWorker``'s interface over a :class:`SyntheticModel`: bookkeeping, checks and replies of the real
     worker, modelled device time instead of arithmetic."""
@@ -231,6 +245,12 @@ class SyntheticWorker:
 
     def execute(self, op: StageOp) -> StageResult:
         """Apply the op's table deltas, check its blocks, wait its modelled time; its result."""
+        return self.launch(op)()
+
+    def launch(self, op: StageOp) -> Callable[[], StageResult]:
+        """Apply the op's table deltas, check its blocks and enqueue its modelled time on the device stream (after
+        the ops launched before it); the returned call waits for the op's end (its ``ready_at``) and gives its
+        result. The host may launch the next op before waiting, as it would with a GPU's asynchronous launches."""
         if op.stage is not self.stage:
             raise ValueError(f"{op.stage.name} op sent to the {self.stage.name} worker")
         self.tables.release(op.released)
@@ -258,8 +278,7 @@ class SyntheticWorker:
         else:
             assert isinstance(op, PreludeOp)
             seconds = self._seconds(op.rids, op.positions, len(op.rows))
-        self._wait(seconds)
-        return replace(result, seq=op.seq, compute_s=seconds)
+        return _Pending(self, replace(result, seq=op.seq, compute_s=seconds), self._enqueue(seconds))
 
     def _check(self, rid: int, position: int) -> None:
         if position // self.block_size >= len(self.tables.table(rid)):
@@ -322,16 +341,21 @@ class SyntheticWorker:
             self.tokens[torch.tensor(rows, dtype=torch.long)] = torch.tensor(ids, dtype=torch.long)
         return StageResult(self.stage, -1, 0.0, token_ids=tuple(ids), logprobs=tuple(lps))
 
-    def _wait(self, seconds: float) -> None:
-        """Sleep until the op's modelled end on the device stream (timer slack 1 ns: sub-ms sleeps are exact)."""
+    def _enqueue(self, seconds: float) -> float:
+        """The op's modelled end (perf_counter) on the in-order device stream: it starts when launched or when the
+        previous op ends, whichever is later."""
+        end = max(time.perf_counter(), self._free_at) + seconds
+        self._free_at = end
+        return end
+
+    def _wait_until(self, end: float) -> None:
+        """Sleep until ``end`` (timer slack 1 ns: sub-ms sleeps are exact)."""
         if _libc is not None and not getattr(self._slack, "set", False):
             _libc.prctl(_PR_SET_TIMERSLACK, 1, 0, 0, 0)  # per thread
             self._slack.set = True
-        now = time.perf_counter()
-        end = max(now, self._free_at) + seconds
-        self._free_at = end
-        if end > now:
-            time.sleep(end - now)
+        left = end - time.perf_counter()
+        if left > 0:
+            time.sleep(left)
 
 
 def synthetic_model(config: ModelConfig, cost: str, depths: str, device: str, dtype: torch.dtype) -> SyntheticModel:

@@ -66,11 +66,10 @@ class ExitPolicy(ABC):
         self.max_depth = max_depth
         self.min_depth = min_depth
         self.horizon = horizon
+        self._observed_to_decide = 0 if horizon is Horizon.ONE_AHEAD else 1  # signals past ``step`` a decision needs
 
-    @property
-    def needs_signals(self) -> bool:
-        """False when depths are known in advance (fixed, replay): the loop stage need not report signals."""
-        return True
+    needs_signals: bool = True
+    """False when depths are known in advance (fixed, replay): the loop stage need not report signals."""
 
     def new_state(self, target_depth: int = 0) -> ExitState:
         return ExitState(target_depth=target_depth)
@@ -88,8 +87,7 @@ class ExitPolicy(ABC):
         (the horizon's signal is still to come)."""
         if not self.needs_signals or step + 1 >= self.max_depth or step + 1 < self.min_depth:
             return self.exits_after(st, step)
-        decidable = st.observed == (step if self.horizon is Horizon.ONE_AHEAD else step + 1)
-        return self.exits_after(st, step) if decidable else None
+        return self.exits_after(st, step) if st.observed == step + self._observed_to_decide else None
 
     def exits_after(self, st: ExitState, step: int) -> bool:
         if step + 1 >= self.max_depth:
@@ -158,9 +156,7 @@ class FixedDepth(ExitPolicy):
         super().__init__(max_depth, 1, Horizon.SAME_STEP)
         self.depth = depth
 
-    @property
-    def needs_signals(self) -> bool:
-        return False
+    needs_signals = False
 
     def observe(self, st: ExitState, step: int, signal: float, lookahead: float | None = None) -> None:
         st.observed += 1
@@ -178,9 +174,7 @@ class ReplayDepth(ExitPolicy):
     def __init__(self, max_depth: int):
         super().__init__(max_depth, 1, Horizon.SAME_STEP)
 
-    @property
-    def needs_signals(self) -> bool:
-        return False
+    needs_signals = False
 
     def observe(self, st: ExitState, step: int, signal: float, lookahead: float | None = None) -> None:
         st.observed += 1

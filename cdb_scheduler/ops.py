@@ -32,7 +32,7 @@ class OpBuilder:
 
     def __init__(self) -> None:
         self._next_seq = [0, 0, 0]
-        self._row_last: dict[int, list[int]] = {}  # row -> last seq per stage that touched it (-1: none)
+        self._row_last: list[list[int]] = []  # [row] -> last seq per stage that touched it (-1: none)
         self._sent: list[dict[int, int]] = [{}, {}, {}]  # stage -> request id -> block-table length sent
         self._released: list[list[int]] = [[], [], []]
         self.pending_copies: list[KVCopy] = []
@@ -61,16 +61,15 @@ class OpBuilder:
         seq = self._next_seq[s]
         self._next_seq[s] = seq + 1
         row_last = self._row_last
+        if rows and max(rows) >= len(row_last):
+            row_last.extend([-1, -1, -1] for _ in range(max(rows) + 1 - len(row_last)))
         wait_a = wait_b = -1
         for row in rows:
-            last = row_last.get(row)
-            if last is None:
-                last = row_last[row] = [-1, -1, -1]
-            else:
-                if last[a] > wait_a:
-                    wait_a = last[a]
-                if last[b] > wait_b:
-                    wait_b = last[b]
+            last = row_last[row]
+            if last[a] > wait_a:
+                wait_a = last[a]
+            if last[b] > wait_b:
+                wait_b = last[b]
             last[s] = seq
         fences = tuple(Fence(_STAGES[st], w) for st, w in ((a, wait_a), (b, wait_b)) if w >= 0)  # in stage order
         sent = self._sent[s]

@@ -24,6 +24,8 @@ from cdb_scheduler.request import Event, FinishReason, Item, Request, Status, To
 from cdb_scheduler.residency import Residency
 from cdb_scheduler.stats import SchedulerStats
 
+_FINISHED = Status.FINISHED
+
 
 @dataclass(slots=True)
 class _LoopFlight:
@@ -169,32 +171,37 @@ class Scheduler:
             self.refill.place(it, self.ready, self.stats)
 
     def _issue_loop(self) -> StageOp:
+        # Runs once per loop step over every token in the batch: plain locals, Item.live inlined.
         head, head_items = self._fused_head() if self.cfg.fuse_loop_head else (None, [])
+        ready, width = self.ready, self.cfg.max_num_seqs
         items: list[Item] = []
-        while self.ready and len(items) < self.cfg.max_num_seqs:
-            it = self.ready.popleft()
-            if it.live:
+        while ready and len(items) < width:
+            it = ready.popleft()
+            req = it.req
+            if req.epoch == it.epoch and req.status is not _FINISHED:
                 items.append(it)
         assert items or head_items, "ready queue held only stale items"  # schedule() drops them first
         steps = [it.next_step for it in items]
         reqs = [it.req for it in items]
         positions, rows = [it.position for it in items], [r.row for r in reqs]
         op = self.ops.loop(reqs, positions, rows, steps, head=head, head_reqs=[it.req for it in head_items])
-        self._loop[op.seq] = _LoopFlight(items, steps, head_items)
-        self.stats.on_loop_issue(len(items), self.cfg.max_num_seqs)
+        seq = op.seq
+        self._loop[seq] = _LoopFlight(items, steps, head_items)
+        self.stats.on_loop_issue(len(items), width)
         cont: list[Item] = []
+        route = self._route
         for it in items:
             it.next_step += 1
-            it.pending_since = op.seq
-            self._route(it, cont)
-        self.ready.extendleft(reversed(cont))
+            it.pending_since = seq
+            route(it, cont)
+        ready.extendleft(reversed(cont))
         return op
 
     def _fused_head(self) -> tuple[LoopHead | None, list[Item]]:
         """Take every exited token into the loop op being formed (``LoopHead``) and queue its successor, whose
         input embedding that op writes into the row before its step 0 (a recomputed token's recorded input is
         embedded as given)."""
-        items = [it for it in self.head_queue if it.live]
+        items = [it for it in self.head_queue if it.req.epoch == it.epoch and it.req.status is not _FINISHED]
         self.head_queue.clear()
         if not items:
             return None, items
@@ -220,7 +227,8 @@ class Scheduler:
     def _route(self, it: Item, cont: list[Item]) -> None:
         """Decide the fate of the last issued step of ``it`` if the horizon allows; route it."""
         step = it.next_step - 1
-        decision = self._decide(it, step)
+        forced = it.forced_depth  # recomputed after preemption: the depth recorded the first time
+        decision = step + 1 >= forced if forced else it.req.policy.decision(it.exit_state, step)
         if decision is None:
             return
         it.pending_since = -1
@@ -233,12 +241,6 @@ class Scheduler:
             self.ops.pending_copies.append(KVCopy(it.req.rid, it.position, step))
         it.exited_at = self.stats.loop_steps
         self.head_queue.append(it)
-
-    @staticmethod
-    def _decide(it: Item, step: int) -> bool | None:
-        if it.forced_depth:  # recomputed after preemption: the depth recorded the first time
-            return step + 1 >= it.forced_depth
-        return it.req.policy.decision(it.exit_state, step)
 
     def _issue_prefill(self, ops: list[StageOp]) -> None:
         if self._prefill is not None:
@@ -280,21 +282,28 @@ class Scheduler:
             failed = {it.req.rid: it.req for it in (*flight.head, *flight.items) if it.live}
             self.residency.fail(failed.values(), res.error, events)
             return
+        accept, logprobs, token_ids = self._accept, res.logprobs, res.token_ids
         for i, it in enumerate(flight.head):  # the fused head's tokens, sampled before the op's step
-            if it.live:
-                lp = res.logprobs[i] if res.logprobs else None
-                self._accept(it.req, it.index, res.token_ids[i], it.depth, lp, events, replay=it.replay)
+            req = it.req
+            if req.epoch == it.epoch and req.status is not _FINISHED:
+                lp = logprobs[i] if logprobs else None
+                accept(req, it.index, token_ids[i], it.depth, lp, events, replay=it.forced_depth > 0)
+        signals, lookahead = res.signals, res.lookahead
         for i, (it, step) in enumerate(zip(flight.items, flight.steps)):
-            if it.live and it.req.policy.needs_signals and not it.forced_depth:
-                look = res.lookahead[i] if res.lookahead else None
-                it.req.policy.observe(it.exit_state, step, res.signals[i], look)
+            req = it.req
+            policy = req.policy
+            if policy.needs_signals and not it.forced_depth and req.epoch == it.epoch and req.status is not _FINISHED:
+                policy.observe(it.exit_state, step, signals[i], lookahead[i] if lookahead else None)
         # Fates that waited for these signals: this op's own (same-step), then later ops' (one-ahead).
         cont: list[Item] = []
+        route = self._route
         for seq in [res.seq, *sorted(self._loop)]:
             fl = flight if seq == res.seq else self._loop[seq]
             for it in fl.items:
-                if it.pending_since == seq and it.live:
-                    self._route(it, cont)
+                if it.pending_since == seq:
+                    req = it.req
+                    if req.epoch == it.epoch and req.status is not _FINISHED:
+                        route(it, cont)
         self.ready.extendleft(reversed(cont))
 
     def _on_head(self, res: StageResult, events: list[Event]) -> None:
@@ -365,7 +374,8 @@ class Scheduler:
         self._place_successor(it)
 
     def _place_successor(self, it: Item) -> None:
-        if not self._grow_blocks(it.req, it.position + 1):
+        req = it.req  # (the common case, a position inside the blocks it has, without a call)
+        if it.position >= len(req.blocks) * self.cfg.kv_block_size and not self._grow_blocks(req, it.position + 1):
             self.stalled.append(it)
         elif it.embedded:  # its "prelude" is the head op that samples its input: fenced on by row
             self.refill.place(it, self.ready, self.stats)

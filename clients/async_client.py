@@ -28,7 +28,7 @@ from clients.common import (
     StreamFinish,
     StreamToken,
     build_request,
-    stream_item,
+    stream_items,
 )
 
 
@@ -63,7 +63,8 @@ class AsyncClient(ClientBase):
         call = self._stub.GenerateStream(build_request(prompt, options), **self._kw(timeout, metadata))
         try:
             async for msg in call:
-                yield stream_item(msg)
+                for item in stream_items(msg):
+                    yield item
         finally:
             call.cancel()
 

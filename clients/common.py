@@ -215,7 +215,9 @@ class GenerateOptions(TypedDict, total=False):
 
 def build_request(prompt: str | Sequence[int], options: GenerateOptions) -> pb.GenerateRequest:
     """A ``GenerateRequest`` for a text or token-id prompt."""
-    req = pb.GenerateRequest(request_id=options.get("request_id", ""), ignore_eos=options.get("ignore_eos", False))
+    req = pb.GenerateRequest(
+        request_id=options.get("request_id", ""), ignore_eos=options.get("ignore_eos", False), batch_tokens=True
+    )
     if isinstance(prompt, str):
         req.text = prompt
     else:
@@ -249,6 +251,7 @@ class StreamToken:
     logprob: float | None = None
     top_ids: tuple[int, ...] = ()
     top_logprobs: tuple[float, ...] = ()
+    time_unix_nano: int = 0  # when the server produced it (tokens of one loop step share it)
     is_token: bool = field(default=True, init=False)
 
 
@@ -276,6 +279,7 @@ def token_from_pb(request_id: str, tok: pb.Token) -> StreamToken:
         lp.logprob if lp is not None else None,
         tuple(lp.top_ids) if lp is not None else (),
         tuple(lp.top_logprobs) if lp is not None else (),
+        tok.time_unix_nano,
     )
 
 
@@ -292,10 +296,14 @@ def finish_from_pb(request_id: str, fin: pb.Finish) -> StreamFinish:
     )
 
 
-def stream_item(msg: pb.GenerateStreamResponse) -> StreamToken | StreamFinish:
-    if msg.WhichOneof("event") == "token":
-        return token_from_pb(msg.request_id, msg.token)
-    return finish_from_pb(msg.request_id, msg.finish)
+def stream_items(msg: pb.GenerateStreamResponse) -> list[StreamToken | StreamFinish]:
+    """The tokens (one, or several sent together: ``batch_tokens``) or the finish of one stream message."""
+    which = msg.WhichOneof("event")
+    if which == "token":
+        return [token_from_pb(msg.request_id, msg.token)]
+    if which == "tokens":
+        return [token_from_pb(msg.request_id, t) for t in msg.tokens.tokens]
+    return [finish_from_pb(msg.request_id, msg.finish)]
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,7 +34,7 @@ from clients.common import (
     StreamFinish,
     StreamToken,
     build_request,
-    stream_item,
+    stream_items,
 )
 
 
@@ -70,7 +70,7 @@ class Client(ClientBase):
         call = self._stub.GenerateStream(build_request(prompt, options), **self._kw(timeout, metadata))
         try:
             for msg in call:
-                yield stream_item(msg)
+                yield from stream_items(msg)
         finally:
             call.cancel()  # no-op when the stream ended; aborts the request when the caller stopped early
 

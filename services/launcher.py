@@ -4,13 +4,24 @@
   scheduler (``cdb stage`` / ``cdb scheduler``), waits until each one is ready, returns a handle (``address``,
   ``stop()``).
 - ``start_stages(config)``: only the three stages (benchmarks drive them from an in-process engine).
-- ``serve_forever(config, listen)``: ``serve_all``, then serve until Ctrl-C / SIGTERM, and stop every child
-  (scheduler first, so it drains; then the stages).
+- ``serve_forever(config, listen)``: ``serve_all``, then serve until SIGTERM / SIGINT (Ctrl-C) / SIGHUP (a closed
+  terminal), and stop every child (scheduler first, so it drains; then the stages).
 
-Supervision: the handle restarts a child that dies (same command, same address): a restarted stage is
-re-attached by the scheduler, which recomputes the requests it was running; a restarted scheduler re-configures
-the stages (they dropped the dead one's session). A child that dies more than ``MAX_RESTARTS`` times within
-``RESTART_WINDOW_S`` is given up on, and the tree stops (``serve_forever`` exits 1).
+Supervision: the handle restarts a child that dies (same command, same address): a restarted stage is re-attached by
+the scheduler, which recomputes the requests it was running; a restarted scheduler re-configures the stages (they
+dropped the dead one's session). A stage that hangs is the scheduler's to judge: its watchdog SIGKILLs the stuck
+process (``services.transport.watchdog``) and the handle restarts it like any dead stage, so the scheduler itself is
+never restarted for a stage's fault. One thread of the handle, the tree's owner, starts, restarts and stops every
+child, and lives until the tree has stopped: a child's ``PR_SET_PDEATHSIG`` follows the thread that forked it, so
+children started anywhere else would die with that thread, cutting a drain short.
+
+- A child's *streak* counts its exits in a row with no readiness in between (its ready file is removed before
+  each restart and written again once it serves), however long each try lasted. The first exit restarts it at
+  once; each further one waits ``CDB_RESTART_BACKOFF_S`` (0.5 s), doubling, at most ``CDB_RESTART_BACKOFF_MAX_S``
+  (30 s). The ``CDB_RESTART_LIMIT``-th (5th) exit of a streak gives up on the child.
+- Giving up, and failing to start a child again (a missing or broken interpreter, no file descriptors left), stop
+  the tree with one error line (logger ``cdb.launcher``); ``serve_forever`` then exits 1. So does a scheduler
+  that dies while listening on port 0 (a restart would move it).
 
 The stage plane's secret: unless the environment names one (``CDB_STAGE_SECRET_FILE`` / ``CDB_STAGE_SECRET``),
 the tree makes its own in its private work dir (mode 0600) and hands its path to every child.
@@ -18,13 +29,18 @@ the tree makes its own in its private work dir (mode 0600) and hands its path to
 Readiness: each child writes its bound address to a ready file (``services.net.write_ready_file``) once it
 serves (the scheduler: once its health is SERVING); the launcher waits for those files and fails fast if a
 child exits first.
+
+Shared memory: a start sweeps the segments that trees SIGKILLed whole left in ``/dev/shm``
+(``services.transport.segments``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
+import queue
 import shutil
 import signal
 import subprocess
@@ -32,9 +48,11 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future
 from pathlib import Path
 from types import TracebackType
+from typing import TypeVar
 
 from cdb_engine.config import EngineConfig
 from cdb_engine.limits import describe, resolve_limits
@@ -44,6 +62,7 @@ from cdb_scheduler.plan import Stage
 from services.net import wait_ready_file
 from services.settings import Settings, cpu_map, load_settings
 from services.stage_secret import create_secret_file
+from services.transport.segments import sweep_stale_segments
 
 log = logging.getLogger("cdb.launcher")
 
@@ -52,9 +71,8 @@ log = logging.getLogger("cdb.launcher")
 
 PARENT_ENV = "CDB_PARENT_PID"
 SECRET_ENV = "CDB_STAGE_SECRET_FILE"
-MAX_RESTARTS = 10
-RESTART_WINDOW_S = 60.0
 _SUPERVISE_PERIOD_S = 0.1
+_T = TypeVar("_T")
 
 
 def pin_cpus(role: str, settings: Settings | None = None) -> None:
@@ -69,8 +87,10 @@ def die_with_parent() -> None:
     """In a child of the tree (``cdb stage`` / ``cdb scheduler``): get SIGTERM when the launcher dies.
 
     Set by the child itself at start (``PR_SET_PDEATHSIG``), not between fork and exec: running Python code there
-    breaks gRPC's fork handlers when the launching process uses gRPC itself. A launcher already gone by then
-    (the parent is no longer the one recorded in ``CDB_PARENT_PID``) ends the child at once."""
+    breaks gRPC's fork handlers when the launching process uses gRPC itself. The signal comes when the *thread*
+    that forked the child ends, which is why the launcher forks every child from the tree's owner thread. A
+    launcher already gone by then (the parent is no longer the one recorded in ``CDB_PARENT_PID``) ends the child
+    at once."""
     parent = os.environ.get(PARENT_ENV)
     if not parent:
         return
@@ -84,78 +104,236 @@ def die_with_parent() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
+class SpawnError(RuntimeError):
+    """A child process could not be started (its interpreter missing or not executable, no fds or memory)."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RestartPolicy:
+    """When a child that exited is restarted, and when it is given up on (module docstring, "Supervision")."""
+
+    backoff_s: float  # the delay before the 2nd restart of a streak (the 1st is at once), doubling
+    backoff_max_s: float  # the longest delay
+    limit: int  # the exit of a streak that gives up
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> RestartPolicy:
+        return cls(settings.restart_backoff_s, settings.restart_backoff_max_s, settings.restart_limit)
+
+    def delay(self, streak: int) -> float | None:
+        """Seconds before restarting a child whose streak (its exits in a row, the last one included) is
+        ``streak``; None: give up on it."""
+        if streak >= self.limit:
+            return None
+        if streak <= 1:
+            return 0.0
+        return float(min(self.backoff_s * 2 ** (streak - 2), self.backoff_max_s))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Restart:
+    """One restart: ``code`` is the exit status of the process replaced (negative: the signal that ended it);
+    times are ``time.monotonic()``; ``streak`` counts that process's exit."""
+
+    name: str
+    code: int
+    exited_at: float
+    started_at: float
+    streak: int
+
+
+@dataclasses.dataclass(slots=True)
+class _Child:
+    name: str  # "scheduler" or a stage role
+    argv: list[str]
+    env: Mapping[str, str] | None
+    ready_file: str | None
+    proc: subprocess.Popen[bytes] | None = None
+    streak: int = 0  # exits in a row without readiness in between
+    exited: tuple[int, float] = (0, 0.0)  # the last exit: code, when it was seen
+    restart_at: float | None = None  # a restart is due then (backoff)
+
+    @property
+    def what(self) -> str:
+        return "the scheduler" if self.name == "scheduler" else f"the {self.name} stage"
+
+
 class ServeHandle:
-    """The running tree. ``stop()`` ends it: scheduler first (it drains), then the stages."""
+    """The running tree. ``stop()`` ends it: scheduler first (it drains), then the stages. Every child is started,
+    restarted and stopped on the handle's owner thread (``cdb-tree``), whichever thread asks."""
 
     def __init__(self, workdir: str, settings: Settings) -> None:
         self.workdir = workdir
         self.settings = settings
         self.address = ""
         self.stage_addrs: dict[Stage, str] = {}
-        self.stages: dict[Stage, subprocess.Popen[bytes]] = {}
-        self.scheduler: subprocess.Popen[bytes] | None = None
-        self.restarts: list[tuple[str, float]] = []  # (child name, time.monotonic()) of every restart
+        self.python = sys.executable  # the interpreter the children run under
+        self.policy = RestartPolicy.from_settings(settings)
+        self.restarts: list[Restart] = []
         self.failed: str | None = None  # why supervision gave up (the tree is then stopped)
-        self._argv: dict[str, tuple[list[str], Mapping[str, str] | None]] = {}  # child name -> how to start it
-        self._stopped = False
-        self._gone = threading.Event()  # stop() was called: the supervisor ends
-        self._supervisor: threading.Thread | None = None
+        self.ended = threading.Event()  # the tree has stopped: stop() or supervision gave up
+        self._children: dict[str, _Child] = {}
+        self._supervising = False  # owner thread only
+        self._stopping: float | None = None  # owner thread only: stop asked, with this drain timeout
+        self._calls: queue.SimpleQueue[tuple[Callable[[], object], Future[object]]] = queue.SimpleQueue()
+        self._calls_lock = threading.Lock()
+        self._closed = False  # the owner takes no more calls
+        self._owner = threading.Thread(target=self._own, name="cdb-tree", daemon=True)
+        self._owner.start()
 
-    def _spawn(self, argv: list[str], name: str, env: Mapping[str, str] | None) -> subprocess.Popen[bytes]:
-        self._argv[name] = (argv, env)
-        out = open(os.path.join(self.workdir, f"{name}.log"), "ab")  # noqa: SIM115 - the child keeps it
-        cmd = [sys.executable, *argv]
-        child_env = dict(os.environ if env is None else env)
-        child_env[PARENT_ENV] = str(os.getpid())
-        if self.settings.stage_secret_file:
-            child_env[SECRET_ENV] = self.settings.stage_secret_file
-        # A session of its own: a terminal's Ctrl-C reaches the launcher only, which stops the children in order.
-        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=child_env)
+    # --- asking the owner thread ------------------------------------------------------------------------------
+
+    def _on_owner(self, fn: Callable[[], _T]) -> _T:
+        """Run ``fn`` on the owner thread and return its result (or raise its exception)."""
+        if threading.current_thread() is self._owner:
+            return fn()
+        done: Future[object] = Future()
+        with self._calls_lock:
+            if self._closed:
+                raise RuntimeError(f"the tree is stopped{f' ({self.failed})' if self.failed else ''}")
+            self._calls.put((fn, done))
+        return done.result()  # type: ignore[return-value]
+
+    def start_child(
+        self, name: str, argv: list[str], env: Mapping[str, str] | None, ready_file: str | None = None
+    ) -> subprocess.Popen[bytes]:
+        """Start ``python ARGV`` as the child ``name`` (``scheduler`` or a stage role); ``ready_file``: where it
+        announces readiness (a restart removes it first). Raises SpawnError if it cannot be started."""
+        child = _Child(name, argv, env, ready_file)
+
+        def start() -> subprocess.Popen[bytes]:
+            if name in self._children:
+                raise ValueError(f"the tree already has a {name}")
+            child.proc = self._popen(child)
+            self._children[name] = child
+            return child.proc
+
+        return self._on_owner(start)
 
     def supervise(self) -> None:
-        """Restart children that die from now on (a thread; ``stop`` ends it)."""
-        if self._supervisor is None:
-            self._supervisor = threading.Thread(target=self._supervise, name="cdb-supervisor", daemon=True)
-            self._supervisor.start()
-
-    def _supervise(self) -> None:
-        while not self._gone.wait(_SUPERVISE_PERIOD_S):  # a watch period over the children, not a synchronisation
-            children: dict[str, subprocess.Popen[bytes] | None] = {s.role: p for s, p in self.stages.items()}
-            children["scheduler"] = self.scheduler
-            for name, proc in children.items():
-                if proc is None or proc.poll() is None or self._gone.is_set():
-                    continue
-                now = time.monotonic()
-                recent = [t for n, t in self.restarts if n == name and now - t < RESTART_WINDOW_S]
-                if len(recent) >= MAX_RESTARTS:
-                    self.failed = f"{name} exited with code {proc.returncode} {len(recent) + 1} times in a minute"
-                    log.error("cdb: %s; giving up", self.failed)
-                    self._gone.set()
-                    return
-                log.warning("cdb: %s exited with code %s; restarting it", name, proc.returncode)
-                argv, env = self._argv[name]
-                if name == "scheduler" and _any_port(argv):
-                    self.failed = f"the scheduler exited with code {proc.returncode} (its port was chosen at random)"
-                    log.error("cdb: %s; stopping", self.failed)
-                    self._gone.set()
-                    return
-                new = self._spawn(argv, name, env)
-                self.restarts.append((name, now))
-                if name == "scheduler":
-                    self.scheduler = new
-                else:
-                    self.stages[Stage.from_role(name)] = new
+        """Restart children that die from now on."""
+        self._on_owner(lambda: setattr(self, "_supervising", True))
 
     def unsupervise(self) -> None:
         """Stop restarting children (an operator who restarts them by other means; tests of a stage that stays
-        down). ``stop`` still ends them all."""
-        self._gone.set()
-        if self._supervisor is not None and self._supervisor is not threading.current_thread():
-            self._supervisor.join(timeout=5)
+        down); once this returns no restart happens. ``stop`` still ends them all."""
+        with contextlib.suppress(RuntimeError):  # already stopped
+            self._on_owner(lambda: setattr(self, "_supervising", False))
+
+    # --- the owner thread -------------------------------------------------------------------------------------
+
+    def _own(self) -> None:
+        try:
+            while self._stopping is None and self.failed is None:
+                try:
+                    fn, done = self._calls.get(timeout=_SUPERVISE_PERIOD_S if self._supervising else None)
+                except queue.Empty:
+                    pass
+                else:
+                    try:
+                        done.set_result(fn())
+                    except BaseException as exc:  # the asker gets it
+                        done.set_exception(exc)
+                if self._supervising and self._stopping is None:
+                    self._watch()
+        except BaseException as exc:  # a fault of the supervisor itself: never end quietly
+            self.failed = f"the supervisor failed: {type(exc).__name__}: {exc}"
+            log.exception("cdb: %s; stopping the tree", self.failed)
+        finally:
+            with self._calls_lock:
+                self._closed = True
+            while True:  # calls that came too late
+                try:
+                    _, done = self._calls.get_nowait()
+                except queue.Empty:
+                    break
+                done.set_exception(RuntimeError("the tree is stopped"))
+            drain = self.settings.drain_timeout_s if self._stopping is None else self._stopping
+            scheduler = [c.proc for n, c in self._children.items() if n == "scheduler" and c.proc is not None]
+            _terminate(scheduler, drain + 10.0)
+            _terminate([c.proc for n, c in self._children.items() if n != "scheduler" and c.proc is not None], 10.0)
+            self.ended.set()
+
+    def _popen(self, child: _Child) -> subprocess.Popen[bytes]:
+        cmd = [self.python, *child.argv]
+        child_env = dict(os.environ if child.env is None else child.env)
+        child_env[PARENT_ENV] = str(os.getpid())
+        if self.settings.stage_secret_file:
+            child_env[SECRET_ENV] = self.settings.stage_secret_file
+        try:
+            with open(os.path.join(self.workdir, f"{child.name}.log"), "ab") as out:
+                # A session of its own: a terminal's Ctrl-C reaches the launcher only, which stops the children
+                # in order.
+                return subprocess.Popen(
+                    cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=child_env
+                )
+        except (OSError, subprocess.SubprocessError) as exc:
+            raise SpawnError(f"cannot start {child.what} ({exc})") from exc
+
+    def _watch(self) -> None:
+        """One look at every child: note readiness, restart the dead (or give up on them)."""
+        now = time.monotonic()
+        for child in self._children.values():
+            if self.failed is not None:
+                return
+            if child.streak and child.ready_file and os.path.exists(child.ready_file):
+                child.streak = 0  # it served again: its next exit starts a new streak
+            if child.restart_at is not None:
+                if now >= child.restart_at:
+                    self._restart(child, now)
+                continue
+            code = child.proc.poll() if child.proc is not None else None
+            if code is None:
+                continue
+            child.streak += 1
+            child.exited = (code, now)
+            delay = self.policy.delay(child.streak)
+            if delay is None:
+                self._give_up(f"{child.what} exited with code {code}, {child.streak} times in a row without serving")
+            elif child.name == "scheduler" and _any_port(child.argv):
+                self._give_up(f"the scheduler exited with code {code} (its port was chosen at random)")
+            else:
+                wait = f" in {delay:g}s ({child.streak} exits in a row)" if delay else ""
+                log.warning("cdb: %s exited with code %s; restarting it%s", child.what, code, wait)
+                child.restart_at = now + delay
+                if not delay:
+                    self._restart(child, now)
+
+    def _restart(self, child: _Child, now: float) -> None:
+        if child.ready_file:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(child.ready_file)
+        child.restart_at = None
+        try:
+            child.proc = self._popen(child)
+        except SpawnError as exc:
+            self._give_up(str(exc))
+            return
+        self.restarts.append(Restart(child.name, child.exited[0], child.exited[1], now, child.streak))
+
+    def _give_up(self, why: str) -> None:
+        self.failed = why
+        log.error("cdb: %s; stopping the tree", why)
+
+    # --- the tree as a whole ----------------------------------------------------------------------------------
 
     @property
     def given_up(self) -> bool:
         return self.failed is not None
+
+    @property
+    def stages(self) -> dict[Stage, subprocess.Popen[bytes]]:
+        """The stage processes now (a restart replaces one)."""
+        return {
+            Stage.from_role(n): c.proc
+            for n, c in list(self._children.items())
+            if n != "scheduler" and c.proc is not None
+        }
+
+    @property
+    def scheduler(self) -> subprocess.Popen[bytes] | None:
+        child = self._children.get("scheduler")
+        return child.proc if child is not None else None
 
     def processes(self) -> list[subprocess.Popen[bytes]]:
         return [p for p in (self.scheduler, *self.stages.values()) if p is not None]
@@ -166,17 +344,17 @@ class ServeHandle:
         return Path(path).read_text(errors="replace") if os.path.exists(path) else ""
 
     def stop(self, drain_timeout: float | None = None) -> None:
-        """SIGTERM the scheduler and wait for its drain, then the stages; SIGKILL what does not exit."""
-        if self._stopped:
-            return
-        self._stopped = True
-        self._gone.set()
-        if self._supervisor is not None and self._supervisor is not threading.current_thread():
-            self._supervisor.join(timeout=5)
+        """SIGTERM the scheduler and wait for its drain, then the stages; SIGKILL what does not exit. Idempotent;
+        returns once every child has exited."""
         drain = self.settings.drain_timeout_s if drain_timeout is None else drain_timeout
-        if self.scheduler is not None:
-            _terminate([self.scheduler], drain + 10.0)
-        _terminate(list(self.stages.values()), 10.0)
+
+        def ask() -> None:
+            self._stopping = drain
+
+        with contextlib.suppress(RuntimeError):  # stopped already (or giving up: it stops on its own)
+            self._on_owner(ask)
+        if threading.current_thread() is not self._owner:
+            self._owner.join()
         shutil.rmtree(self.workdir, ignore_errors=True)
 
     def __enter__(self) -> ServeHandle:
@@ -234,6 +412,7 @@ def _start_tree(
     metrics_listen: str | None = None,
 ) -> ServeHandle:
     settings = settings or load_settings()
+    sweep_stale_segments()  # what trees SIGKILLed whole left behind (their owners are gone)
     workdir = tempfile.mkdtemp(prefix="cdb-serve-")
     if not (settings.stage_secret_file or settings.stage_secret):
         secret_file = os.path.join(workdir, "stage.secret")
@@ -250,7 +429,7 @@ def _start_tree(
             argv += ["--dtype", config.dtype, "--device", config.device, "--ready-file", ready[stage]]
             if config.synthetic_cost:
                 argv += ["--synthetic-cost", config.synthetic_cost, "--synthetic-depths", config.synthetic_depths]
-            handle.stages[stage] = handle._spawn(argv, stage.role, env)
+            handle.start_child(stage.role, argv, env, ready[stage])
         sched_ready = os.path.join(handle.workdir, "scheduler.ready")
         if listen is not None:
             argv = ["-m", "cdb", "scheduler", "--listen", listen, "--ready-file", sched_ready]
@@ -258,9 +437,8 @@ def _start_tree(
             if metrics_listen is not None:
                 argv.append(f"--metrics-listen={metrics_listen}")
             argv += engine_config_to_argv(config, env)
-            handle.scheduler = handle._spawn(argv, "scheduler", env)
-        for stage in Stage:
-            proc = handle.stages[stage]
+            handle.start_child("scheduler", argv, env, sched_ready)
+        for stage, proc in handle.stages.items():
             timeout = settings.ready_timeout_s
             handle.stage_addrs[stage] = wait_ready_file(ready[stage], proc, timeout, f"{stage.role} stage")
         if handle.scheduler is not None:
@@ -275,17 +453,36 @@ def _start_tree(
     return handle
 
 
+def stop_signals() -> threading.Event:
+    """Make SIGTERM, SIGINT (Ctrl-C) and SIGHUP (the terminal closed) set the event returned: a graceful stop.
+    Main thread only."""
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, lambda *_: stop.set())
+    return stop
+
+
+def wait_for_end(handle: ServeHandle, stop: threading.Event) -> int:
+    """Serve until ``stop`` is set (exit status 0) or the supervisor stops the tree (1: it gave up, or could not
+    restart a child; it has logged why in one line). The tree is stopped when this returns."""
+    while not (stop.is_set() or handle.ended.is_set()):
+        stop.wait(0.2)  # a watch period over both ends; a signal sets ``stop`` at once
+    handle.stop()
+    return 1 if handle.given_up else 0
+
+
 def serve_forever(
     config: EngineConfig, listen: str = "127.0.0.1:50051", metrics_listen: str | None = None, http: str | None = None
 ) -> int:
-    """Run the tree in the foreground until Ctrl-C / SIGTERM (exit 0), or until the supervisor gives up on a child
-    that keeps dying (exit 1). ``http``: the address the scheduler serves the HTTP API on (for the banner; the
-    scheduler reads ``CDB_HTTP_ADDR``)."""
+    """Run the tree in the foreground until SIGTERM / Ctrl-C / SIGHUP (exit 0), or until the supervisor gives up on
+    a child or cannot restart it (exit 1). ``http``: the address the scheduler serves the HTTP API on (for the
+    banner; the scheduler reads ``CDB_HTTP_ADDR``)."""
     try:
         handle = serve_all(config, listen, metrics_listen=metrics_listen)
     except RuntimeError as exc:  # a child failed to start: its log tail follows the first line
         print(f"cdb serve: {exc}", file=sys.stderr)
         return 1
+    stop = stop_signals()
     limits = resolve_limits(config, load_config(config.model))
     print(f"cdb serving {config.model} on {handle.address} (stages: prelude, loop, head)", flush=True)
     print(f"  {describe(limits)}", flush=True)
@@ -295,12 +492,4 @@ def serve_forever(
         print(f"OpenAI-compatible HTTP API on http://{http}/v1", flush=True)
     if metrics_listen:
         print(f"Prometheus metrics on http://{metrics_listen}/metrics", flush=True)
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    while not stop.wait(0.5):  # also watch the supervisor's verdict
-        if handle.given_up:
-            print(f"cdb: {handle.failed}; stopping", file=sys.stderr)
-            break
-    handle.stop()
-    return 1 if handle.given_up else 0
+    return wait_for_end(handle, stop)

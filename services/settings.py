@@ -11,7 +11,7 @@ allowed where the default says so. The tables are the fields' own help (``metada
 |---|---|---|
 | ``CDB_CONFIG`` | (unset) | config file (TOML; YAML: .yaml/.yml) of any keys below; ``--config`` overrides it |
 | ``CDB_STAGE_THREADS`` | 1 | torch intra-op threads per stage process (three stages share the host's cores) |
-| ``CDB_FENCE_TIMEOUT_S`` | 30 | a stage fails a batch whose fences are not satisfied within this time |
+| ``CDB_FENCE_TIMEOUT_S`` | 600 | a stage fails a batch whose fences stay unmet this long (or the batch's own limit) |
 | ``CDB_FENCE_SPIN_S`` | 0.0002 | busy-wait this long on a fence before backing off with tiny sleeps |
 | ``CDB_STAGE_CONNECT_TIMEOUT_S`` | 120 | how long the scheduler waits for its stages to be ready at start |
 | ``CDB_STAGE_KEEPALIVE_S`` | 5 | HTTP/2 keepalive ping interval on stage channels (a frozen stage is detected) |
@@ -28,6 +28,8 @@ allowed where the default says so. The tables are the fields' own help (``metada
 | ``CDB_STAGE_SECRET_FILE`` | (unset) | file (mode 0600) holding the stage plane's secret; ``cdb serve`` makes one |
 | ``CDB_STAGE_DOWN_LIMIT_S`` | 60 | a stage missing this long: requests fail ``UNAVAILABLE``, the scheduler exits 1 |
 | ``CDB_RECONNECT_BACKOFF_S`` | 0.05 | first delay between reconnect attempts to a lost stage (doubles up to 2 s) |
+| ``CDB_STAGE_HANG_FLOOR_S`` | 30 | no stage op is judged hung before it has run this long |
+| ``CDB_STAGE_HANG_FACTOR`` | 20 | an op past this many times its expected time (pace x tokens): its stage is replaced |
 | ``CDB_TLS_CERT`` | (unset) | PEM certificate chain of the public port (with ``CDB_TLS_KEY``: TLS on) |
 | ``CDB_TLS_KEY`` | (unset) | PEM private key of the public port |
 | ``CDB_TLS_CLIENT_CA`` | (unset) | PEM CA bundle: the public port requires client certificates signed by it (mTLS) |
@@ -35,9 +37,19 @@ allowed where the default says so. The tables are the fields' own help (``metada
 | ``CDB_API_KEYS_FILE`` | (unset) | file with one API key per line (``#`` comments), merged with ``CDB_API_KEYS`` |
 | ``CDB_MAX_STREAMS_PER_CONNECTION`` | 256 | HTTP/2 max concurrent streams per client connection of the public port |
 | ``CDB_KEEPALIVE_MIN_TIME_S`` | 10 | clients may ping no more often than this (more often: GOAWAY) |
-| ``CDB_HTTP_ADDR`` | (unset) | ``HOST:PORT`` of the OpenAI-compatible HTTP API (``cdb serve --http``) |
+| ``CDB_HTTP_ADDR`` | (unset) | ``HOST:PORT`` of the OpenAI HTTP API (``cdb serve``: 127.0.0.1:8000); empty: none |
+| ``CDB_SERVED_MODEL_NAME`` | (unset) | model names the HTTP API accepts, comma-separated; the first is reported |
 | ``CDB_MAX_REQUEST_BYTES`` | 4194304 | largest HTTP request body; more: 413 before parsing and the API-key check |
 | ``CDB_STAGE_OP_LOG`` | (unset) | folder where each stage writes its per-op timeline (``cdb bench hostpath``) |
+| ``CDB_RESTART_LIMIT`` | 5 | a child exiting this many times in a row without serving stops the tree (exit 1) |
+| ``CDB_RESTART_BACKOFF_S`` | 0.5 | delay of a child's 2nd restart in a row (the 1st is at once); doubles per restart |
+| ``CDB_RESTART_BACKOFF_MAX_S`` | 30 | longest delay between two restarts of a failing child |
+| ``CDB_LOG_LEVEL`` | info | log level of every process of the tree: debug, info, warning or error |
+| ``CDB_LOG_FORMAT`` | text | log lines as text, or json: one JSON object per line |
+| ``CDB_REQUEST_LOG`` | false | log a line per finished request: id, caller, tokens, depth, reason, latency |
+| ``CDB_THROUGHPUT_LOG_INTERVAL_S`` | 10 | period of the scheduler's throughput log line; 0: none |
+| ``CDB_REQUEST_LATENCY_BUCKETS`` | (unset) | bucket bounds (s) of TTFT, end-to-end, queue time; empty: 1 ms..2 h |
+| ``CDB_TOKEN_LATENCY_BUCKETS`` | (unset) | bucket bounds (s) of inter-token latency and TPOT; empty: 1 ms..60 s |
 
 The engine options, the same for the four processes of a tree (each also ``--option`` of ``cdb serve``, ``cdb
 scheduler`` and ``cdb demo``; ``cdb stage`` takes ``--model``, ``--dtype`` and ``--device``):
@@ -71,7 +83,7 @@ scheduler`` and ``cdb demo``; ``cdb stage`` takes ``--model``, ``--dtype`` and `
 | ``CDB_INIT_SEED`` | -1 | Huginn initial state: < 0 zero, else a seeded truncated normal per position |
 | ``CDB_NUM_THREADS`` | auto | torch intra-op threads of the in-process executor; auto: torch's default |
 | ``CDB_FUSE_REFILL_EMBED`` | true | Ouro: the head op embeds a refill's input token (no prelude op per step) |
-| ``CDB_FUSE_LOOP_HEAD`` | false | Ouro: loop ops sample the exited tokens and run their successors (no head op) |
+| ``CDB_FUSE_LOOP_HEAD`` | true | Ouro: loop ops sample the exited tokens and run their successors (no head op) |
 | ``CDB_ALLOW_REPLAY_DEPTHS`` | false | accept per-request replayed depths (benchmarks; implied by exit rule replay) |
 | ``CDB_SYNTHETIC_COST`` | (unset) | synthetic stages, modelled device time: loop=A:B:C,head=.. (µs) or h200:ouro-1.4b |
 | ``CDB_SYNTHETIC_DEPTHS`` | (unset) | synthetic stages' exit depths MEAN:MIN; empty: 2.5:2 for Ouro, 6:3 for Huginn |
@@ -110,7 +122,9 @@ class Settings:
     """Operational knobs of the stage servers, the scheduler service and the launcher."""
 
     stage_threads: int = _help("torch intra-op threads per stage process (three stages share the host's cores)", 1)
-    fence_timeout_s: float = _help("a stage fails a batch whose fences are not satisfied within this time", 30.0)
+    fence_timeout_s: float = _help(
+        "a stage fails a batch whose fences stay unmet this long (or the batch's own limit)", 600.0
+    )
     fence_spin_s: float = _help("busy-wait this long on a fence before backing off with tiny sleeps", 2e-4)
     stage_connect_timeout_s: float = _help("how long the scheduler waits for its stages to be ready at start", 120.0)
     stage_keepalive_s: float = _help(
@@ -135,6 +149,10 @@ class Settings:
     reconnect_backoff_s: float = _help(
         "first delay between reconnect attempts to a lost stage (doubles up to 2 s)", 0.05
     )
+    stage_hang_floor_s: float = _help("no stage op is judged hung before it has run this long", 30.0)
+    stage_hang_factor: float = _help(
+        "an op past this many times its expected time (pace x tokens): its stage is replaced", 20.0
+    )
     tls_cert: str = _help("PEM certificate chain of the public port (with ``CDB_TLS_KEY``: TLS on)", "")
     tls_key: str = _help("PEM private key of the public port", "")
     tls_client_ca: str = _help("PEM CA bundle: the public port requires client certificates signed by it (mTLS)", "")
@@ -146,12 +164,24 @@ class Settings:
         "HTTP/2 max concurrent streams per client connection of the public port", 256
     )
     keepalive_min_time_s: float = _help("clients may ping no more often than this (more often: GOAWAY)", 10.0)
-    http_addr: str = _help("``HOST:PORT`` of the OpenAI-compatible HTTP API (``cdb serve --http``)", "")
+    http_addr: str = _help("``HOST:PORT`` of the OpenAI HTTP API (``cdb serve``: 127.0.0.1:8000); empty: none", "")
+    served_model_name: str = _help("model names the HTTP API accepts, comma-separated; the first is reported", "")
     max_request_bytes: int = _help("largest HTTP request body; more: 413 before parsing and the API-key check", 4 << 20)
     stage_op_log: str = _help(
         "folder where each stage writes its per-op timeline (``cdb bench hostpath``)",
         "",
     )
+    restart_limit: int = _help("a child exiting this many times in a row without serving stops the tree (exit 1)", 5)
+    restart_backoff_s: float = _help(
+        "delay of a child's 2nd restart in a row (the 1st is at once); doubles per restart", 0.5
+    )
+    restart_backoff_max_s: float = _help("longest delay between two restarts of a failing child", 30.0)
+    log_level: str = _help("log level of every process of the tree: debug, info, warning or error", "info")
+    log_format: str = _help("log lines as text, or json: one JSON object per line", "text")
+    request_log: bool = _help("log a line per finished request: id, caller, tokens, depth, reason, latency", False)
+    throughput_log_interval_s: float = _help("period of the scheduler's throughput log line; 0: none", 10.0)
+    request_latency_buckets: str = _help("bucket bounds (s) of TTFT, end-to-end, queue time; empty: 1 ms..2 h", "")
+    token_latency_buckets: str = _help("bucket bounds (s) of inter-token latency and TPOT; empty: 1 ms..60 s", "")
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -165,12 +195,26 @@ class Settings:
 
 
 _ADDRESSES = frozenset({"metrics_addr", "http_addr"})
+LOG_LEVELS = ("debug", "info", "warning", "error")
+LOG_FORMATS = ("text", "json")
+_CHOICES = {"log_level": LOG_LEVELS, "log_format": LOG_FORMATS}
+_BUCKETS = frozenset({"request_latency_buckets", "token_latency_buckets"})
 SETTINGS_FIELDS = tuple(f.name for f in fields(Settings))
 PROCESS_ROLES = ("prelude", "loop", "head", "scheduler")
 
 
 def _problem(name: str, value: Any) -> str | None:
     """What is wrong with one setting's value on its own, or None."""
+    if name == "served_model_name":
+        return "must be names separated by commas, none empty" if value and "" in served_names(value) else None
+    if name in _CHOICES:
+        return None if value in _CHOICES[name] else f"must be one of {', '.join(_CHOICES[name])}"
+    if name in _BUCKETS:
+        try:
+            parse_buckets(value)
+        except ValueError as exc:
+            return str(exc)
+        return None
     if name == "cpus":
         try:
             cpu_map(value)
@@ -181,9 +225,28 @@ def _problem(name: str, value: Any) -> str | None:
         return "must be HOST:PORT (or :PORT)" if name in _ADDRESSES and value and not is_host_port(value) else None
     if isinstance(value, bool):
         return None
-    if name == "fence_spin_s":
+    if name in ("fence_spin_s", "throughput_log_interval_s"):
         return None if value >= 0 else "must be >= 0"
     return None if value > 0 else "must be positive"
+
+
+def served_names(spec: str) -> list[str]:
+    """``a, b`` -> ``["a", "b"]``: the model names of ``CDB_SERVED_MODEL_NAME`` (``--served-model-name``), the first
+    the one reported; [] for an empty spec (the API serves the model under its ``--model``)."""
+    return [name.strip() for name in spec.split(",")] if spec.strip() else []
+
+
+def parse_buckets(spec: str) -> tuple[float, ...]:
+    """``0.1,1,10`` -> histogram bucket upper bounds (seconds, increasing, positive); () for an empty spec (the
+    built-in buckets); ValueError naming the problem."""
+    parts = [p.strip() for p in spec.split(",") if p.strip()]
+    try:
+        bounds = tuple(float(p) for p in parts)
+    except ValueError:
+        raise ValueError(f"must be comma-separated numbers of seconds, got {spec!r}") from None
+    if any(not b > 0 or b == float("inf") for b in bounds) or list(bounds) != sorted(set(bounds)):
+        raise ValueError(f"must be finite positive bounds in increasing order, got {spec!r}")
+    return bounds
 
 
 def cpu_map(spec: str) -> dict[str, set[int]]:

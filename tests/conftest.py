@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 
 import pytest
 
 from clients.sync_client import Client
-from tests.services.tree import IDLE, SharedTree, traced_process_tree, wait_idle
+from tests.http.tree import http_process_tree
+from tests.services.tree import IDLE, SHARED_CONFIG, SharedTree, traced_process_tree, wait_idle
 
 
 @pytest.fixture(scope="session")
@@ -25,3 +27,11 @@ def ouro_tiny_tree(_ouro_tiny_session_tree: SharedTree) -> Iterator[SharedTree]:
     with Client(tree.address, timeout=30) as client:
         assert wait_idle(client) == IDLE, "the test left requests in the shared tree"
         assert client.health() == "SERVING", "the test left the shared tree unhealthy"
+
+
+@pytest.fixture(scope="session")
+def shared_http_tree() -> Iterator[tuple[str, str]]:
+    """A process tree of ``SHARED_CONFIG`` (replayed depths allowed) with the HTTP API on a free port, started once
+    per session for the tests that need both APIs: its gRPC address and the API's base URL."""
+    with http_process_tree(replace(SHARED_CONFIG, allow_replay_depths=True)) as (handle, base_url):
+        yield handle.address, base_url

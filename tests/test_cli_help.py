@@ -26,7 +26,7 @@ def parser(request: pytest.FixtureRequest) -> argparse.ArgumentParser:
 
 
 def _options(parser: argparse.ArgumentParser) -> list[argparse.Action]:
-    return [a for a in parser._actions if not isinstance(a, argparse._HelpAction)]
+    return [a for a in parser._actions if not isinstance(a, (argparse._HelpAction, argparse._VersionAction))]
 
 
 def _rendered_help(parser: argparse.ArgumentParser, action: argparse.Action) -> str:

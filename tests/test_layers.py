@@ -6,7 +6,7 @@ imports under ``if TYPE_CHECKING:`` are left out (they never run). Layers, lowes
     cdb_scheduler (stdlib only) < cdb_model (torch) < cdb_engine < services < cdb_bench < cdb (the CLI)
     cdb_api (generated stubs) and clients (cdb_api + grpc only) sit beside them; cdb_train uses the model only.
 
-Inside ``services`` the rooms are ordered too: net, settings, healthcheck < telemetry < transport < scheduler
+Inside ``services`` the rooms are ordered too: net, settings, healthcheck, version < telemetry < transport < scheduler
 < http < launcher. Nothing outside ``tests`` imports ``tests``.
 """
 
@@ -56,6 +56,7 @@ SERVICE_ROOMS = {
     "healthcheck": 0,
     "stage_secret": 0,
     "reflection": 0,
+    "version": 0,
     "telemetry": 1,
     "transport": 2,
     "scheduler": 3,

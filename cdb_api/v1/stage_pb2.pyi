@@ -106,18 +106,30 @@ class ConfigureRequest(_message.Message):
     def __init__(self, role: _Optional[_Union[StageRole, str]] = ..., model: _Optional[str] = ..., dtype: _Optional[str] = ..., bank: _Optional[_Union[BankSpec, _Mapping]] = ..., fences: _Optional[_Union[FenceBoardSpec, _Mapping]] = ..., kv: _Optional[_Union[KVSpec, _Mapping]] = ..., token_bank: _Optional[_Union[BankSpec, _Mapping]] = ..., holder: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...
 
 class ConfigureResponse(_message.Message):
-    __slots__ = ("role", "model", "architecture", "bank_width", "device")
+    __slots__ = ("role", "model", "architecture", "bank_width", "device", "process")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     BANK_WIDTH_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    PROCESS_FIELD_NUMBER: _ClassVar[int]
     role: StageRole
     model: str
     architecture: str
     bank_width: int
     device: str
-    def __init__(self, role: _Optional[_Union[StageRole, str]] = ..., model: _Optional[str] = ..., architecture: _Optional[str] = ..., bank_width: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
+    process: StageProcess
+    def __init__(self, role: _Optional[_Union[StageRole, str]] = ..., model: _Optional[str] = ..., architecture: _Optional[str] = ..., bank_width: _Optional[int] = ..., device: _Optional[str] = ..., process: _Optional[_Union[StageProcess, _Mapping]] = ...) -> None: ...
+
+class StageProcess(_message.Message):
+    __slots__ = ("pid", "pid_namespace", "start_ticks")
+    PID_FIELD_NUMBER: _ClassVar[int]
+    PID_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    START_TICKS_FIELD_NUMBER: _ClassVar[int]
+    pid: int
+    pid_namespace: str
+    start_ticks: int
+    def __init__(self, pid: _Optional[int] = ..., pid_namespace: _Optional[str] = ..., start_ticks: _Optional[int] = ...) -> None: ...
 
 class Fence(_message.Message):
     __slots__ = ("stage", "seq")
@@ -216,7 +228,7 @@ class Ping(_message.Message):
     def __init__(self) -> None: ...
 
 class StageBatch(_message.Message):
-    __slots__ = ("seq", "fences", "kv_updates", "released", "prelude", "loop", "head", "ping", "traceparent", "trace_contexts")
+    __slots__ = ("seq", "fences", "kv_updates", "released", "prelude", "loop", "head", "ping", "traceparent", "trace_contexts", "fence_timeout_s")
     class TraceContextsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -234,6 +246,7 @@ class StageBatch(_message.Message):
     PING_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     TRACE_CONTEXTS_FIELD_NUMBER: _ClassVar[int]
+    FENCE_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     seq: int
     fences: _containers.RepeatedCompositeFieldContainer[Fence]
     kv_updates: _containers.RepeatedCompositeFieldContainer[KVUpdate]
@@ -244,7 +257,8 @@ class StageBatch(_message.Message):
     ping: Ping
     traceparent: str
     trace_contexts: _containers.ScalarMap[int, str]
-    def __init__(self, seq: _Optional[int] = ..., fences: _Optional[_Iterable[_Union[Fence, _Mapping]]] = ..., kv_updates: _Optional[_Iterable[_Union[KVUpdate, _Mapping]]] = ..., released: _Optional[_Iterable[int]] = ..., prelude: _Optional[_Union[PreludeBatch, _Mapping]] = ..., loop: _Optional[_Union[LoopBatch, _Mapping]] = ..., head: _Optional[_Union[HeadBatch, _Mapping]] = ..., ping: _Optional[_Union[Ping, _Mapping]] = ..., traceparent: _Optional[str] = ..., trace_contexts: _Optional[_Mapping[int, str]] = ...) -> None: ...
+    fence_timeout_s: float
+    def __init__(self, seq: _Optional[int] = ..., fences: _Optional[_Iterable[_Union[Fence, _Mapping]]] = ..., kv_updates: _Optional[_Iterable[_Union[KVUpdate, _Mapping]]] = ..., released: _Optional[_Iterable[int]] = ..., prelude: _Optional[_Union[PreludeBatch, _Mapping]] = ..., loop: _Optional[_Union[LoopBatch, _Mapping]] = ..., head: _Optional[_Union[HeadBatch, _Mapping]] = ..., ping: _Optional[_Union[Ping, _Mapping]] = ..., traceparent: _Optional[str] = ..., trace_contexts: _Optional[_Mapping[int, str]] = ..., fence_timeout_s: _Optional[float] = ...) -> None: ...
 
 class SampledLogprobs(_message.Message):
     __slots__ = ("present", "logprob", "top_ids", "top_logprobs")

@@ -44,7 +44,7 @@ def _free_port() -> int:
 @contextmanager
 def local_replicas(cfg: EngineConfig, replicas: int, max_live: int) -> Iterator[list[str]]:
     """Start ``replicas`` trees of ``cfg`` at once on fixed loopback ports; yield their addresses; stop them."""
-    env = dict(os.environ)
+    env = dict(os.environ, CDB_HTTP_ADDR="", CDB_METRICS_ADDR="")  # replicas started at once: no shared ports
     env["CDB_MAX_CONCURRENT_RPCS"] = str(max(int(env.get("CDB_MAX_CONCURRENT_RPCS", "1024")), max_live + 64))
 
     def start() -> ServeHandle:
@@ -65,7 +65,7 @@ def _options(req: ServeRequest) -> GenerateOptions:
 
 
 async def _depths(client: AsyncClient, req: ServeRequest) -> AsyncIterator[int]:
-    async for item in client.stream(list(req.prompt), **_options(req)):
+    async for item in client.stream(req.prompt_arg(), **_options(req)):
         if isinstance(item, StreamToken):
             yield item.depth
         elif item.finish_reason not in ("length", "stop"):
@@ -172,7 +172,7 @@ def warm_up(addresses: Sequence[str], requests: Sequence[RoutedRequest]) -> None
         clients = [AsyncClient(a, timeout=120) for a in addresses]
         try:
             short = [r.serve for r in requests[:2]]
-            calls = [c.generate(list(q.prompt), max_tokens=2, ignore_eos=True) for c in clients for q in short]
+            calls = [c.generate(q.prompt_arg(), max_tokens=2, ignore_eos=True) for c in clients for q in short]
             await asyncio.gather(*calls)
         finally:
             for c in clients:

@@ -11,29 +11,45 @@ Reports per mode and rate: output and request throughput, goodput under the SLO,
 normalized latency (mean, p50, p90, p99), queue length over time, the client's lag; per mode the capacity knee
 (highest rate with mean normalized latency under ``--latency-bound``); the knee ratio cdb / full-depth and the
 normalized-latency cut of each mode at full depth's knee rate.
+
+    cdb bench serve --base-url http://127.0.0.1:8000 --dataset-path sharegpt.json --tokenizer models/ouro-kjv \
+        --request-rate 4 --max-concurrency 16 --percentiles 50,90,99 --out serve-out
+
+``--base-url`` drives a server this command did not start (a ``cdb serve``, or any OpenAI-compatible server)
+with the same driver and figures, over streamed HTTP completions (``cdb_bench.serve.remote``). Every run also
+reports its figures under the names ``vllm bench serve`` uses (``cdb_bench.serve.vllm_fields``). ``--dataset-path``
+takes prompts from a ShareGPT JSON or JSONL file instead of the length fits (``cdb_bench.serve.datasets``);
+``--max-concurrency`` caps the requests in flight while arrivals stay scheduled.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import httpx2
 import torch
 
 from cdb_bench.serve.arrivals import Arrival
+from cdb_bench.serve.datasets import DatasetError, load_prompts
 from cdb_bench.serve.lengths import DATASETS
 from cdb_bench.serve.metrics import Slo
+from cdb_bench.serve.openai_target import ENDPOINTS
+from cdb_bench.serve.remote import remote_table, run_remote, write_remote
 from cdb_bench.serve.report import table, write_outputs
-from cdb_bench.serve.requests import RequestSet, make_requests
+from cdb_bench.serve.requests import RequestSet, make_requests, requests_from
 from cdb_bench.serve.sweep import SweepConfig, run_sweep
 from cdb_bench.serve.targets import TARGETS
 from cdb_engine.config import EngineConfig
 from cdb_engine.engine import Engine
+from cdb_model.config import CheckpointError
 from cdb_scheduler.config import Mode
 
+DEFAULT_MODEL = "ouro-bench"
 QUICK: dict[str, Any] = {
     "model": "ouro-tiny",
     "requests": 8,
@@ -45,6 +61,7 @@ QUICK: dict[str, Any] = {
     "num_kv_blocks": 256,
     "latency_bound": 1.0,  # a loaded CI machine still finds every knee
 }
+REMOTE_QUICK = ("requests", "rates", "scale", "warmup")  # --quick with --base-url: the server is not ours to size
 
 
 def positive_floats(text: str) -> tuple[float, ...]:
@@ -78,6 +95,17 @@ def parse_with_quick(
     return args
 
 
+def percentile_list(text: str) -> tuple[float, ...]:
+    """``--percentiles 50,90,99``: comma-separated numbers in (0, 100] (argparse ``type``)."""
+    try:
+        values = tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+    if not values or any(not 0 < v <= 100 for v in values):
+        raise argparse.ArgumentTypeError(f"expected percentiles in (0, 100], got {text!r}")
+    return values
+
+
 def _modes(text: str) -> tuple[str, ...]:
     modes = tuple(m.strip() for m in text.split(",") if m.strip())
     bad = [m for m in modes if m not in {x.value for x in Mode}]
@@ -90,11 +118,39 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="cdb bench serve", description=__doc__.split("\n\n")[0] if __doc__ else "")
     p.add_argument("--target", choices=TARGETS, default="deployment")
     p.add_argument("--modes", type=_modes, default="cdb,no-refill,full-depth")
-    p.add_argument("--model", default="ouro-bench", help="preset name or checkpoint folder")
+    p.add_argument(
+        "--model",
+        default=None,
+        help=f"preset name or checkpoint folder (default: {DEFAULT_MODEL}); with --base-url the model name the "
+        "requests carry (default: the server's first model)",
+    )
     p.add_argument("--dataset", choices=sorted(DATASETS), default="sharegpt", help="length distribution")
+    p.add_argument(
+        "--dataset-path",
+        default=None,
+        help="prompts from this file instead of the length fits: ShareGPT JSON or JSONL {prompt, output_len}",
+    )
+    p.add_argument(
+        "--output-len", type=int, default=None, help="--dataset-path: ask every request for this many tokens"
+    )
     p.add_argument("--scale", type=float, default=1.0, help="multiply every length (e.g. 0.1 on a CPU)")
-    p.add_argument("--requests", type=int, default=200, help="requests per rate")
-    p.add_argument("--rates", type=positive_floats, default="1,2,4,8", help="comma-separated request rates (req/s)")
+    p.add_argument("--requests", "--num-prompts", type=int, default=200, help="requests per rate")
+    p.add_argument(
+        "--rates",
+        "--request-rate",
+        type=positive_floats,
+        default="1,2,4,8",
+        help="comma-separated request rates (req/s; inf: every request at once)",
+    )
+    p.add_argument(
+        "--max-concurrency", type=int, default=None, help="at most this many requests in flight (arrivals stay put)"
+    )
+    p.add_argument(
+        "--percentiles",
+        type=percentile_list,
+        default="50,90,99",
+        help="the pNN_*_ms figures of the vLLM-named results",
+    )
     p.add_argument("--arrival", type=Arrival, choices=list(Arrival), default=Arrival.POISSON)
     p.add_argument("--cv", type=float, default=2.0, help="gamma arrivals: coefficient of variation of the gaps")
     p.add_argument("--depth-mean", type=float, default=None, help="replayed depth mean (default: mid-range)")
@@ -122,14 +178,50 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=None, help="in-process: torch intra-op threads")
+    p.add_argument(
+        "--synthetic-cost",
+        default="",
+        metavar="SPEC",
+        help="synthetic stages with this modelled device time (e.g. loop=5000:10:0 or h200:ouro-1.4b): the method "
+        "at GPU-like op costs, its tokens meaningless (see cdb bench hostpath)",
+    )
+    p.add_argument(
+        "--synthetic-depths", default="", metavar="MEAN:MIN", help="--synthetic-cost: the stages' drawn exit depths"
+    )
     p.add_argument("--sample-interval", type=float, default=0.1, help="queue counters every this many seconds")
-    p.add_argument("--request-timeout", type=float, default=600.0, help="deployment: deadline of each call (s)")
+    p.add_argument(
+        "--request-timeout", type=float, default=600.0, help="deployment, --base-url: deadline of each call (s)"
+    )
+    remote = p.add_argument_group("against a running server (--base-url)")
+    remote.add_argument(
+        "--base-url",
+        default=None,
+        help="an OpenAI-compatible server to drive, e.g. http://127.0.0.1:8000 (a running cdb, or another server)",
+    )
+    remote.add_argument("--endpoint", choices=ENDPOINTS, default=ENDPOINTS[0], help="the streamed API called")
+    remote.add_argument(
+        "--api-key", default=os.environ.get("OPENAI_API_KEY"), help="bearer token (default: $OPENAI_API_KEY)"
+    )
+    remote.add_argument(
+        "--tokenizer",
+        default=None,
+        help="counts prompt and reference-answer tokens: a preset, checkpoint folder or tokenizer.json "
+        "(default: --model, if it opens here)",
+    )
+    remote.add_argument(
+        "--ignore-eos",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="ask for exactly max_tokens tokens (off for servers that refuse the field)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--quick", action="store_true", help="a tiny run for CI: " + ", ".join(f"{k}={v}" for k, v in QUICK.items())
     )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    p.add_argument("--out", default=None, help="write serve.json and PNG plots here")
+    p.add_argument(
+        "--out", default=None, help="write serve.json and PNG plots here (--base-url: result-RATE.json, no plots)"
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     return p
 
@@ -137,11 +229,20 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """Options; ``--quick`` changes the defaults only, so options given explicitly still win."""
     parser = build_parser()
-    args = parse_with_quick(parser, argv, QUICK, {"rates": positive_floats, "modes": _modes})
+    remote = parser.parse_args(argv).base_url is not None
+    quick = {k: v for k, v in QUICK.items() if k in REMOTE_QUICK} if remote else QUICK
+    converters = {"rates": positive_floats, "modes": _modes, "percentiles": percentile_list}
+    args = parse_with_quick(parser, argv, quick, converters)
     if args.requests < 1 or args.scale <= 0 or args.bisect < 0 or args.cv <= 0 or args.latency_bound <= 0:
         parser.error("--requests >= 1, --scale > 0, --bisect >= 0, --cv > 0 and --latency-bound > 0 are required")
     if args.repeats < 1:
         parser.error(f"--repeats: at least 1, got {args.repeats}")
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        parser.error(f"--max-concurrency: at least 1, got {args.max_concurrency}")
+    if args.output_len is not None and args.output_len < 1:
+        parser.error(f"--output-len: at least 1, got {args.output_len}")
+    if not remote:
+        args.model = args.model or DEFAULT_MODEL
     return args
 
 
@@ -157,6 +258,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         num_threads=args.threads,
         fuse_refill_embed=args.fuse_refill_embed,
         allow_replay_depths=True,
+        synthetic_cost=args.synthetic_cost,
+        synthetic_depths=args.synthetic_depths,
     )
 
 
@@ -167,6 +270,18 @@ def workload(args: argparse.Namespace, probe: Engine) -> tuple[RequestSet, tuple
         hi = args.depth_max or probe.limits.max_depth
         mean = args.depth_mean if args.depth_mean is not None else (args.depth_min + hi) / 2
         depth = (mean, args.depth_min, hi)
+    if args.dataset_path:
+        prompts, _ = load_prompts(
+            args.dataset_path,
+            args.requests,
+            tokenizer=probe.tokenizer,
+            output_len=args.output_len,
+            max_input=probe.limits.max_input_tokens,
+            max_total=probe.limits.max_total_tokens,
+            seed=args.seed,
+        )
+        tuples = [p.as_tuple() for p in prompts]
+        return requests_from(tuples, depth=depth, arrival=args.arrival, cv=args.cv, seed=args.seed), depth
     reqs = make_requests(
         DATASETS[args.dataset],
         args.requests,
@@ -187,7 +302,7 @@ def header(args: argparse.Namespace, probe: Engine, reqs: RequestSet, depth: tup
     fit = DATASETS[args.dataset]
     f0, fr = probe.model_config.param_counts()
     n = len(reqs.requests)
-    skip = {"quick", "json", "out", "no_progress"}
+    skip = {"quick", "json", "out", "no_progress", "api_key"}
     config = {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(args).items() if k not in skip}
     config |= {"slo_ttft_s": args.slo_ttft, "slo_tpot_s": args.slo_tpot, "latency_bound_s": args.latency_bound}
     config |= {"quick": args.quick, "arrival": str(args.arrival)}
@@ -203,8 +318,11 @@ def header(args: argparse.Namespace, probe: Engine, reqs: RequestSet, depth: tup
             "F0_over_Fr": f0 / fr,
         },
         "workload": {
-            "dataset": args.dataset,
-            "fit": {"source": fit.source, "prompt": _fit(fit.prompt), "output": _fit(fit.output)},
+            "dataset": "file" if args.dataset_path else args.dataset,
+            "dataset_path": args.dataset_path,
+            "fit": None
+            if args.dataset_path
+            else {"source": fit.source, "prompt": _fit(fit.prompt), "output": _fit(fit.output)},
             "scale": args.scale,
             "requests": n,
             "mean_prompt_tokens": sum(r.prompt_len for r in reqs.requests) / n,
@@ -223,6 +341,8 @@ def _fit(f: Any) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.base_url is not None:
+        return remote_main(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     cfg = engine_config(args)
@@ -240,6 +360,9 @@ def main(argv: list[str] | None = None) -> int:
         request_timeout=args.request_timeout,
         progress=not args.no_progress,
         repeats=args.repeats,
+        max_concurrency=args.max_concurrency,
+        percentiles=args.percentiles,
+        burstiness=1.0 / (args.cv * args.cv) if args.arrival is Arrival.GAMMA else 1.0,
     )
     figures, itls = run_sweep(cfg, reqs, sc)
     summary = header(args, probe, reqs, depth) | figures
@@ -247,6 +370,21 @@ def main(argv: list[str] | None = None) -> int:
         for path in write_outputs(summary, itls, args.out):
             print(f"wrote {path}", file=sys.stderr)
     print(json.dumps(summary, indent=1) if args.json else table(summary))
+    return 0
+
+
+def remote_main(args: argparse.Namespace) -> int:
+    """``--base-url``: drive the server (``cdb_bench.serve.remote``); a server that cannot be reached or fails the
+    warm-up, or an unusable data set file, is a one-line error (exit 1)."""
+    try:
+        result = run_remote(args)
+    except (DatasetError, CheckpointError, RuntimeError, ValueError, OSError, httpx2.HTTPError) as exc:
+        print(f"cdb bench serve: {exc}", file=sys.stderr)
+        return 1
+    if args.out:
+        for path in write_remote(result, args.out):
+            print(f"wrote {path}", file=sys.stderr)
+    print(json.dumps(result, indent=1) if args.json else remote_table(result, args.percentiles))
     return 0
 
 

@@ -6,6 +6,8 @@ own lag (send time - scheduled time) is reported beside the figures to show it s
 
 - TTFT: first token - arrival. E2E: finish - arrival. TPOT: (E2E - TTFT) / (n - 1), None for n = 1.
 - ITL: the gaps between consecutive tokens of a request. Normalized latency (NL): E2E / n.
+- n: the server's own count of generated tokens when it reported one (an OpenAI ``usage`` object: a server that
+  streams several tokens in one chunk), else the tokens the client saw; ITLs are then the gaps between chunks.
 - Run duration: from the first arrival (0) to the last finish. Throughputs divide by it; goodput counts the
   requests that met both SLOs (TTFT <= slo_ttft and TPOT <= slo_tpot).
 - Percentiles interpolate linearly between order statistics (numpy's default).
@@ -19,22 +21,40 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """A server's own token counts of one request (an OpenAI ``usage`` object)."""
+
+    prompt_tokens: int
+    completion_tokens: int
+
+
 @dataclass(slots=True)
 class RequestRecord:
     """What the client saw of one request; times are seconds after the run's start."""
 
     index: int
     scheduled_s: float
-    prompt_tokens: int = 0
+    prompt_tokens: int = 0  # the server's count when it reported usage, else the client's
     sent_s: float | None = None
-    token_s: list[float] = field(default_factory=list)
-    depths: list[int] = field(default_factory=list)
+    token_s: list[float] = field(default_factory=list)  # arrival of each token (of each chunk, see ``Usage``)
+    depths: list[int] = field(default_factory=list)  # served depth of each token, where the server reports it
     finished_s: float | None = None
     error: str | None = None
+    ended_s: float | None = None  # the request left the client (finished or failed): in flight from ``sent_s``
+    reported_tokens: int | None = None  # generated tokens by the server's usage; None: not reported
 
     @property
     def ok(self) -> bool:
         return self.error is None and self.finished_s is not None and bool(self.token_s)
+
+    @property
+    def output_tokens(self) -> int:
+        return self.reported_tokens if self.reported_tokens is not None else len(self.token_s)
+
+    def add_usage(self, usage: Usage) -> None:
+        self.prompt_tokens = usage.prompt_tokens
+        self.reported_tokens = usage.completion_tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,7 +79,7 @@ class Slo:
 def request_times(rec: RequestRecord) -> RequestTimes:
     """The latencies of one finished request (``rec.ok`` must hold)."""
     assert rec.ok and rec.finished_s is not None, f"request {rec.index} did not finish: {rec.error}"
-    n = len(rec.token_s)
+    n = max(1, rec.output_tokens)
     ttft = rec.token_s[0] - rec.scheduled_s
     e2e = rec.finished_s - rec.scheduled_s
     itl = tuple(b - a for a, b in zip(rec.token_s, rec.token_s[1:]))
@@ -94,6 +114,18 @@ def lag_stats(lags: Sequence[float]) -> dict[str, float | None]:
     if not lags:
         return {"mean_s": None, "p99_s": None, "max_s": None}
     return {"mean_s": sum(lags) / len(lags), "p99_s": percentile(lags, 99), "max_s": max(lags)}
+
+
+def peak_in_flight(records: Sequence[RequestRecord]) -> int:
+    """The most requests in flight at once on the client, each from ``sent_s`` to ``ended_s`` (a request sent at
+    the moment another ended does not overlap it)."""
+    spans = [(r.sent_s, r.ended_s) for r in records if r.sent_s is not None and r.ended_s is not None]
+    events = sorted([(end, -1) for _, end in spans] + [(start, 1) for start, _ in spans])  # ends first on a tie
+    peak = now = 0
+    for _, step in events:
+        now += step
+        peak = max(peak, now)
+    return peak
 
 
 def queue_summary(samples: Sequence[tuple[float, int, int]], interval_s: float) -> dict[str, Any]:

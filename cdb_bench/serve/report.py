@@ -12,6 +12,7 @@ The ``--json`` object (``serve.json``: the same plus every request's inter-token
   process and CV, seed, replayed depth distribution (None: live);
 - ``modes.<mode>.runs[]`` (by rate): rate, source (sweep | bisect | reference-knee), requests, completed, failed,
   errors, duration_s, output_tokens, output_throughput, request_throughput, goodput, slo_attainment, mean_depth,
+  the vLLM-named figures (``vllm_fields``: duration, total_input_tokens, mean_ttft_ms, p99_itl_ms, ...),
   ``ttft_s`` / ``tpot_s`` / ``itl_s`` / ``e2e_s`` / ``normalized_latency_s`` each {mean, p50, p90, p99},
   client_lag {mean_s, p99_s, max_s}, queue {interval_s, samples [[t, waiting, running]], mean/max waiting and
   running}, ops {wall_s, stages.<prelude|loop|head> {ops, compute_s, mean_op_ms, busy}, loop_decode_ops,
@@ -63,7 +64,8 @@ def table(s: dict[str, Any]) -> str:
     lines = [
         f"model {c['model']} ({s['model']['arch']}, max depth {s['model']['max_depth']})  target {c['target']}  "
         f"width {c['max_num_seqs']}",
-        f"{w['dataset']}-like lengths x{w['scale']:g} (mean prompt {w['mean_prompt_tokens']:.1f}, output "
+        (w.get("dataset_path") or f"{w['dataset']}-like lengths x{w['scale']:g}")
+        + f" (mean prompt {w['mean_prompt_tokens']:.1f}, output "
         f"{w['mean_output_tokens']:.1f})  {w['requests']} requests per rate  {w['arrival']} arrivals"
         + (f" (CV {w['cv']:g})" if w["arrival"] == "gamma" else "")
         + f"  {depths}",

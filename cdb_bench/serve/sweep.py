@@ -5,8 +5,9 @@ rate, then ``bisect`` midpoints between the highest passing and the lowest faili
 runs first, so that every other mode is also measured at full depth's knee rate: the normalized-latency cut
 there is 1 - NL_mode / NL_full-depth. A run with a failed request counts as over the bound.
 
-Every run also reports its op costs (``ops``: per stage ops, compute and busy fraction; tokens per loop and per
-head op), read from the target's counters before and after it. ``repeats`` > 1 runs the whole sweep again (every
+Every run also carries its figures under vLLM's names (``vllm_fields``) and reports its op costs (``ops``: per
+stage ops, compute and busy fraction; tokens per loop and per head op), read from the target's counters before and
+after it. ``repeats`` > 1 runs the whole sweep again (every
 mode, a fresh target each) and adds ``repeats`` (each repeat's figures) and ``across_repeats``: per mode and swept
 rate the median, min and max of the mean normalized latency; the per-repeat ratios of cdb's to every other mode's
 at each swept rate and their median; the knees, knee ratios and cuts of every repeat and their medians.
@@ -31,11 +32,10 @@ from cdb_bench.serve.metrics import (
     itl_lists,
     lag_stats,
     op_summary,
-    queue_summary,
-    summarize_run,
 )
 from cdb_bench.serve.requests import RequestSet, ServeRequest, warmup_requests
 from cdb_bench.serve.targets import Target, open_target
+from cdb_bench.serve.vllm_fields import run_figures
 from cdb_engine.config import EngineConfig
 from cdb_engine.setup import torch_dtype
 from cdb_model.loader import load_model
@@ -57,6 +57,9 @@ class SweepConfig:
     request_timeout: float = 600.0
     progress: bool = True
     repeats: int = 1
+    max_concurrency: int | None = None  # requests in flight at most (None: no cap)
+    percentiles: tuple[float, ...] = (50, 90, 99)  # of the vLLM-named figures
+    burstiness: float = 1.0  # the gamma shape of the arrivals (1: Poisson), reported with them
 
 
 def mean_nl(run: dict[str, Any]) -> float | None:
@@ -69,7 +72,9 @@ async def _session(
 ) -> tuple[list[RequestRecord], list[tuple[float, int, int]]]:
     conn = await target.connect()
     try:
-        return await drive(conn, requests, sample_interval=sc.sample_interval, on_done=on_done)
+        return await drive(
+            conn, requests, sample_interval=sc.sample_interval, on_done=on_done, max_concurrency=sc.max_concurrency
+        )
     finally:
         await target.disconnect(conn)
 
@@ -85,8 +90,7 @@ def measure(
     finally:
         bar.close()
     cost = target.counters().delta(before)
-    summary = summarize_run(records, rate, sc.slo)
-    summary["queue"] = queue_summary(samples, sc.sample_interval)
+    summary = run_figures(records, samples, rate, sc)
     summary["ops"] = op_summary(cost, summary["output_tokens"], summary["duration_s"])
     return summary, itl_lists(records)
 
@@ -139,7 +143,7 @@ def run_sweep(base: EngineConfig, reqs: RequestSet, sc: SweepConfig) -> tuple[di
     the knee ratio, the cut, the client's lag), with ``repeats`` and ``across_repeats`` when there are more, and
     the first repeat's per-request ITL lists."""
     model = None
-    if sc.target == "in-process":
+    if sc.target == "in-process" and not base.synthetic_cost:  # synthetic stages model time: no weights
         model = load_model(base.model, dtype=torch_dtype(base.dtype), device=base.device)
     order = sorted(sc.modes, key=lambda m: m != REFERENCE)
     every: list[dict[str, Any]] = []

@@ -68,7 +68,7 @@ class InProcessConnection:
 
     async def stream(self, req: ServeRequest) -> AsyncIterator[int]:
         params = _params(req)
-        ids = self.engine.validate(list(req.prompt), params)
+        ids = self.engine.validate(req.prompt_arg(), params)
         async with self.engine.open_stream(ids, params) as events:
             async for ev in events:
                 if isinstance(ev, TokenEvent):
@@ -110,7 +110,7 @@ class DeploymentConnection:
         opts = GenerateOptions(max_tokens=req.max_tokens, ignore_eos=True)
         if req.replay_depths is not None:
             opts["replay_depths"] = req.replay_depths
-        async for item in self.client.stream(list(req.prompt), **opts):
+        async for item in self.client.stream(req.prompt_arg(), **opts):
             if isinstance(item, StreamToken):
                 yield item.depth
             elif item.finish_reason not in ("length", "stop"):

@@ -1,9 +1,12 @@
 """The OpenAI-compatible HTTP API over the scheduler's engine, in the scheduler's process and event loop.
 
 - ``create_app(engine, service, settings)``: the FastAPI app. ``POST /v1/completions``, ``POST /v1/chat/completions``
-  (non-streamed, or SSE with ``stream: true`` ending in ``data: [DONE]``), ``GET /v1/models``, ``GET /health``,
-  ``GET /metrics`` (the scheduler's own Prometheus exposition). Requests go through the same engine and the same
-  ``GenerationService`` state as the gRPC API: its drain, readiness verdict, metrics and traces cover them too.
+  (non-streamed, or SSE with ``stream: true`` ending in ``data: [DONE]``), ``GET /v1/models`` (with the context
+  length, ``max_model_len``, as vLLM gives it), ``GET /health``, ``GET /version``, ``GET /metrics`` (the
+  scheduler's own Prometheus exposition). The model is served under ``CDB_SERVED_MODEL_NAME`` (``cdb serve
+  --served-model-name``): every name is accepted as a request's ``model``, the first is the one reported.
+  Requests go through the same engine and the same ``GenerationService`` state as the gRPC API: its drain,
+  readiness verdict, metrics and traces cover them too.
 - Request bodies over ``CDB_MAX_REQUEST_BYTES`` get 413 before they are parsed or their API key is checked
   (``body_limit.BodyLimit``); building and validating a request (template, tokenization) runs off the event loop.
 - ``HttpServer`` / ``serve_http``: uvicorn on ``HOST:PORT`` on the running loop, without uvicorn's signal handlers
@@ -21,7 +24,7 @@ import socket
 import ssl
 import time
 import uuid
-from collections.abc import Callable, Collection, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import Any
 
 import uvicorn
@@ -42,7 +45,8 @@ from services.http.schemas import CHAT_FIELDS, FIELDS, ChatCompletionRequest, Co
 from services.http.streaming import EventStream, sse_body, until_done_or_gone
 from services.scheduler.handlers import GenerationService
 from services.scheduler.security import CallerAuth, read_api_keys
-from services.settings import Settings
+from services.settings import Settings, served_names
+from services.version import server_version
 
 log = logging.getLogger("cdb.http")
 
@@ -52,14 +56,16 @@ def create_app(
     service: GenerationService,
     settings: Settings,
     *,
-    model_id: str | None = None,
+    model_names: Sequence[str] = (),
     api_keys: Collection[str] | None = None,
 ) -> FastAPI:
     """The API over the started ``engine`` and the public ``service`` (its draining / readiness state, metrics and
-    traces). ``model_id``: the served model's id (default: the engine's ``model``); ``api_keys``: default from
+    traces). ``model_names``: the names the model is served under, the first reported (default:
+    ``settings.served_model_name``, else the engine's ``model``); ``api_keys``: default from
     ``settings`` (``CDB_API_KEYS`` / ``CDB_API_KEYS_FILE``, read as the gRPC port reads them; none: no key needed;
-    ``/health`` and ``/metrics`` never need one)."""
-    served = model_id or engine.config.model
+    ``/health``, ``/version`` and ``/metrics`` never need one)."""
+    names = list(model_names) or served_names(settings.served_model_name) or [engine.config.model]
+    served = names[0]
     if api_keys is not None:
         auth = CallerAuth(api_keys)
     else:  # the gRPC port's keys when it has some, else the settings' (a service built without its port's auth)
@@ -88,13 +94,22 @@ def create_app(
             raise ApiError(401, f"{why} (send the header 'Authorization: Bearer KEY')", code="invalid_api_key")
 
     def check_model(model: str | None) -> None:
-        if model is not None and model != served:
+        if model is not None and model not in names:
+            known = ", ".join(f"'{n}'" for n in names)
             raise ApiError(
-                404, f"the model '{model}' does not exist (served: '{served}')", param="model", code="model_not_found"
+                404, f"the model '{model}' does not exist (served: {known})", param="model", code="model_not_found"
             )
 
     def model_card() -> dict[str, Any]:
-        return {"id": served, "object": "model", "created": created, "owned_by": "cdb"}
+        return {
+            "id": served,
+            "object": "model",
+            "created": created,
+            "owned_by": "cdb",
+            "root": engine.config.model,  # what was loaded: a preset, a folder, a cache snapshot
+            "parent": None,
+            "max_model_len": engine.limits.max_total_tokens,  # the context length: prompt + generated tokens
+        }
 
     async def run(
         request: Request,
@@ -178,6 +193,10 @@ def create_app(
     async def model(model: str) -> dict[str, Any]:
         check_model(model)
         return model_card()
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": server_version()}
 
     @app.get("/health")
     async def health() -> JSONResponse:

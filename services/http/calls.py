@@ -14,8 +14,9 @@ from cdb_engine.events import Event, FinishEvent
 from cdb_engine.limits import INT32_MAX
 from cdb_engine.stream import RequestStream
 from services import telemetry
-from services.scheduler.errors import status_for
+from services.scheduler.errors import Unauthenticated, status_for
 from services.scheduler.handlers import GenerationService
+from services.scheduler.security import ANONYMOUS_SCOPE
 from services.telemetry.request_observer import ObservedRequest
 
 Prepare = Callable[[], tuple[str | list[int], RequestParams]]
@@ -59,6 +60,8 @@ class Call:
             status_name=lambda e: status_for(e)[0].name,
             deadline_passed=lambda: False,
             cut=lambda: service.cut,
+            request_id=request_id,
+            caller=lambda: _caller(service, headers),
         )
 
         def open_stream(ids: list[int], params: RequestParams) -> RequestStream:
@@ -83,3 +86,11 @@ class Call:
         self._closed = True
         await self.stream.__aexit__(type(exc) if exc else None, exc, None)
         self.service.release(self.request_id)
+
+
+def _caller(service: GenerationService, headers: Iterable[tuple[str, str]]) -> str:
+    """The caller's scope, for the request log line (the request was authorised already)."""
+    try:
+        return service.auth.scope_of(headers)
+    except Unauthenticated:  # a key this port's app accepts that the gRPC port's does not: no scope of its own
+        return ANONYMOUS_SCOPE

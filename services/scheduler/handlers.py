@@ -36,10 +36,11 @@ from services.scheduler import messages
 from services.scheduler.decoding import Undecodable, tolerant_deserializer
 from services.scheduler.errors import ServerDraining, StageFailed, UndecodableRequest, mapped_errors, status_for
 from services.scheduler.security import CallerAuth
-from services.settings import Settings
+from services.settings import Settings, served_names
 from services.telemetry.metrics import Metrics
 from services.telemetry.request_observer import ObservedRequest
 from services.transport.executor import GrpcExecutorFactory
+from services.version import server_version
 
 _SERVICE = pb.DESCRIPTOR.services_by_name["Generation"]
 
@@ -98,6 +99,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             status_name=lambda e: status_for(e)[0].name,
             deadline_passed=deadline_passed,
             cut=lambda: self.cut,
+            request_id=request_id,
+            caller=scope,
         )
 
     def _scoped(self, context: grpc.aio.ServicerContext, request_id: str) -> tuple[str, str]:
@@ -107,8 +110,9 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
 
     async def _events(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, request_id: str
-    ) -> AsyncGenerator[Event]:
-        """One request's engine events (carrying the scoped id); raises what the caller maps to a status."""
+    ) -> AsyncGenerator[list[Event]]:
+        """One request's engine events (carrying the scoped id), in batches of what was ready together: tokens, or
+        the finish alone (after the tokens before it); raises what the caller maps to a status."""
         check_request_id(request_id)
         scope, scoped_id = self._scoped(context, request_id)
         observer = self._observe(request, context, request_id, scope)
@@ -120,9 +124,16 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         try:
             async with stream:
                 async for ev in stream:
-                    if isinstance(ev, FinishEvent):
-                        self.check_finish(ev)
-                    yield ev
+                    batch = [ev, *stream.take_ready()]
+                    last = batch[-1]
+                    finish = last if isinstance(last, FinishEvent) else None  # a finish is always the last
+                    if finish is not None:
+                        batch.pop()
+                    if batch:
+                        yield batch
+                    if finish is not None:
+                        self.check_finish(finish)
+                        yield [finish]
         finally:
             self.release(scoped_id)
 
@@ -193,22 +204,28 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncGenerator[pb.GenerateStreamResponse]:
         request_id = request.request_id or uuid.uuid4().hex
-        async with contextlib.aclosing(self._events(request, context, request_id)) as events:
-            async for ev in events:
-                msg = messages.event_to_pb(ev)
-                msg.request_id = request_id  # the caller's id, not the engine's scoped one
-                yield msg
+        batched = request.batch_tokens
+        async with contextlib.aclosing(self._events(request, context, request_id)) as batches:
+            async for events in batches:
+                if batched and len(events) > 1:  # tokens that were ready together: one message
+                    yield messages.tokens_to_pb(request_id, [e for e in events if isinstance(e, TokenEvent)])
+                    continue
+                for ev in events:
+                    msg = messages.event_to_pb(ev)
+                    msg.request_id = request_id  # the caller's id, not the engine's scoped one
+                    yield msg
 
     @mapped_errors
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
         out = pb.GenerateResponse(request_id=request.request_id or uuid.uuid4().hex)
-        async with contextlib.aclosing(self._events(request, context, out.request_id)) as events:
-            async for ev in events:
-                out.text += ev.text
-                if isinstance(ev, TokenEvent):
-                    out.tokens.append(messages.token_to_pb(ev))
-                else:
-                    out.finish.CopyFrom(messages.finish_to_pb(ev))
+        async with contextlib.aclosing(self._events(request, context, out.request_id)) as batches:
+            async for events in batches:
+                for ev in events:
+                    out.text += ev.text
+                    if isinstance(ev, TokenEvent):
+                        out.tokens.append(messages.token_to_pb(ev))
+                    else:
+                        out.finish.CopyFrom(messages.finish_to_pb(ev))
         return out
 
     @mapped_errors
@@ -223,7 +240,10 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
     @mapped_errors
     async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.InfoResponse:
         problem = self.broken or self.not_ready
-        return messages.info_to_pb(self.engine, self.deployment, self.settings.max_concurrent_rpcs, problem)
+        reply = messages.info_to_pb(self.engine, self.deployment, self.settings.max_concurrent_rpcs, problem)
+        reply.version = server_version()
+        reply.served_model_names.extend(served_names(self.settings.served_model_name) or [self.engine.config.model])
+        return reply
 
     def abort_all(self) -> None:
         for scoped_id in list(self.live):

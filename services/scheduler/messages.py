@@ -5,6 +5,7 @@ The engine sees ``RequestParams`` and emits ``TokenEvent`` / ``FinishEvent``; th
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from cdb_api.v1 import generation_pb2 as pb
@@ -58,7 +59,7 @@ def _logprobs_pb(lp: TokenLogprobs) -> pb.TokenLogprobs:
 
 
 def token_to_pb(ev: TokenEvent) -> pb.Token:
-    tok = pb.Token(id=ev.token_id, text=ev.text, depth=ev.depth)
+    tok = pb.Token(id=ev.token_id, text=ev.text, depth=ev.depth, time_unix_nano=ev.time_ns)
     if ev.logprobs is not None:
         tok.logprobs.CopyFrom(_logprobs_pb(ev.logprobs))
     return tok
@@ -74,6 +75,13 @@ def finish_to_pb(ev: FinishEvent) -> pb.Finish:
         error=ev.error or "",
         text=ev.text,
     )
+
+
+def tokens_to_pb(request_id: str, events: Sequence[TokenEvent]) -> pb.GenerateStreamResponse:
+    """Several tokens of one request as one stream message (``GenerateRequest.batch_tokens``)."""
+    msg = pb.GenerateStreamResponse(request_id=request_id)
+    msg.tokens.tokens.extend(token_to_pb(ev) for ev in events)
+    return msg
 
 
 def event_to_pb(ev: TokenEvent | FinishEvent) -> pb.GenerateStreamResponse:

@@ -47,6 +47,7 @@ from services.scheduler.handlers import GenerationService, add_generation_servic
 from services.scheduler.readiness import SERVICE_NAME, Readiness
 from services.scheduler.security import PortSecurity
 from services.settings import Settings, load_settings
+from services.telemetry.logs import ThroughputLog
 from services.telemetry.metrics import Metrics, MetricsServer, serve_metrics
 from services.telemetry.recorder import EngineGauges, ObservedExecutor, OpRecorder
 from services.transport.executor import GrpcExecutorFactory
@@ -175,11 +176,13 @@ def run_scheduler(
     (``companion``: see ``serve``).
 
     Tracing follows the ``OTEL_*`` environment (service ``cdb-scheduler``); metrics are always kept and served
-    on ``metrics_listen`` (default: ``settings.metrics_addr``, i.e. ``CDB_METRICS_ADDR``; empty: no endpoint)."""
+    on ``metrics_listen`` (default: ``settings.metrics_addr``, i.e. ``CDB_METRICS_ADDR``; empty: no endpoint); the
+    throughput line is logged every ``settings.throughput_log_interval_s``."""
     settings = settings or load_settings()
     telemetry.init_tracing("cdb-scheduler")
     metrics_server: MetricsServer | None = None
     engine: Engine | None = None
+    throughput_log: ThroughputLog | None = None
     try:
         traces = telemetry.RequestTraces() if telemetry.enabled() else None
         factory = GrpcExecutorFactory(stage_addrs, settings) if stage_addrs is not None else None
@@ -195,7 +198,7 @@ def run_scheduler(
         engine_failure = ExitOnEngineFailure(settings.drain_timeout_s + 10.0)
         engine = Engine(config, executor_factory=isolating(factory or in_process), on_fatal=engine_failure)
         engine_model_config = engine.model_config
-        metrics = Metrics(config.model, engine.limits.max_depth)
+        metrics = Metrics.from_settings(config.model, engine.limits.max_depth, settings)
         if config.synthetic_cost:
             metrics.set_synthetic(config.synthetic_cost)
             log.warning("SYNTHETIC stages (%s): they model device time; tokens mean nothing", config.synthetic_cost)
@@ -204,6 +207,7 @@ def run_scheduler(
         if factory is not None:
             factory.observer = observer
         engine.start()
+        throughput_log = ThroughputLog(metrics, settings.throughput_log_interval_s).start()
         address = settings.metrics_addr if metrics_listen is None else metrics_listen
         if address:
             metrics_server = serve_metrics(metrics, address)
@@ -233,6 +237,8 @@ def run_scheduler(
         if engine_failure.error is not None:
             raise SystemExit(1)  # the engine loop failed (logged): a supervisor restarts the process
     finally:
+        if throughput_log is not None:
+            throughput_log.close()
         if engine is not None:
             with contextlib.suppress(EngineStopped):
                 engine.shutdown(drain_timeout=0.0)

@@ -4,8 +4,9 @@ Why: the SDK costs ≈40 µs per span and ≈7 µs per link (CPU for creation pl
 box), so one SDK span per stage op linked to 32 requests costs ≈0.25 ms, a large share of a tiny model's loop
 step. Here the hot path builds one tuple and appends it to a deque (≈1-2 µs); the export thread encodes each span's
 own fields with protobuf and appends its links, which were encoded once per request and stage (protobuf repeated
-fields may be concatenated). The result goes out through the SDK's OTLP/gRPC exporter (so endpoint, headers, TLS
-and retries follow ``OTEL_EXPORTER_OTLP_*``); other exporters (console, in-memory) get SDK ``ReadableSpan``\\ s.
+fields may be concatenated). The result goes out through the SDK's OTLP/gRPC or OTLP/HTTP exporter (so endpoint,
+headers, TLS and retries follow ``OTEL_EXPORTER_OTLP_*``); other exporters (console, in-memory) get SDK
+``ReadableSpan``\\ s.
 
 Records (tuples, so that recording allocates nothing else):
 
@@ -26,13 +27,14 @@ from collections.abc import Sequence
 from typing import Any, cast
 
 from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as OTLPHttpSpanExporter
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, ArrayValue, InstrumentationScope, KeyValue
 from opentelemetry.proto.resource.v1.resource_pb2 import Resource as PbResource
 from opentelemetry.proto.trace.v1.trace_pb2 import Span as PbSpan
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan
-from opentelemetry.sdk.trace.export import SpanExporter
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope as SdkScope
 from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags
 
@@ -52,6 +54,22 @@ class OtlpExporter(OTLPSpanExporter):
         if isinstance(data, ExportTraceServiceRequest):
             return sum(len(ss.spans) for rs in data.resource_spans for ss in rs.scope_spans)
         return int(super()._count_data(data))
+
+
+class OtlpHttpExporter(OTLPHttpSpanExporter):
+    """The SDK's OTLP/HTTP (protobuf) span exporter that also accepts a ready ``ExportTraceServiceRequest``."""
+
+    def export(self, spans: Any) -> SpanExportResult:
+        if not isinstance(spans, ExportTraceServiceRequest):
+            return super().export(spans)
+        if self._shutdown:
+            return SpanExportResult.FAILURE
+        # The body the SDK's export sends for ReadableSpans, here encoded already (its pinned client's one call).
+        sent = self._client.export(spans.SerializePartialToString())
+        return SpanExportResult.SUCCESS if sent.success else SpanExportResult.FAILURE
+
+
+LEAN_EXPORTERS = (OtlpExporter, OtlpHttpExporter)  # exporters that take the lean path's encoded requests
 
 
 def new_ids() -> tuple[int, int]:
@@ -208,7 +226,7 @@ class LeanRecorder:
     def _export(self, spans: list[Normalized]) -> None:
         for exporter in self._exporters:
             try:
-                if isinstance(exporter, OtlpExporter):
+                if isinstance(exporter, LEAN_EXPORTERS):
                     exporter.export(cast(Any, self.encode(spans)))
                 else:
                     exporter.export([self._readable(s) for s in spans])

@@ -9,7 +9,12 @@ Prometheus text format 0.0.4); ``render()`` is the text format. ``serve_metrics`
 daemon thread with the library's WSGI app (format negotiation, gzip, ``?name[]=`` filters).
 
 Names follow Prometheus conventions (base units: seconds; ``_total`` for counters). Counters and histograms also
-carry the library's ``_created`` series; ``le`` bucket labels are written as floats (``le="2.0"``).
+carry the library's ``_created`` series; ``le`` bucket labels are written as floats (``le="2.0"``). The request
+series (latencies, per-request token counts, finished and rejected requests) carry a ``model_name`` label, the
+served model, as vLLM's do: a dashboard or a gateway over several deployments tells them apart; ``Metrics`` fills
+it in (callers pass only the other labels). Latency buckets reach 2 h for TTFT, end-to-end and queue time (a long
+answer on a GPU, or a deep queue, takes minutes), 60 s for the per-token ones; ``CDB_REQUEST_LATENCY_BUCKETS`` and
+``CDB_TOKEN_LATENCY_BUCKETS`` replace them (``Metrics.from_settings``).
 
 Cost per call (best of ``timeit`` repeats, Python 3.11 on a shared 2-vCPU box): a histogram observation ≈0.65 µs,
 a labelled counter increment ≈0.33 µs; the hand-written exposition this replaced took ≈0.36 / ≈0.28 µs. That is
@@ -24,7 +29,7 @@ import os
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from socketserver import ThreadingMixIn
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 import prometheus_client as prom
@@ -32,32 +37,43 @@ from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, choose_encode
 from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+if TYPE_CHECKING:  # services.settings imports the engine's config (torch): only where settings are read
+    from services.settings import Settings
+
 log = logging.getLogger(__name__)
 CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4  # what ``render`` returns: "text/plain; version=0.0.4; charset=utf-8"
-# Latency buckets (s): 1 ms to 60 s, dense where tiny models on CPU and GPUs live.
+# Latency buckets (s): 1 ms to 60 s, dense where tiny models on CPU and GPUs live (inter-token, per output token).
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 10, 30, 60)
+# Per request (TTFT, end-to-end, queue): on to 2 h, as thousands of tokens on a loaded GPU take minutes.
+REQUEST_LATENCY_BUCKETS = (*LATENCY_BUCKETS, 120, 300, 600, 1200, 1800, 3600, 7200)
+# Tokens per request (prompt, generated): 1-2-5 steps to 200k.
+TOKEN_COUNT_BUCKETS = tuple(m * 10**e for e in range(6) for m in (1, 2, 5))
+MODEL_LABEL = "model_name"
 COMPUTE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1)
 OCCUPANCY_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 STAGES = ("prelude", "loop", "head")
 
 
 class _Family:
-    """One ``prometheus_client`` metric, label values passed positionally, children cached per label tuple."""
+    """One ``prometheus_client`` metric, label values passed positionally, children cached per label tuple.
 
-    def __init__(self, metric: Any, name: str, label_names: Sequence[str]) -> None:
-        self.metric, self.name, self.label_names = metric, name, tuple(label_names)
+    ``fixed``: the values of the last label names, the same for every series (the served model), appended to the
+    labels callers pass."""
+
+    def __init__(self, metric: Any, name: str, label_names: Sequence[str], fixed: Sequence[str] = ()) -> None:
+        self.metric, self.name, self.label_names, self.fixed = metric, name, tuple(label_names), tuple(fixed)
         self._children: dict[tuple[str, ...], Any] = {} if label_names else {(): metric}
 
     def child(self, labels: tuple[str, ...]) -> Any:
         """The series of ``labels`` (``labels()`` raises ValueError naming the label names on a wrong count)."""
         found = self._children.get(labels)
         if found is None:  # labels() is thread-safe and returns one child per tuple: a race stores the same one
-            found = self._children.setdefault(labels, self.metric.labels(*labels))
+            found = self._children.setdefault(labels, self.metric.labels(*labels, *self.fixed))
         return found
 
     def _sample(self, sample_name: str, labels: tuple[str, ...]) -> float:
         """The current value of one sample (reads and tests; not for the hot path)."""
-        want = dict(zip(self.label_names, labels))
+        want = dict(zip(self.label_names, (*labels, *self.fixed)))
         for family in self.metric.collect():
             for s in family.samples:
                 if s.name == sample_name and s.labels == want:
@@ -69,11 +85,17 @@ class Counter(_Family):
     """Monotonic count, per label values. ``name`` ends in ``_total``, as exposed."""
 
     def __init__(
-        self, name: str, help_: str, label_names: Sequence[str] = (), *, registry: prom.CollectorRegistry
+        self,
+        name: str,
+        help_: str,
+        label_names: Sequence[str] = (),
+        *,
+        registry: prom.CollectorRegistry,
+        fixed: Sequence[str] = (),
     ) -> None:
         if not name.endswith("_total"):
             raise ValueError(f"counter names end in _total: {name!r}")
-        super().__init__(prom.Counter(name, help_, label_names, registry=registry), name, label_names)
+        super().__init__(prom.Counter(name, help_, label_names, registry=registry), name, label_names, fixed)
 
     def inc(self, amount: float = 1.0, *labels: str) -> None:
         self.child(labels).inc(amount)
@@ -135,10 +157,11 @@ class Histogram(_Family):
         label_names: Sequence[str] = (),
         *,
         registry: prom.CollectorRegistry,
+        fixed: Sequence[str] = (),
     ) -> None:
         self.bounds = tuple(sorted(float(b) for b in buckets))
         metric = prom.Histogram(name, help_, label_names, registry=registry, buckets=self.bounds)
-        super().__init__(metric, name, label_names)
+        super().__init__(metric, name, label_names, fixed)
 
     def observe(self, value: float, *labels: str) -> None:
         self.child(labels).observe(value)
@@ -162,16 +185,32 @@ class _Sampled:
 
 
 class Metrics:
-    """The scheduler's metrics. ``max_depth`` sizes the served-depth histogram (one bucket per depth).
+    """The scheduler's metrics. ``max_depth`` sizes the served-depth histogram (one bucket per depth);
+    ``request_buckets`` (TTFT, end-to-end, queue time) and ``token_buckets`` (inter-token latency, time per output
+    token) replace the default latency buckets.
 
     A ``prometheus_client`` collector itself (``collect``), over its own ``registry``."""
 
-    def __init__(self, model: str = "", max_depth: int = 4) -> None:
+    def __init__(
+        self,
+        model: str = "",
+        max_depth: int = 4,
+        *,
+        request_buckets: Sequence[float] = (),
+        token_buckets: Sequence[float] = (),
+    ) -> None:
         self.registry = prom.CollectorRegistry()
+        self.model = model
         r = self.registry
+        per_model: list[_Family] = []  # request series without labels of their own: exported from the start
 
         def h(name: str, help_: str, buckets: Iterable[float], labels: Sequence[str] = ()) -> Histogram:
             return Histogram(name, help_, buckets, labels, registry=r)
+
+        def rh(name: str, help_: str, buckets: Iterable[float]) -> Histogram:
+            family = Histogram(name, help_, buckets, (MODEL_LABEL,), registry=r, fixed=(model,))
+            per_model.append(family)
+            return family
 
         def g(name: str, help_: str, labels: Sequence[str] = ()) -> Gauge:
             return Gauge(name, help_, labels, registry=r)
@@ -179,10 +218,28 @@ class Metrics:
         def c(name: str, help_: str, labels: Sequence[str] = ()) -> Counter:
             return Counter(name, help_, labels, registry=r)
 
-        self.ttft = h("cdb_time_to_first_token_seconds", "Request arrival to first token streamed.", LATENCY_BUCKETS)
-        self.itl = h("cdb_inter_token_latency_seconds", "Gap between consecutive streamed tokens.", LATENCY_BUCKETS)
-        self.e2e = h("cdb_e2e_request_latency_seconds", "Request arrival to its final message.", LATENCY_BUCKETS)
-        self.queue = h("cdb_request_queue_time_seconds", "Admission to the first stage op serving it.", LATENCY_BUCKETS)
+        def rc(name: str, help_: str, labels: Sequence[str]) -> Counter:
+            return Counter(name, help_, (*labels, MODEL_LABEL), registry=r, fixed=(model,))
+
+        request_buckets = tuple(request_buckets) or REQUEST_LATENCY_BUCKETS
+        token_buckets = tuple(token_buckets) or LATENCY_BUCKETS
+        self.ttft = rh("cdb_time_to_first_token_seconds", "Request arrival to first token streamed.", request_buckets)
+        self.itl = rh("cdb_inter_token_latency_seconds", "Gap between consecutive streamed tokens.", token_buckets)
+        self.e2e = rh("cdb_e2e_request_latency_seconds", "Request arrival to its final message.", request_buckets)
+        self.queue = rh(
+            "cdb_request_queue_time_seconds", "Admission to the first stage op serving it.", request_buckets
+        )
+        self.tpot = rh(
+            "cdb_request_time_per_output_token_seconds",
+            "Per request of two tokens or more: first token to last token / (generated tokens - 1).",
+            token_buckets,
+        )
+        self.request_prompt_tokens = rh(
+            "cdb_request_prompt_tokens", "Prompt tokens per finished request.", TOKEN_COUNT_BUCKETS
+        )
+        self.request_generation_tokens = rh(
+            "cdb_request_generation_tokens", "Tokens generated per finished request.", TOKEN_COUNT_BUCKETS
+        )
         self.waiting = g("cdb_requests_waiting", "Requests admitted but not yet scheduled.")
         self.running = g("cdb_requests_running", "Requests holding a slot (prefill or decode).")
         self.occupancy = h(
@@ -210,10 +267,16 @@ class Metrics:
         self.recomputed = c("cdb_recomputed_requests_total", "Requests re-queued for recomputation by recoveries.")
         self.kv_used = g("cdb_kv_blocks_used", "KV cache blocks held by live requests.")
         self.kv_total = g("cdb_kv_blocks_total", "KV cache blocks in the pool.")
+        self.kv_usage = g(
+            "cdb_kv_cache_usage_perc", "KV cache usage, 0 to 1: blocks held by live requests / blocks in the pool."
+        )
+        self.preemptions = c(
+            "cdb_num_preemptions_total", "Requests preempted (KV blocks released, recomputed later) to free KV blocks."
+        )
         self.bank_used = g("cdb_bank_rows_used", "Hidden-state bank rows held by live requests.")
         self.bank_total = g("cdb_bank_rows_total", "Hidden-state bank rows in total.")
-        self.finished = c("cdb_requests_finished_total", "Requests ended, by finish reason.", ["finish_reason"])
-        self.rejected = c("cdb_requests_rejected_total", "Requests refused at admission, by gRPC code.", ["code"])
+        self.finished = rc("cdb_requests_finished_total", "Requests ended, by finish reason.", ["finish_reason"])
+        self.rejected = rc("cdb_requests_rejected_total", "Requests refused at admission, by gRPC code.", ["code"])
         self.prompt_tokens = c("cdb_prompt_tokens_total", "Prompt tokens of admitted requests.")
         self.generated_tokens = c("cdb_generation_tokens_total", "Tokens generated.")
         self.loop_steps = c("cdb_loop_steps_total", "Loop-block applications to generated tokens.")
@@ -233,9 +296,23 @@ class Metrics:
         prom.ProcessCollector(registry=r)
         prom.PlatformCollector(registry=r)
         prom.GCCollector(registry=r)
+        for family in per_model:
+            family.child(())  # the model's series exist (at zero) before the first request
         self._collectors: list[Callable[[Metrics], None]] = []
         self._threshold_labels: tuple[str, str] | None = None
         self._scrape = _Sampled(self._run_collectors, r)
+
+    @classmethod
+    def from_settings(cls, model: str, max_depth: int, settings: Settings) -> Metrics:
+        """The metrics of a scheduler serving ``model``, with the latency buckets ``settings`` give."""
+        from services.settings import parse_buckets
+
+        return cls(
+            model,
+            max_depth,
+            request_buckets=parse_buckets(settings.request_latency_buckets),
+            token_buckets=parse_buckets(settings.token_latency_buckets),
+        )
 
     def add_collector(self, collect: Callable[[Metrics], None]) -> None:
         """Run ``collect(self)`` before every scrape (``collect``, ``render``, ``exposition``): sample gauges and
@@ -265,6 +342,14 @@ class Metrics:
         """When the final message is sent (stop, length, cancelled, error): time since the RPC arrived."""
         self.e2e.observe(seconds)
         self.finished.inc(1, finish_reason)
+
+    def observe_request_tokens(self, prompt_tokens: int, generated_tokens: int, tpot_s: float | None) -> None:
+        """When a request that was admitted ends (any reason): its prompt and generated token counts and, with two
+        tokens or more, its time per output token (first to last token over the tokens after the first)."""
+        self.request_prompt_tokens.observe(prompt_tokens)
+        self.request_generation_tokens.observe(generated_tokens)
+        if tpot_s is not None:
+            self.tpot.observe(tpot_s)
 
     def observe_admitted(self, prompt_tokens: int) -> None:
         """When a request passes validation and enters the waiting queue."""
@@ -307,6 +392,12 @@ class Metrics:
         """After allocations/frees: KV blocks held and in the pool."""
         self.kv_used.set(used)
         self.kv_total.set(total)
+        self.kv_usage.set(used / total if total else 0.0)
+
+    def inc_preemptions(self, n: int) -> None:
+        """When requests were preempted to free KV blocks (the scheduler's count since last time)."""
+        if n > 0:
+            self.preemptions.inc(n)
 
     def set_bank_rows(self, used: int, total: int) -> None:
         """After allocations/frees: hidden-state bank rows held and in total."""
@@ -340,6 +431,10 @@ class Metrics:
         self.stages_attached.set(1 if attached else 0)
 
     # --- exposition -----------------------------------------------------------------------------------------
+    def sample(self) -> None:
+        """Run the collectors now (the throughput log reads the gauges they set between scrapes)."""
+        self._run_collectors()
+
     def _run_collectors(self) -> None:
         for collect in self._collectors:
             try:

@@ -3,9 +3,9 @@
 - ``OpRecorder``: per stage op, on the engine thread (the gRPC executor calls it; ``ObservedExecutor`` does for
   the in-process executor): stage compute and loop-batch metrics always, trace contexts and hop spans when
   tracing is on (``RequestTraces``).
-- ``EngineGauges``: a ``Metrics`` collector sampled at scrape time (queue sizes, KV blocks, bank rows, the exit
-  threshold in effect, the mean served depth, refill events, stage recoveries, whether the stages are attached),
-  so that the engine's hot path pays nothing for them.
+- ``EngineGauges``: a ``Metrics`` collector sampled at scrape time (queue sizes, KV blocks and usage, bank rows, the
+  exit threshold in effect, the mean served depth, refill events, preemptions, stage recoveries, whether the stages
+  are attached), so that the engine's hot path pays nothing for them.
 
 The per-request part (request span, TTFT, ITL, ...) lives in ``services.telemetry.request_observer``.
 """
@@ -110,7 +110,7 @@ class EngineGauges:
         self.engine = engine
         self.stages = stages
         self._lock = threading.Lock()
-        self._refills = self._recoveries = self._recomputed = 0
+        self._refills = self._recoveries = self._recomputed = self._preemptions = 0
         self._cpu = dict.fromkeys(("plan", "submit", "dispatch", "other"), 0.0)
 
     def __call__(self, m: Metrics) -> None:
@@ -133,6 +133,10 @@ class EngineGauges:
             if refills > self._refills:
                 m.inc_refills(refills - self._refills)
                 self._refills = refills
+            preemptions = sched.preemptions
+            if preemptions > self._preemptions:
+                m.inc_preemptions(preemptions - self._preemptions)
+                self._preemptions = preemptions
             cpu = engine.cpu
             parts = {"plan": sched.sched_cpu_s, "submit": cpu.submit_s, "dispatch": cpu.dispatch_s}
             parts["other"] = max(self._cpu["other"], cpu.thread_s - sum(parts.values()))

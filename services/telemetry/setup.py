@@ -18,7 +18,7 @@ from opentelemetry.sdk.trace import sampling as smp
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
 from opentelemetry.trace import SpanContext, SpanKind, TraceFlags, Tracer
 
-from services.telemetry.lean import SCOPE, LeanRecorder, OtlpExporter
+from services.telemetry.lean import SCOPE, LeanRecorder, OtlpExporter, OtlpHttpExporter
 
 log = logging.getLogger(__name__)
 
@@ -75,17 +75,25 @@ def _exporters_from_env() -> list[tuple[SpanExporter, SpanExporter]]:
     for name in os.environ.get("OTEL_TRACES_EXPORTER", "none").lower().split(","):
         name = name.strip()
         if name == "otlp":
-            proto = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or os.environ.get(
-                "OTEL_EXPORTER_OTLP_PROTOCOL", "grpc"
-            )
-            if proto != "grpc":
-                log.warning("OTLP protocol %r is not installed here; exporting over grpc", proto)
-            pairs.append((OtlpExporter(), OtlpExporter()))
+            pairs.append(_otlp_pair())
         elif name == "console":
             pairs.append((ConsoleSpanExporter(out=sys.stdout), ConsoleSpanExporter(out=sys.stdout)))
         elif name not in ("none", ""):
             log.warning("OTEL_TRACES_EXPORTER=%s is not supported (otlp, console, none); ignored", name)
     return pairs
+
+
+def _otlp_pair() -> tuple[SpanExporter, SpanExporter]:
+    """OTLP exporters over ``OTEL_EXPORTER_OTLP_[TRACES_]PROTOCOL``: ``grpc`` (the default) or ``http/protobuf``
+    (``http/json`` is not supported: exported as ``http/protobuf``, which every OTLP/HTTP receiver accepts)."""
+    proto = (
+        os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "grpc"
+    ).strip()
+    if proto == "grpc":
+        return OtlpExporter(), OtlpExporter()
+    if proto != "http/protobuf":
+        log.warning("OTLP protocol %r is not supported (grpc, http/protobuf); exporting over http/protobuf", proto)
+    return OtlpHttpExporter(), OtlpHttpExporter()
 
 
 def init_tracing(default_service_name: str, *, exporter: SpanExporter | None = None) -> Tracer:
@@ -96,7 +104,8 @@ def init_tracing(default_service_name: str, *, exporter: SpanExporter | None = N
     nowhere); ``OTEL_SERVICE_NAME`` (else ``default_service_name``) and ``OTEL_RESOURCE_ATTRIBUTES``;
     ``OTEL_TRACES_SAMPLER``/``_ARG``; ``OTEL_BSP_*``; and, through the SDK exporter,
     ``OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT``/``HEADERS``/``INSECURE``/``CERTIFICATE``/``TIMEOUT``/``COMPRESSION``
-    (OTLP over gRPC). ``exporter`` replaces the configured exporters (tests, benchmarks). The first enabled setup
+    (OTLP over gRPC), or with ``OTEL_EXPORTER_OTLP_[TRACES_]PROTOCOL=http/protobuf`` OTLP over HTTP (port 4318,
+    ``/v1/traces``). ``exporter`` replaces the configured exporters (tests, benchmarks). The first enabled setup
     also becomes the OTel API's global tracer provider (for third-party instrumentation); a second call replaces
     this module's setup after flushing the first. Returns a no-op tracer when tracing is off.
     """

@@ -9,20 +9,26 @@ Two storages behind one interface (:class:`SharedBank`):
   (``cudaIpcOpenMemHandle`` via torch's ``_share_cuda_`` / ``_new_shared_cuda``). Same host only; the creator
   must keep its tensor alive while others use it, and a process cannot open its own handle.
 
-The fence board that orders the stages' use of the bank is in ``services.fences``.
+The fence board that orders the stages' use of the bank is in ``services.transport.fences``; how segments are
+named, reserved and swept, in ``services.transport.segments``.
 
 Ownership: the creator owns a segment and unlinks it on ``close``; attachers only unmap. Everything that crosses
 a process boundary is a name, a shape, a dtype string or the raw bytes of a CUDA IPC handle: nothing is pickled.
+A bank whose name was unlinked behind its owner's back is re-created by the owner (``renew_if_unlinked``) when
+the stages are configured again.
 """
 
 from __future__ import annotations
 
-import contextlib
-import secrets
+import logging
 from dataclasses import dataclass
-from multiprocessing import resource_tracker, shared_memory
+from multiprocessing import shared_memory
 
 import torch
+
+from services.transport.segments import attach_segment, close_segment, create_segment, forget_segment, still_linked
+
+log = logging.getLogger("cdb.bank")
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -31,35 +37,6 @@ DTYPES: dict[str, torch.dtype] = {
     "float64": torch.float64,
     "int64": torch.int64,  # the token bank
 }
-
-
-_CREATED_HERE: set[str] = set()  # segments this process created (and its resource tracker owns)
-
-
-def new_segment_name(kind: str) -> str:
-    name = f"cdb-{kind}-{secrets.token_hex(6)}"
-    _CREATED_HERE.add(name)
-    return name
-
-
-def attach_segment(name: str) -> shared_memory.SharedMemory:
-    """Open an existing segment without adopting it.
-
-    Python 3.11 registers every attached segment with the resource tracker, which would unlink it when THIS
-    process exits; attachers must never unlink, so the registration is undone at once.
-    """
-    seg = shared_memory.SharedMemory(name=name)
-    if name not in _CREATED_HERE:  # creator and attacher in one process (tests): the creator's entry stays
-        resource_tracker.unregister(seg._name, "shared_memory")  # type: ignore[attr-defined]
-    return seg
-
-
-def close_segment(seg: shared_memory.SharedMemory, unlink: bool) -> None:
-    with contextlib.suppress(BufferError):  # a tensor view is still alive: the mapping goes with the process
-        seg.close()
-    if unlink:
-        with contextlib.suppress(FileNotFoundError):
-            seg.unlink()
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,10 +95,9 @@ class SharedBank:
             return cls(spec, tensor, None, owner=True)
         if dev.type != "cpu":
             raise ValueError(f"unsupported bank device {device!r} (cpu or cuda)")
-        nbytes = rows * width * tdtype.itemsize
-        seg = shared_memory.SharedMemory(name=new_segment_name("bank"), create=True, size=nbytes)
+        # A new segment reads as zeros: no write here (touching every page of a large bank costs time).
+        seg = create_segment("bank", rows * width * tdtype.itemsize, f"{rows} x {width} {dtype} bank")
         tensor = torch.frombuffer(seg.buf, dtype=tdtype, count=rows * width).view(rows, width)
-        tensor.zero_()
         return cls(BankSpec("shm", seg.name, rows, width, dtype), tensor, seg, owner=True)
 
     @classmethod
@@ -155,6 +131,22 @@ class SharedBank:
             raise ValueError(f"segment {spec.name} holds {seg.size} bytes, bank needs {count * tdtype.itemsize}")
         tensor = torch.frombuffer(seg.buf, dtype=tdtype, count=count).view(spec.rows, spec.width)
         return cls(spec, tensor, seg, owner=False)
+
+    def renew_if_unlinked(self) -> bool:
+        """The owner of a shared-memory bank whose name was unlinked (no process can attach it any more): replace
+        it with a new zeroed bank of the same shape under a new name (``spec`` and ``tensor`` change) and return
+        True; otherwise change nothing and return False. For the moment the stages are (re-)configured: the old
+        contents are void then."""
+        seg = self._segment
+        if not self.owner or seg is None or still_linked(seg):
+            return False
+        fresh = SharedBank.create(self.spec.rows, self.spec.width, self.spec.dtype)
+        old = self.spec.name
+        self.tensor = None  # drop the old view before unmapping
+        forget_segment(seg)
+        self.spec, self.tensor, self._segment = fresh.spec, fresh.tensor, fresh._segment
+        log.warning("bank %s was unlinked by someone else; re-created it as %s", old, self.spec.name)
+        return True
 
     def close(self) -> None:
         """Drop this process's view; the owner also frees the memory. Idempotent."""

@@ -18,6 +18,13 @@ back within ``CDB_STAGE_DOWN_LIMIT_S``, the executor gives up for good (``broken
 an error result and every later ``submit`` is answered with one at once. ``outage`` / ``broken`` are what the
 service's health check reads.
 
+Hung stages (``services.transport.watchdog``): a watchdog thread checks every stage's oldest outstanding op
+against its budget (and, for a stage process on this host, whether it is stopped). A hung stage is a loss like a
+death: the same ``StageLoss`` and recovery, and its process is SIGKILLed so that its supervisor restarts it (a
+stage found stopped when the stages are re-attached is killed too). Each batch carries a fence-wait limit of its
+own, twice the floor plus the budgets of every op outstanding when it is sent: a wait on a hung stage's op is
+released by the loss well before it.
+
 Admission: every Stage call carries the deployment's stage secret (``services.stage_secret``) and this
 executor's ``holder`` id, so a stage serves one scheduler's session at a time.
 """
@@ -46,6 +53,7 @@ from services.transport.bank import SharedBank
 from services.transport.convert import bank_spec_to_pb, op_to_pb, result_from_pb, role_to_pb
 from services.transport.fences import FenceBoard
 from services.transport.links import StageLink, channel_options
+from services.transport.watchdog import HangWatch, OldestOp, ProcessId, is_stopped, kill, op_units
 
 log = logging.getLogger("cdb.executor")
 
@@ -61,6 +69,15 @@ class StageCounters:
     fence_wait_s: float = 0.0
     errors: int = 0
     ping_rtts: list[float] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class _Pending:
+    """An op sent and not yet answered: what it waits for, its work (``op_units``) and its hang budget then."""
+
+    fences: tuple[Fence, ...]
+    units: int
+    budget: float
 
 
 class OpObserver(Protocol):
@@ -100,7 +117,7 @@ class GrpcExecutor:
         self._metadata = call_metadata(load_stage_secret(self.settings))
         self._lock = threading.Lock()
         self._results: queue.SimpleQueue[object] = queue.SimpleQueue()
-        self._outstanding: dict[Stage, dict[int, tuple[Fence, ...]]] = {stage: {} for stage in Stage}
+        self._outstanding: dict[Stage, dict[int, _Pending]] = {stage: {} for stage in Stage}  # in seq order
         self._held: dict[Stage, deque[tuple[StageResult, tuple[Fence, ...]]]] = {stage: deque() for stage in Stage}
         self._delivered = [-1] * len(Stage)  # seq of the last result delivered, per stage
         self._last_seq = {stage: -1 for stage in Stage}  # seq of the last op submitted, per stage
@@ -115,6 +132,8 @@ class GrpcExecutor:
         self._closing = threading.Event()
         self._links: dict[Stage, StageLink] = {}
         self.channels: dict[Stage, grpc.Channel] = {}
+        self.watch = HangWatch(self.settings.stage_hang_floor_s, self.settings.stage_hang_factor)
+        self._procs: dict[Stage, ProcessId] = {}  # each stage's process, from its last Configure reply
         bank_device = setup.device if setup.device.startswith("cuda") else "cpu"
         self.bank = SharedBank.create(setup.bank_rows, setup.bank_width, setup.dtype, bank_device)
         self.tokens = SharedBank.create(setup.bank_rows, 1, "int64", bank_device)
@@ -129,6 +148,7 @@ class GrpcExecutor:
         except BaseException:
             self.close()
             raise
+        threading.Thread(target=self._watchdog, name="cdb-stage-watchdog", daemon=True).start()
 
     def _connect(self, stage: Stage, address: str) -> grpc.Channel:
         channel = grpc.insecure_channel(address, options=channel_options(self.settings))
@@ -162,12 +182,14 @@ class GrpcExecutor:
             device=s.device,
         )
         stub = stage_pb2_grpc.StageStub(self.channels[stage])
-        stub.Configure(
+        reply = stub.Configure(
             request,
             timeout=timeout or self.settings.stage_connect_timeout_s,
             wait_for_ready=True,
             metadata=self._metadata,
         )
+        p = reply.process
+        self._procs[stage] = ProcessId(p.pid, p.pid_namespace, p.start_ticks)
 
     # --- Executor protocol -----------------------------------------------------------------------------------
 
@@ -183,7 +205,12 @@ class GrpcExecutor:
                 self._void[op.stage] = max(self._void[op.stage], op.seq)
                 self._delivered[op.stage] = max(self._delivered[op.stage], op.seq)
                 return
-            self._outstanding[op.stage][op.seq] = op.fences
+            units = op_units(op)
+            pending = self._outstanding[op.stage]
+            if op.fences:  # bound its fence wait by the budgets of every op it could be waiting for
+                waits = sum(p.budget for ops in self._outstanding.values() for p in ops.values())
+                msg.fence_timeout_s = 2 * (self.watch.floor_s + waits)
+            pending[op.seq] = _Pending(op.fences, units, self.watch.budget(op.stage, units))
             self._last_seq[op.stage] = op.seq
             if self.observer is not None:
                 self._sent[(op.stage, op.seq)] = (op, time.time_ns())
@@ -258,15 +285,17 @@ class GrpcExecutor:
         with self._lock:
             if epoch != self._epoch:
                 return  # a reply of a link from before the loss: its op is void
-            fences = self._outstanding[stage].pop(reply.seq, None)
-            if fences is None:
+            pending = self._outstanding[stage].pop(reply.seq, None)
+            if pending is None:
                 return  # already failed when the executor gave up
             c = self.counters[stage]
             c.ops += 1
             c.compute_s += reply.compute_s
             c.fence_wait_s += reply.fence_wait_s
             c.errors += bool(reply.error)
-            self._held[stage].append((result, fences))
+            if not reply.error:
+                self.watch.on_reply(stage, pending.units, reply.compute_s)
+            self._held[stage].append((result, pending.fences))
             self._release_held()
 
     def _release_held(self) -> None:
@@ -305,6 +334,7 @@ class GrpcExecutor:
             self._sent.clear()
             self._void = dict(self._last_seq)
             self._delivered = [self._last_seq[s] for s in Stage]  # void ops count as delivered for fences
+            self.watch.reset()
             self.fences.abort()  # stages waiting on a fence of a void op give up now
             self._results.put(StageLoss(why))
             links, self._links = self._links, {}
@@ -345,6 +375,11 @@ class GrpcExecutor:
             backoff = min(backoff * 2, 2.0)
 
     def _reattach(self, epoch: int, completed: dict[Stage, int], deadline: float) -> None:
+        for bank in (self.bank, self.tokens):  # a name unlinked meanwhile (by hand): no stage could attach it
+            bank.renew_if_unlinked()
+        for stage, proc in list(self._procs.items()):  # lost to keepalive while stopped: it would never answer
+            if proc.local and is_stopped(proc) and kill(proc):
+                log.error("%s stage process %d is stopped: killed, its supervisor restarts it", stage.role, proc.pid)
         board = FenceBoard.create(completed)
         links: dict[Stage, StageLink] = {}
         try:
@@ -374,6 +409,44 @@ class GrpcExecutor:
             return
         old.close()
         log.warning("stages re-attached %.2fs after the loss (%d outages healed)", self.recovery_s[-1], self.recoveries)
+
+    # --- the hang watchdog -----------------------------------------------------------------------------------
+
+    def _watchdog(self) -> None:
+        """The watchdog thread: every ``tick_s``, ask the hang rule about each stage's oldest outstanding op."""
+        while not self._closing.wait(self.watch.tick_s):
+            try:
+                self._watch_once()
+            except Exception:  # never end quietly: the next tick tries again
+                log.exception("stage watchdog check failed")
+
+    def _watch_once(self) -> None:
+        procs = dict(self._procs)
+        stopped = {stage: is_stopped(proc) for stage, proc in procs.items() if proc.local}
+        with self._lock:
+            if self._closed or self.broken is not None or self.outage is not None:
+                return
+            epoch = self._epoch
+            hang = self.watch.check(time.monotonic(), {s: self._oldest(s) for s in Stage}, stopped)
+        if hang is None:
+            return
+        proc = procs.get(hang.stage)
+        if proc is None or not proc.local:
+            self.on_broken(hang.stage, epoch, f"{hang.stage.role} stage hung: {hang.why}; not a process to kill here")
+            return
+        self.on_broken(hang.stage, epoch, f"{hang.stage.role} stage hung: {hang.why}; killing its process {proc.pid}")
+        if not kill(proc):  # after the loss is declared: the broken stream then reads as this hang, not a death
+            log.error("could not kill the hung %s stage's process %d", hang.stage.role, proc.pid)
+
+    def _oldest(self, stage: Stage) -> OldestOp | None:
+        """``stage``'s oldest op without a reply (caller holds the lock); runnable once its fences have replied."""
+        pending = self._outstanding[stage]
+        if not pending:
+            return None
+        seq = next(iter(pending))
+        op = pending[seq]
+        runnable = all(self._delivered[f.stage] >= f.seq for f in op.fences)
+        return OldestOp(seq, op.units, runnable)
 
     def _give_up(self, why: str) -> None:
         with self._lock:

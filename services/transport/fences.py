@@ -25,7 +25,7 @@ from collections.abc import Iterable, Mapping
 from multiprocessing import shared_memory
 
 from cdb_scheduler.plan import Fence, Stage
-from services.transport.bank import attach_segment, close_segment, new_segment_name
+from services.transport.segments import attach_segment, close_segment, create_segment
 
 _N = len(Stage)
 _ABORT = _N  # int64 index of the abort flag, after the counters
@@ -71,7 +71,7 @@ class FenceBoard:
     def create(cls, completed: Mapping[Stage, int] | None = None) -> FenceBoard:
         """A new board; ``completed``: the counters to start from (default -1: nothing done). A board made after
         the stages lost their state starts at the last op issued before, so fences on those ops hold at once."""
-        board = cls(shared_memory.SharedMemory(name=new_segment_name("fence"), create=True, size=_SIZE), owner=True)
+        board = cls(create_segment("fence", _SIZE, "fence board"), owner=True)
         for stage in Stage:
             board._counters[stage] = (completed or {}).get(stage, -1)
             board._wake[stage] = 0

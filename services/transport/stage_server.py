@@ -29,6 +29,7 @@ from cdb_api.v1 import stage_pb2 as pb
 from cdb_api.v1 import stage_pb2_grpc
 from cdb_engine.setup import torch_dtype
 from cdb_engine.synthetic import SyntheticWorker, synthetic_model
+from cdb_model.config import ModelConfig
 from cdb_model.loader import load_config, load_model
 from cdb_scheduler.plan import Stage
 from services import telemetry
@@ -93,6 +94,13 @@ def build_server(service: StageService, listen: str, secret: str, max_workers: i
     return server, port
 
 
+def stage_weights(stage: Stage, config: ModelConfig) -> set[Stage]:
+    """The parts of the model a stage process loads. Ouro's loop stage also holds the head (final norm, LM head,
+    embedding): a loop op may sample the tokens that left the loop and embed their successors (``LoopHead``,
+    ``--fuse-loop-head``)."""
+    return {stage, Stage.HEAD} if stage is Stage.LOOP and config.prelude_is_embedding else {stage}
+
+
 def run_stage(
     role: str,
     model: str,
@@ -121,9 +129,7 @@ def run_stage(
             service = StageService(stage, model, dtype, synth, settings, SyntheticWorker, observer)
             what = f"SYNTHETIC {role} stage (modelled device time {synth.cost.describe()}; its tokens mean nothing)"
         else:
-            # Ouro's loop stage also holds the head (final norm, LM head, embedding): a loop op may sample the
-            # tokens that left the loop and embed their successors (``LoopHead``, ``--fuse-loop-head``).
-            stages = {stage, Stage.HEAD} if stage is Stage.LOOP and load_config(model).prelude_is_embedding else {stage}
+            stages = stage_weights(stage, load_config(model))
             lm = load_model(model, dtype=torch_dtype(dtype), device=device, stages=stages)
             service = StageService(stage, model, dtype, lm, settings, observer=observer)
             what = f"{role} stage"

@@ -23,7 +23,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import grpc
 import torch
@@ -35,12 +35,37 @@ from cdb_model.kv import KVLayout, KVPolicy
 from cdb_scheduler.plan import Stage, StageOp, StageResult
 from services.settings import Settings
 from services.transport.bank import SharedBank
-from services.transport.convert import bank_spec_from_pb, op_from_pb, result_to_pb, role_from_pb, role_to_pb
+from services.transport.convert import (
+    bank_spec_from_pb,
+    fences_from_pb,
+    op_from_pb,
+    result_to_pb,
+    role_from_pb,
+    role_to_pb,
+)
 from services.transport.fences import FenceAborted, FenceBoard, FenceTimeout
+from services.transport.watchdog import this_process
 
 log = logging.getLogger("cdb.stage")
 
 _END = object()
+_T = TypeVar("_T")
+
+
+@dataclass(slots=True)
+class _Launched:
+    """A batch taken off the inbox: launched on the worker (``finish`` waits for it and gives its result), or
+    failed before it ran (``result``); a ping has neither."""
+
+    msg: pb.StageBatch
+    arrived: int  # perf_counter_ns stamps of the op timeline (OP_LOG_FIELDS)
+    dequeued: int = 0
+    fenced: int = 0
+    start_ns: int = 0  # time.time_ns() at launch, for the observer's span
+    fence_wait: float = 0.0
+    op: StageOp | None = None
+    finish: Callable[[], StageResult] | None = None
+    result: StageResult | None = None
 
 
 @dataclass(slots=True)
@@ -135,6 +160,8 @@ class StageService(stage_pb2_grpc.StageServicer):
         self.settings = settings
         self._lock = threading.Lock()
         self._session: _Session | None = None
+        self._dropping: list[_Session] = []  # sessions whose stream ended, being closed by its executor thread
+        self._process = this_process()  # reported by Configure: a scheduler on this host can replace a hung stage
 
     def Configure(self, request: pb.ConfigureRequest, context: grpc.ServicerContext) -> pb.ConfigureResponse:
         role = role_from_pb(request.role) if request.role else None
@@ -176,6 +203,11 @@ class StageService(stage_pb2_grpc.StageServicer):
             architecture=cfg.arch,
             bank_width=cfg.bank_width,
             device=str(self.model.device),
+            process=pb.StageProcess(
+                pid=self._process.pid,
+                pid_namespace=self._process.namespace,
+                start_ticks=self._process.start_ticks,
+            ),
         )
 
     def _attach(self, request: pb.ConfigureRequest, context: grpc.ServicerContext) -> _Session:
@@ -229,15 +261,41 @@ class StageService(stage_pb2_grpc.StageServicer):
             inbox.put(_END)
 
         def execute() -> None:
+            # Op k+1 is launched before op k is waited for when it arrives before op k is done and its fences are
+            # met, so its host-side preparation overlaps op k's device time (a worker without ``launch`` runs ops
+            # whole).
+            launched: _Launched | None = None
+            held: Any = None  # the next message, taken from the inbox but not launched yet
             try:
-                while not stop.is_set() and (got := inbox.get()) is not _END:
-                    msg, arrived = got
-                    with session.lock:
-                        if session.closed or self._session is not session:
+                while True:
+                    if launched is None:
+                        got, held = (inbox.get() if held is None else held), None
+                        if got is _END or stop.is_set():
+                            break
+                        launched = self._guarded(session, self._launch, got)
+                        if launched is None:
                             outbox.put(grpc.StatusCode.ABORTED)
                             return
-                        reply = self._execute(session, msg, arrived)
+                    # Until op k is done (``ready_at``, when the worker knows it), the next message may arrive.
+                    ready_at = getattr(launched.finish, "ready_at", None)
+                    while held is None:
+                        left = ready_at - time.perf_counter() if ready_at is not None else 0.0
+                        try:
+                            held = inbox.get(timeout=left) if left > 0 else inbox.get_nowait()
+                        except queue.Empty:
+                            break
+                    following = None
+                    if held is not None and held is not _END and self._launchable(session, held[0]):
+                        following, held = self._guarded(session, self._launch, held), None
+                        if following is None:
+                            outbox.put(grpc.StatusCode.ABORTED)
+                            return
+                    reply = self._guarded(session, self._finish, launched)
+                    if reply is None:
+                        outbox.put(grpc.StatusCode.ABORTED)
+                        return
                     outbox.put(reply)
+                    launched = following
                 outbox.put(_END)
             finally:
                 self._stream_ended(session)
@@ -257,49 +315,101 @@ class StageService(stage_pb2_grpc.StageServicer):
             drop = session.streams == 0 and self._session is session
             if drop:
                 self._session = None
+                self._dropping.append(session)  # ``close`` waits for it: the process must not exit mid-write
         if drop:
             session.fences.abort()  # a batch of it waiting on a fence gives up now
             session.close(self.settings.stage_op_log, self.stage.role)
+            with self._lock:
+                self._dropping.remove(session)
             log.info("%s stage: session of %s dropped (its stream ended)", self.stage.name, session.holder or "-")
 
+    def _guarded(self, session: _Session, step: Callable[[_Session, Any], _T], arg: Any) -> _T | None:
+        """``step(session, arg)`` under the session's lock; None if the session was closed or replaced."""
+        with session.lock:
+            if session.closed or self._session is not session:
+                return None
+            return step(session, arg)
+
+    @staticmethod
+    def _launchable(session: _Session, msg: pb.StageBatch) -> bool:
+        """Whether ``msg`` may be launched now, behind the op in progress: the worker launches without waiting for
+        the op (``launch``) and ``msg``'s fences are already met."""
+        if not hasattr(session.worker, "launch"):
+            return False  # ``execute`` runs an op whole: the op in progress is replied to first
+        return msg.WhichOneof("work") == "ping" or session.fences.ready(fences_from_pb(msg))
+
     def _execute(self, session: _Session, msg: pb.StageBatch, arrived: int = 0) -> pb.StageReply:
-        """Wait for the batch's fences, run it, publish completion; never raises."""
+        """Run one batch whole (launch, then finish); never raises."""
+        return self._finish(session, self._launch(session, (msg, arrived)))
+
+    def _launch(self, session: _Session, got: tuple[pb.StageBatch, int]) -> _Launched:
+        """Wait for the batch's fences and launch it on the worker; never raises (a failure is the result)."""
+        msg, arrived = got
+        launched = _Launched(msg, arrived)
         if msg.WhichOneof("work") == "ping":
-            return pb.StageReply(seq=msg.seq, stage=role_to_pb(self.stage), pong=True)
-        fence_wait = 0.0
-        observer, op, start_ns = self.observer, None, 0
-        dequeued = fenced = time.perf_counter_ns()
+            return launched
+        launched.dequeued = launched.fenced = time.perf_counter_ns()
         try:
-            op = op_from_pb(msg)
+            op = launched.op = op_from_pb(msg)
             if op.stage is not self.stage:
                 raise ValueError(f"{op.stage.name} batch sent to the {self.stage.name} stage")
-            if observer is not None:
-                observer.update(msg.trace_contexts, op.released)
-            fence_wait = session.fences.wait(op.fences, self.settings.fence_timeout_s, self.settings.fence_spin_s)
-            fenced, start_ns = time.perf_counter_ns(), time.time_ns()
-            result = session.worker.execute(op)  # compute_s: device-synchronised (or modelled) by the worker
-            if session.timeline is not None:
+            if self.observer is not None:
+                self.observer.update(msg.trace_contexts, op.released)
+            limit = self.settings.fence_timeout_s
+            if msg.fence_timeout_s > 0:  # the scheduler's bound on the ops waited for (its watchdog acts first)
+                limit = min(limit, msg.fence_timeout_s)
+            launched.fence_wait = session.fences.wait(op.fences, limit, self.settings.fence_spin_s)
+            launched.fenced, launched.start_ns = time.perf_counter_ns(), time.time_ns()
+            worker = session.worker
+            if hasattr(worker, "launch"):
+                launched.finish = worker.launch(op)  # the op runs (on the device, or modelled) behind the host
+            else:
+                done = worker.execute(op)
+                launched.finish = lambda: done
+        except Exception as exc:
+            launched.result = self._failed(msg, exc)
+        return launched
+
+    def _finish(self, session: _Session, launched: _Launched) -> pb.StageReply:
+        """Wait for a launched batch, publish its completion, build its reply; never raises."""
+        msg, op = launched.msg, launched.op
+        if msg.WhichOneof("work") == "ping":
+            return pb.StageReply(seq=msg.seq, stage=role_to_pb(self.stage), pong=True)
+        result = launched.result
+        if result is None:
+            assert launched.finish is not None and op is not None
+            try:
+                result = launched.finish()  # compute_s: device-synchronised (or modelled) by the worker
+            except Exception as exc:
+                result = self._failed(msg, exc)
+            if session.timeline is not None and not result.error:
                 tokens = len(op.rows)
                 ended = time.perf_counter_ns()
-                record = (op.seq, tokens, arrived, dequeued, fenced, ended - int(result.compute_s * 1e9), ended)
-                session.timeline.append((*record, int(result.compute_s * 1e9)))
-        except (FenceTimeout, FenceAborted) as exc:
-            result = StageResult(self.stage, msg.seq, 0.0, error=f"{self.stage.name} stage: {exc}")
-        except Exception as exc:  # the op fails, the scheduler fails its requests, the stage keeps serving
-            log.error("%s batch %d failed:\n%s", self.stage.name, msg.seq, traceback.format_exc())
-            error = f"{self.stage.name} stage: {type(exc).__name__}: {exc}"
-            result = StageResult(self.stage, msg.seq, 0.0, error=error)
-        if observer is not None and op is not None and op.stage is self.stage:
+                compute_ns = int(result.compute_s * 1e9)
+                record = (op.seq, tokens, launched.arrived, launched.dequeued, launched.fenced, ended - compute_ns)
+                session.timeline.append((*record, ended, compute_ns))
+        if self.observer is not None and op is not None and op.stage is self.stage:
             end_ns = time.time_ns()
-            observer.record_op(op, start_ns or end_ns, end_ns, result.compute_s, result.error)
+            self.observer.record_op(op, launched.start_ns or end_ns, end_ns, result.compute_s, result.error)
         session.fences.complete(self.stage, msg.seq)
         reply = result_to_pb(result)
-        reply.fence_wait_s = fence_wait
+        reply.fence_wait_s = launched.fence_wait
         return reply
 
+    def _failed(self, msg: pb.StageBatch, exc: Exception) -> StageResult:
+        """The result of a batch that failed: its requests fail, the stage keeps serving."""
+        if isinstance(exc, FenceTimeout | FenceAborted):
+            return StageResult(self.stage, msg.seq, 0.0, error=f"{self.stage.name} stage: {exc}")
+        log.error("%s batch %d failed:\n%s", self.stage.name, msg.seq, traceback.format_exc())
+        return StageResult(self.stage, msg.seq, 0.0, error=f"{self.stage.name} stage: {type(exc).__name__}: {exc}")
+
     def close(self) -> None:
+        """Close the live session, and wait for sessions other threads are closing (their op logs written)."""
         with self._lock:
             session, self._session = self._session, None
+            dropping = list(self._dropping)
         if session is not None:
             session.fences.abort()
             session.close(self.settings.stage_op_log, self.stage.role)
+        for other in dropping:
+            other.close(self.settings.stage_op_log, self.stage.role)  # idempotent: waits while another thread closes

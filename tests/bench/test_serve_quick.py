@@ -116,3 +116,15 @@ def test_quick_deployment_one_mode_through_the_public_api(capsys: pytest.Capture
     assert s["config"]["target"] == "deployment"
     assert all(r["mean_depth"] < 3.5 for r in s["modes"]["cdb"]["runs"])  # replayed depths crossed the API
     assert s["knee_ratio_cdb_over_full_depth"] is None and s["cut_at_full_depth_knee"] is None
+
+
+def test_quick_on_synthetic_stages_runs_every_mode_at_modelled_op_costs(capsys: pytest.CaptureFixture[str]) -> None:
+    cost = "loop=2000:0:0,head=200:0:0,prelude=200:0:0"
+    s = _run(capsys, "--target", "in-process", "--modes", "cdb,full-depth", "--synthetic-cost", cost)
+    assert s["config"]["synthetic_cost"] == cost
+    _check_common(s, ["cdb", "full-depth"])
+    for m in s["modes"].values():
+        for run in m["runs"]:
+            # A decode loop op costs its modelled 2 ms whatever its batch (a flat cost, as on a GPU below saturation),
+            # plus 0.2 ms when it carries Ouro's fused head.
+            assert 2.0 <= run["ops"]["loop_decode_op_ms"] <= 2.2 + 1e-9

@@ -230,9 +230,11 @@ def test_staggered_arrivals_match_reference() -> None:
 
 def test_fused_refill_embedding_saves_the_prelude_ops_and_changes_nothing() -> None:
     """Ouro's head op embeds each refill's input (no prelude op per decode step); results equal the unfused
-    engine's and the reference's."""
+    engine's and the reference's. (With a head op per step: the fused loop head embeds its refills itself.)"""
     model = model64("ouro-tiny")
-    base = EngineConfig(model="ouro-tiny", dtype="float64", exit_threshold=0.5, max_num_seqs=4, kv_block_size=4)
+    base = EngineConfig(
+        model="ouro-tiny", dtype="float64", exit_threshold=0.5, max_num_seqs=4, kv_block_size=4, fuse_loop_head=False
+    )
     rng = random.Random(5)
     work = workload(rng, 12)
     runs = {}

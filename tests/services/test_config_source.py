@@ -46,7 +46,8 @@ def test_a_service_field_flag_over_env_over_file_over_default(tmp_path: Path) ->
     def http(argv: list[str], env: dict[str, str]) -> str:
         return str(serve_parser(load_configuration(env, None)).parse_args(argv).http)
 
-    assert http([], {}) == "" and load_settings({}).drain_timeout_s == 30.0
+    assert http([], {}) == "127.0.0.1:8000" and load_settings({}).drain_timeout_s == 30.0  # cdb serve's own default
+    assert http([], {"CDB_HTTP_ADDR": ""}) == "", "set empty: no HTTP API"
     assert http([], {"CDB_CONFIG": path}) == "127.0.0.1:8001"
     assert load_settings({"CDB_CONFIG": path}).drain_timeout_s == 5.0
     env = {"CDB_CONFIG": path, "CDB_HTTP_ADDR": "127.0.0.1:8002", "CDB_DRAIN_TIMEOUT_S": "7"}

@@ -8,7 +8,6 @@ from __future__ import annotations
 import http.client
 import json
 import math
-from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -22,7 +21,6 @@ from cdb_api.v1 import generation_pb2 as pb
 from cdb_api.v1 import generation_pb2_grpc
 from cdb_engine.limits import REQUEST_BOUNDS
 from clients.sync_client import Client
-from tests.http.tree import http_process_tree
 from tests.services.tree import IDLE, SHARED_CONFIG, wait_idle
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
@@ -117,11 +115,10 @@ def grpc_requests(draw: st.DrawFn) -> pb.GenerateRequest:
     return req
 
 
-@pytest.fixture(scope="module")
-def tree() -> Iterator[tuple[str, str]]:
-    """The tree's gRPC address and the HTTP API's base URL."""
-    with http_process_tree(CONFIG) as (handle, base_url):
-        yield handle.address, base_url
+@pytest.fixture(scope="session")
+def tree(shared_http_tree: tuple[str, str]) -> tuple[str, str]:
+    """The tree's gRPC address and the HTTP API's base URL (``CONFIG``: the session's tree with both APIs)."""
+    return shared_http_tree
 
 
 def check_unharmed(address: str, base_url: str) -> None:

@@ -15,10 +15,11 @@ from cdb_engine.config import EngineConfig, RequestParams
 from cdb_engine.engine import Engine
 from cdb_engine.events import Event, FinishEvent, TokenEvent
 from cdb_engine.isolation import isolating
-from cdb_model.loader import load_model
+from cdb_model.loader import load_config, load_model
 from cdb_scheduler.plan import SamplingParams, Stage
 from cdb_scheduler.request import FinishReason
 from services.transport.executor import GrpcExecutorFactory
+from services.transport.stage_server import stage_weights
 from tests.services.stage_harness import FAST, stage_servers
 
 pytestmark = pytest.mark.timeout(120)
@@ -47,7 +48,8 @@ def test_an_op_that_overflows_its_wire_field_fails_only_its_request(tmp_path: Pa
     overflow = RequestParams(max_tokens=4, sampling=SamplingParams(temperature=1.0, top_k=2**31))  # int32 on the wire
     with Engine(CFG) as local:
         (expected,) = local.generate([[10, 11, 12]], long)
-    weights = {stage: load_model("ouro-tiny", dtype=torch.float64, stages={stage}) for stage in Stage}
+    config = load_config("ouro-tiny")
+    weights = {s: load_model("ouro-tiny", dtype=torch.float64, stages=stage_weights(s, config)) for s in Stage}
     with stage_servers(tmp_path, weights.__getitem__) as running:
         factory = GrpcExecutorFactory({s: r.address for s, r in running.items()}, FAST)
         with Engine(CFG, executor_factory=isolating(factory)) as engine:

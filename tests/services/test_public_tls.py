@@ -203,7 +203,7 @@ def test_cdb_serve_exports_the_flags_to_the_tree(pki: Pki, monkeypatch: pytest.M
     monkeypatch.setattr(serve, "serve_forever", fake_serve_forever)
     monkeypatch.chdir(pki.folder)
     flags = ["--tls-cert", "server.crt", "--tls-key", "server.key", "--tls-client-ca", "ca.crt"]
-    assert serve.serve_main([*flags, "--api-keys-file", str(keys), "--listen", "127.0.0.1:0"]) == 0
+    assert serve.serve_main([*flags, "--api-keys-file", str(keys), "--listen", "127.0.0.1:0", "--no-http"]) == 0
     assert seen["CDB_TLS_CERT"] == pki.path("server.crt")  # absolute: a child may run elsewhere
     assert seen["CDB_TLS_KEY"] == pki.path("server.key")
     assert seen["CDB_TLS_CLIENT_CA"] == pki.path("ca.crt")

@@ -3,11 +3,13 @@ the engine over gRPC executors producing exactly the in-process engine's tokens.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
+from typing import Any, ClassVar
 
 import grpc
 import pytest
@@ -17,7 +19,7 @@ from cdb_api.v1 import stage_pb2 as pb
 from cdb_api.v1 import stage_pb2_grpc
 from cdb_engine.config import EngineConfig, RequestParams
 from cdb_engine.engine import Engine
-from cdb_model.loader import load_model
+from cdb_model.loader import load_config, load_model
 from cdb_scheduler.plan import (
     Fence,
     HeadOp,
@@ -31,7 +33,9 @@ from cdb_scheduler.plan import (
 )
 from services.net import require_loopback
 from services.stage_secret import call_metadata
+from services.transport import stage_service
 from services.transport.executor import GrpcExecutor, GrpcExecutorFactory
+from services.transport.stage_server import stage_weights
 from tests.services.stage_harness import (
     FAST,
     TEST_SECRET,
@@ -292,7 +296,7 @@ def test_engine_over_grpc_stages_equals_in_process_engine(tmp_path: Path, model:
     ] * 2
     with Engine(cfg) as local:
         expected = local.generate(prompts, params)
-    weights = {stage: load_model(model, dtype=torch.float64, stages={stage}) for stage in Stage}
+    weights = {s: load_model(model, dtype=torch.float64, stages=stage_weights(s, load_config(model))) for s in Stage}
     with stage_servers(tmp_path, weights.__getitem__, model_name=model) as running:
         factory = GrpcExecutorFactory({s: r.address for s, r in running.items()}, FAST)
         with Engine(cfg, executor_factory=factory) as remote:
@@ -300,3 +304,114 @@ def test_engine_over_grpc_stages_equals_in_process_engine(tmp_path: Path, model:
     for e, g in zip(expected, got):
         assert (g.token_ids, g.depths, g.finish_reason) == (e.token_ids, e.depths, e.finish_reason)
         assert g.logprobs == e.logprobs
+
+
+class LaunchingWorker(FakeWorker):
+    """A worker with ``launch``: the op's work is done at launch, its finish blocks on ``finish_gates[seq]``; the
+    log records ("launch" | "finish", stage, seq)."""
+
+    events: ClassVar[list[tuple[str, Stage, int]]] = []
+    finish_gates: ClassVar[dict[tuple[Stage, int], threading.Event]] = {}
+
+    def launch(self, op: StageOp) -> Callable[[], StageResult]:
+        LaunchingWorker.events.append(("launch", op.stage, op.seq))
+        result = self.execute(op)
+        gate = LaunchingWorker.finish_gates.get((op.stage, op.seq))
+
+        def finish() -> StageResult:
+            if gate is not None:
+                gate.wait(30)
+            LaunchingWorker.events.append(("finish", op.stage, op.seq))
+            return result
+
+        # A gated op is not done for a while: the stage takes the next message off the wire meanwhile.
+        finish.ready_at = time.perf_counter() + (30.0 if gate is not None else 0.0)  # type: ignore[attr-defined]
+        return finish
+
+
+def _wait_for(cond: Callable[[], bool], timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.005)  # polling a condition with a deadline, not a synchronising sleep
+    return cond()
+
+
+def test_the_next_op_is_launched_before_the_running_one_is_waited_for(tmp_path: Path) -> None:
+    FakeWorker.reset()
+    LaunchingWorker.events, LaunchingWorker.finish_gates = [], {}
+    gate = LaunchingWorker.finish_gates[(Stage.LOOP, 0)] = threading.Event()
+    with stage_servers(tmp_path, lambda s: fake_model(), worker_factory=LaunchingWorker) as running:
+        ex = GrpcExecutor(fake_setup(), {s: r.address for s, r in running.items()}, FAST)
+        try:
+            ex.submit(loop_op(0, (1,)))
+            ex.submit(loop_op(1, (2,)))
+            # Op 1 arrived while op 0 runs and needs no other stage: it is launched before op 0 is waited for.
+            assert _wait_for(lambda: ("launch", Stage.LOOP, 1) in LaunchingWorker.events)
+            assert ("finish", Stage.LOOP, 0) not in LaunchingWorker.events
+            gate.set()
+            assert [(r.stage, r.seq, r.error) for r in poll_all(ex, 2)] == [
+                (Stage.LOOP, 0, None),
+                (Stage.LOOP, 1, None),
+            ]
+            finishes = [e for e in LaunchingWorker.events if e[0] == "finish"]
+            assert finishes == [("finish", Stage.LOOP, 0), ("finish", Stage.LOOP, 1)]  # replies stay in order
+        finally:
+            gate.set()
+            ex.close()
+
+
+def test_an_op_whose_fence_is_not_met_is_not_launched_early(tmp_path: Path) -> None:
+    FakeWorker.reset()
+    LaunchingWorker.events, LaunchingWorker.finish_gates = [], {}
+    head_gate = FakeWorker.gates[(Stage.HEAD, 0)] = threading.Event()
+    loop_gate = LaunchingWorker.finish_gates[(Stage.LOOP, 0)] = threading.Event()
+    with stage_servers(tmp_path, lambda s: fake_model(), worker_factory=LaunchingWorker) as running:
+        ex = GrpcExecutor(fake_setup(), {s: r.address for s, r in running.items()}, FAST)
+        try:
+            ex.submit(head_op(0, (3,)))
+            ex.submit(loop_op(0, (1,)))
+            ex.submit(loop_op(1, (3,), fences=(Fence(Stage.HEAD, 0),)))  # reads what the gated head op writes
+            assert _wait_for(lambda: ("launch", Stage.LOOP, 0) in LaunchingWorker.events)
+            loop_gate.set()  # op 0 finishes while the head op still blocks: op 1 must not have been launched
+            assert [(r.stage, r.seq) for r in poll_all(ex, 1)] == [(Stage.LOOP, 0)]
+            assert ("launch", Stage.LOOP, 1) not in LaunchingWorker.events
+            head_gate.set()
+            rest = poll_all(ex, 2)
+            assert {(r.stage, r.seq, r.error) for r in rest} == {(Stage.HEAD, 0, None), (Stage.LOOP, 1, None)}
+        finally:
+            head_gate.set()
+            loop_gate.set()
+            ex.close()
+
+
+def test_a_stage_closing_waits_for_the_op_log_of_a_session_whose_stream_just_ended(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The stream's end closes its session on the executor thread; a stage stopping meanwhile (SIGTERM) must wait
+    for that close, or the process exits with half an op log written."""
+    FakeWorker.reset()
+    writing, proceed = threading.Event(), threading.Event()
+    write = stage_service.write_op_log
+
+    def slow_write(*args: Any) -> str:
+        writing.set()
+        proceed.wait(30)
+        return write(*args)
+
+    monkeypatch.setattr(stage_service, "write_op_log", slow_write)
+    logged = replace(FAST, stage_op_log=str(tmp_path / "ops"))
+    with stage_servers(tmp_path, lambda s: fake_model(), worker_factory=FakeWorker, settings=logged) as running:
+        ex = GrpcExecutor(fake_setup(), {s: r.address for s, r in running.items()}, logged)
+        ex.submit(loop_op(0, (1,)))
+        assert [r.error for r in poll_all(ex, 1)] == [None]
+        ex.close()  # the stream ends: the loop stage's executor thread closes the session and writes its log
+        assert writing.wait(30)
+        closer = threading.Thread(target=running[Stage.LOOP].service.close)
+        closer.start()
+        closer.join(0.5)
+        assert closer.is_alive()  # still waiting for the write in progress
+        proceed.set()
+        closer.join(30)
+        assert not closer.is_alive()
+        (log,) = (tmp_path / "ops").glob("loop-*.json")
+        assert json.loads(log.read_text())["ops"][0][0] == 0

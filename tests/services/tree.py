@@ -18,8 +18,14 @@ from clients.sync_client import Client
 from services.launcher import ServeHandle, serve_all
 from services.telemetry.otlp_receiver import OtlpReceiver
 
-# Faster readiness transitions than production defaults, so failures show up quickly in tests.
-TEST_ENV = {"CDB_HEALTH_INTERVAL_S": "0.1", "CDB_STAGE_KEEPALIVE_S": "2", "CDB_STAGE_PROBE_TIMEOUT_S": "1"}
+# Faster readiness transitions than production defaults, so failures show up quickly in tests; and no HTTP API
+# unless a test asks for one on a free port (``tests.http.tree``): trees started at once never race for one port.
+TEST_ENV = {
+    "CDB_HEALTH_INTERVAL_S": "0.1",
+    "CDB_STAGE_KEEPALIVE_S": "2",
+    "CDB_STAGE_PROBE_TIMEOUT_S": "1",
+    "CDB_HTTP_ADDR": "",
+}
 
 # The tree shared by every test that neither kills, stops nor reconfigures it (``ouro_tiny_tree`` in
 # tests/conftest.py). float64, so its tokens equal an in-process engine's exactly whatever the batching.

@@ -48,6 +48,11 @@ CDB_FAMILIES = {
     "cdb_model_info": "gauge",
     "cdb_engine_thread_cpu_seconds_total": "counter",
     "cdb_synthetic_stages": "gauge",
+    "cdb_kv_cache_usage_perc": "gauge",
+    "cdb_num_preemptions_total": "counter",
+    "cdb_request_time_per_output_token_seconds": "histogram",
+    "cdb_request_prompt_tokens": "histogram",
+    "cdb_request_generation_tokens": "histogram",
 }
 _LABELLED_COUNTERS = (
     "cdb_requests_finished_total",
@@ -55,6 +60,7 @@ _LABELLED_COUNTERS = (
     "cdb_engine_thread_cpu_seconds_total",
 )
 
+M = 'model_name="ouro-tiny"'  # the request series' label, last
 SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(?:[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\]|\\.)*",?)*\})? (\S+)$')
 
 
@@ -127,19 +133,19 @@ def test_scrape_reports_what_was_observed(server: tuple[Metrics, MetricsServer])
     assert types["cdb_time_to_first_token_seconds"] == "histogram"
     assert types["cdb_requests_waiting"] == "gauge"
     assert types["cdb_refill_events_total"] == "counter"
-    assert s['cdb_time_to_first_token_seconds_bucket{le="0.01"}'] == 0
-    assert s['cdb_time_to_first_token_seconds_bucket{le="0.025"}'] == 1
-    assert s['cdb_time_to_first_token_seconds_bucket{le="+Inf"}'] == 1
-    assert s["cdb_time_to_first_token_seconds_sum"] == 0.02
-    assert s["cdb_inter_token_latency_seconds_count"] == 2
-    assert s["cdb_request_queue_time_seconds_count"] == 1
+    assert s[f'cdb_time_to_first_token_seconds_bucket{{le="0.01",{M}}}'] == 0
+    assert s[f'cdb_time_to_first_token_seconds_bucket{{le="0.025",{M}}}'] == 1
+    assert s[f'cdb_time_to_first_token_seconds_bucket{{le="+Inf",{M}}}'] == 1
+    assert s[f"cdb_time_to_first_token_seconds_sum{{{M}}}"] == 0.02
+    assert s[f"cdb_inter_token_latency_seconds_count{{{M}}}"] == 2
+    assert s[f"cdb_request_queue_time_seconds_count{{{M}}}"] == 1
     assert s['cdb_served_depth_bucket{le="2.0"}'] == 2 and s['cdb_served_depth_bucket{le="4.0"}'] == 3
     assert s["cdb_generation_tokens_total"] == 3 and s["cdb_loop_steps_total"] == 8
     assert s["cdb_prompt_tokens_total"] == 7
-    assert s['cdb_requests_finished_total{finish_reason="stop"}'] == 1
-    assert s['cdb_requests_finished_total{finish_reason="cancelled"}'] == 1
-    assert s['cdb_requests_rejected_total{code="RESOURCE_EXHAUSTED"}'] == 1
-    assert s["cdb_e2e_request_latency_seconds_count"] == 2
+    assert s[f'cdb_requests_finished_total{{finish_reason="stop",{M}}}'] == 1
+    assert s[f'cdb_requests_finished_total{{finish_reason="cancelled",{M}}}'] == 1
+    assert s[f'cdb_requests_rejected_total{{code="RESOURCE_EXHAUSTED",{M}}}'] == 1
+    assert s[f"cdb_e2e_request_latency_seconds_count{{{M}}}"] == 2
     assert s['cdb_loop_batch_occupancy_bucket{le="0.7"}'] == 0
     assert s['cdb_loop_batch_occupancy_bucket{le="0.8"}'] == 1
     assert s['cdb_loop_batch_size_bucket{le="8.0"}'] == 1
@@ -149,6 +155,7 @@ def test_scrape_reports_what_was_observed(server: tuple[Metrics, MetricsServer])
     assert s["cdb_loop_decode_compute_seconds_total"] == pytest.approx(0.0008)
     assert (s["cdb_requests_waiting"], s["cdb_requests_running"]) == (2, 5)
     assert (s["cdb_kv_blocks_used"], s["cdb_kv_blocks_total"]) == (10, 64)
+    assert s["cdb_kv_cache_usage_perc"] == 10 / 64
     assert (s["cdb_bank_rows_used"], s["cdb_bank_rows_total"]) == (5, 40)
     assert s['cdb_model_info{model="ouro-tiny"}'] == 1
 

@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
+from cdb_engine.engine import EngineCpu
 from cdb_engine.limits import ThresholdSource
 from cdb_scheduler.exit_policy import ExitRule
 from cdb_scheduler.plan import HeadOp, LoopOp, SamplingParams, Stage, StageOp, StageResult
@@ -110,7 +111,8 @@ def _fake_engine(**stats: int) -> SimpleNamespace:
     return SimpleNamespace(
         stats=lambda: st,
         setup=SimpleNamespace(bank_rows=40),
-        sched_stats=SimpleNamespace(refill_events=7, depth_hist={4: 3, 2: 1}),
+        sched_stats=SimpleNamespace(refill_events=7, depth_hist={4: 3, 2: 1}, sched_cpu_s=0.5, preemptions=0),
+        cpu=EngineCpu(thread_s=2.0, submit_s=0.25, dispatch_s=0.75),
         limits=SimpleNamespace(
             exit_threshold=0.5, exit_rule=ExitRule.HAZARD, threshold_source=ThresholdSource.FAMILY_DEFAULT
         ),
@@ -137,6 +139,9 @@ def test_engine_gauges_sample_at_scrape_time() -> None:
     assert m.refills.value() == 10 and s["cdb_refill_events_total"] == 10
     assert s["cdb_stage_recoveries_total"] == 2 and s["cdb_recomputed_requests_total"] == 5
     assert s["cdb_served_depth_mean"] == 2.25  # (12 + 2 + 4) / 8
+    cpu = {part: s[f'cdb_engine_thread_cpu_seconds_total{{part="{part}"}}'] for part in ("plan", "submit", "dispatch")}
+    assert cpu == {"plan": 0.5, "submit": 0.25, "dispatch": 0.75}
+    assert s['cdb_engine_thread_cpu_seconds_total{part="other"}'] == 0.5  # the thread's CPU less the named parts
 
 
 def test_engine_gauges_report_whether_the_stages_are_attached() -> None:

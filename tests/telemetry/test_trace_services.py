@@ -197,15 +197,16 @@ def test_scheduler_serves_metrics_of_real_requests(traced_tree: Tree) -> None:
         return after.get(key, 0.0) - before.get(key, 0.0)
 
     assert len(result.tokens) == 4
-    assert delta('cdb_requests_rejected_total{code="INVALID_ARGUMENT"}') == 1
+    model = 'model_name="ouro-tiny"'  # the request series' label
+    assert delta(f'cdb_requests_rejected_total{{code="INVALID_ARGUMENT",{model}}}') == 1
     assert delta("cdb_prompt_tokens_total") == 4
     assert delta("cdb_generation_tokens_total") == 4 and delta("cdb_served_depth_count") == 4
     assert delta("cdb_loop_steps_total") == sum(t.depth for t in result.tokens)
-    assert delta("cdb_time_to_first_token_seconds_count") == 1
-    assert delta("cdb_inter_token_latency_seconds_count") == 3
-    assert delta("cdb_request_queue_time_seconds_count") == 1
-    assert delta("cdb_e2e_request_latency_seconds_count") == 1
-    assert delta('cdb_requests_finished_total{finish_reason="length"}') == 1
+    assert delta(f"cdb_time_to_first_token_seconds_count{{{model}}}") == 1
+    assert delta(f"cdb_inter_token_latency_seconds_count{{{model}}}") == 3
+    assert delta(f"cdb_request_queue_time_seconds_count{{{model}}}") == 1
+    assert delta(f"cdb_e2e_request_latency_seconds_count{{{model}}}") == 1
+    assert delta(f'cdb_requests_finished_total{{finish_reason="length",{model}}}') == 1
     for stage in STAGES:
         assert delta(f'cdb_stage_compute_seconds_count{{stage="{stage}"}}') >= 1, stage
     assert delta("cdb_loop_batch_size_count") >= 3 and delta("cdb_loop_batch_occupancy_count") >= 3
