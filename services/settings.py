@@ -27,7 +27,7 @@ allowed where the default says so. The tables are the fields' own help (``metada
 | ``CDB_STAGE_SECRET`` | (unset) | the stage plane's shared secret (prefer ``CDB_STAGE_SECRET_FILE``) |
 | ``CDB_STAGE_SECRET_FILE`` | (unset) | file (mode 0600) holding the stage plane's secret; ``cdb serve`` makes one |
 | ``CDB_STAGE_DOWN_LIMIT_S`` | 60 | a stage missing this long: requests fail ``UNAVAILABLE``, the scheduler exits 1 |
-| ``CDB_RECONNECT_BACKOFF_S`` | 0.05 | first delay between reconnect attempts to a lost stage (doubles up to 2 s) |
+| ``CDB_RECONNECT_BACKOFF_S`` | 0.05 | first delay between reconnect attempts to a lost stage (doubles up to 0.5 s) |
 | ``CDB_STAGE_HANG_FLOOR_S`` | 30 | no stage op is judged hung before it has run this long |
 | ``CDB_STAGE_HANG_FACTOR`` | 20 | an op past this many times its expected time (pace x tokens): its stage is replaced |
 | ``CDB_TLS_CERT`` | (unset) | PEM certificate chain of the public port (with ``CDB_TLS_KEY``: TLS on) |
@@ -147,7 +147,7 @@ class Settings:
         "a stage missing this long: requests fail ``UNAVAILABLE``, the scheduler exits 1", 60.0
     )
     reconnect_backoff_s: float = _help(
-        "first delay between reconnect attempts to a lost stage (doubles up to 2 s)", 0.05
+        "first delay between reconnect attempts to a lost stage (doubles up to 0.5 s)", 0.05
     )
     stage_hang_floor_s: float = _help("no stage op is judged hung before it has run this long", 30.0)
     stage_hang_factor: float = _help(

@@ -11,7 +11,7 @@ connection lost, keepalive timeout on a frozen stage), the executor is in an *ou
 aborted (stages waiting on a fence give up at once), every outstanding op is void, the other streams are ended
 and ``poll`` returns a ``StageLoss`` (ops submitted before that ``poll`` returns are dropped: the scheduler
 voids its in-flight state and recomputes its running requests, ``Scheduler.recover``). A recovery thread
-reconnects (backoff ``CDB_RECONNECT_BACKOFF_S``, doubling up to 2 s) and re-``Configure``s all three stages
+reconnects (backoff ``CDB_RECONNECT_BACKOFF_S``, doubling up to 0.5 s) and re-``Configure``s all three stages
 with fresh state over a new fence board that starts at the last void ``seq`` of each stage; ops submitted
 meanwhile wait in a backlog and go out, in order, once every stage is back. If no complete set of stages is
 back within ``CDB_STAGE_DOWN_LIMIT_S``, the executor gives up for good (``broken``): every outstanding op gets
@@ -54,6 +54,8 @@ from services.transport.convert import bank_spec_to_pb, op_to_pb, result_from_pb
 from services.transport.fences import FenceBoard
 from services.transport.links import StageLink, channel_options
 from services.transport.watchdog import HangWatch, OldestOp, ProcessId, is_stopped, kill, op_units
+
+_RECONNECT_BACKOFF_MAX_S = 0.5  # a restarted stage is re-attached within this of listening
 
 log = logging.getLogger("cdb.executor")
 
@@ -372,7 +374,7 @@ class GrpcExecutor:
             log.info("stages not back yet (%s); retrying in %.2fs", problem.splitlines()[0][:200], backoff)
             if self._closing.wait(min(backoff, max(0.0, deadline - time.monotonic()))):
                 continue  # closed: the loop ends
-            backoff = min(backoff * 2, 2.0)
+            backoff = min(backoff * 2, _RECONNECT_BACKOFF_MAX_S)
 
     def _reattach(self, epoch: int, completed: dict[Stage, int], deadline: float) -> None:
         for bank in (self.bank, self.tokens):  # a name unlinked meanwhile (by hand): no stage could attach it
