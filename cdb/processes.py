@@ -271,7 +271,7 @@ def scheduler_main(argv: list[str] | None = None) -> int:
     from services.net import check_can_listen
     from services.scheduler.security import PortSecurity
     from services.scheduler.server import run_scheduler
-    from services.transport.segments import sweep_stale_segments
+    from services.transport.segments import SharedMemoryFull, sweep_stale_segments
 
     die_with_parent()
     parsed = parse_command(argv, "cdb scheduler", scheduler_parser)
@@ -313,7 +313,7 @@ def scheduler_main(argv: list[str] | None = None) -> int:
             metrics_listen=args.metrics_listen,
             companion=functools.partial(serve_api, address=http) if http else None,
         )
-    except ListenError as exc:
+    except (ListenError, SharedMemoryFull) as exc:  # a port taken, /dev/shm too small: one line, not a traceback
         print(f"{parser.prog}: {exc}", file=sys.stderr)
         return 1
     return 0

@@ -46,7 +46,7 @@ from services.scheduler.fatal import ExitOnEngineFailure
 from services.scheduler.handlers import GenerationService, add_generation_service
 from services.scheduler.readiness import SERVICE_NAME, Readiness
 from services.scheduler.security import PortSecurity
-from services.settings import Settings, load_settings
+from services.settings import Settings, load_settings, served_names
 from services.telemetry.logs import ThroughputLog
 from services.telemetry.metrics import Metrics, MetricsServer, serve_metrics
 from services.telemetry.recorder import EngineGauges, ObservedExecutor, OpRecorder
@@ -198,7 +198,8 @@ def run_scheduler(
         engine_failure = ExitOnEngineFailure(settings.drain_timeout_s + 10.0)
         engine = Engine(config, executor_factory=isolating(factory or in_process), on_fatal=engine_failure)
         engine_model_config = engine.model_config
-        metrics = Metrics.from_settings(config.model, engine.limits.max_depth, settings)
+        served = served_names(settings.served_model_name) or [config.model]  # the name the APIs report
+        metrics = Metrics.from_settings(served[0], engine.limits.max_depth, settings)
         if config.synthetic_cost:
             metrics.set_synthetic(config.synthetic_cost)
             log.warning("SYNTHETIC stages (%s): they model device time; tokens mean nothing", config.synthetic_cost)

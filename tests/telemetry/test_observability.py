@@ -179,4 +179,4 @@ def test_per_op_cost_without_tracing() -> None:
             obs.on_op_done(op, res, 1, 2)
         best = min(best, (time.perf_counter() - t) / 20000 * 1e6)
     print(f"OpRecorder per op, tracing off: {best:.2f} us")
-    assert best < 10, best
+    assert best < 25, best  # ≈ 6 µs here: the bound catches work per op that grows, not a slow shared machine
