@@ -147,7 +147,7 @@ def case_config(case: Case, rng: random.Random, **extra: bool) -> EngineConfig:
 def test_engine_equals_sequential_reference(case: Case) -> None:
     rng = random.Random(zlib.crc32(repr(case).encode()))  # stable across processes (str hashes are salted)
     model = model64(case.model)
-    cfg = case_config(case, rng)
+    cfg = case_config(case, rng, fuse_loop_head=False)  # a head op per step (the fused head: below)
     work = workload(rng, 10)
     got, eng = run_engine(model, cfg, work)
     want = run_reference(model, eng, work, cfg)
@@ -160,7 +160,10 @@ def test_engine_equals_sequential_reference(case: Case) -> None:
         assert len({d for _, ds in got for d in ds[1:]}) > 1, "the workload should exercise varied depths"
 
 
-def test_tiny_pool_preempts_and_still_matches_reference() -> None:
+@pytest.mark.parametrize("fuse_loop_head", [False, True], ids=["head-op", "fused-head"])
+def test_tiny_pool_preempts_and_still_matches_reference(fuse_loop_head: bool) -> None:
+    """Recomputed requests (a tiny KV pool preempts) replay their recorded tokens and depths; with the fused head
+    their recorded inputs are embedded by the loop op."""
     model = model64("ouro-tiny")
     cfg = EngineConfig(
         model="ouro-tiny",
@@ -172,6 +175,7 @@ def test_tiny_pool_preempts_and_still_matches_reference() -> None:
         kv_block_size=4,
         prefill_chunk_size=16,
         prefill_token_budget=32,
+        fuse_loop_head=fuse_loop_head,
     )
     rng = random.Random(11)
     work = [
@@ -282,28 +286,3 @@ def test_loop_op_with_fused_head_equals_sequential_reference(case: Case) -> None
     assert got == run_reference(model, eng, work, cfg)
     st = eng.sched_stats
     assert st.ops[Stage.HEAD] <= st.ops[Stage.PRELUDE], "head ops only in prefill chains (one prelude op each)"
-
-
-def test_fused_head_through_preemption_matches_reference() -> None:
-    """Recomputed requests (a tiny KV pool preempts) embed their recorded inputs in the fused head."""
-    model = model64("ouro-tiny")
-    cfg = EngineConfig(
-        model="ouro-tiny",
-        dtype="float64",
-        exit_threshold=0.5,
-        kv_policy="last_exited",
-        max_num_seqs=8,
-        num_kv_blocks=20,
-        kv_block_size=4,
-        prefill_chunk_size=16,
-        prefill_token_budget=32,
-        fuse_loop_head=True,
-    )
-    rng = random.Random(11)
-    work = [
-        ([rng.randrange(3, 259) for _ in range(rng.randint(10, 30))], RequestParams(max_tokens=12, ignore_eos=True))
-        for _ in range(12)
-    ]
-    got, eng = run_engine(model, cfg, work)
-    assert eng.sched_stats.preemptions > 0, "the pool should be too small to hold every request at once"
-    assert got == run_reference(model, eng, work, cfg)
