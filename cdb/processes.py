@@ -200,7 +200,7 @@ def secret_main(argv: list[str] | None = None) -> int:
     return 0
 
 
-# public-port flags -> the CDB_* variables they set (README, "Exposing the public port")
+# public-port flags -> the CDB_* variables they set (docs/operations.md, "Exposing the public port")
 PUBLIC_PORT_FLAGS = {
     "tls_cert": "CDB_TLS_CERT",
     "tls_key": "CDB_TLS_KEY",
@@ -244,6 +244,13 @@ def scheduler_parser(conf: Configuration) -> argparse.ArgumentParser:
         metavar="ROLE=ADDR",
         help="a stage's address, once per role: prelude, loop and head",
     )
+    parser.add_argument(
+        "--standby-stage",
+        action="append",
+        default=[],
+        metavar="ROLE=ADDR",
+        help="a warm standby stage of a role (model loaded, idle): it takes over when that role's stage is lost",
+    )
     parser.add_argument("--in-process", action="store_true", help="run the stages in this process instead")
     parser.add_argument("--ready-file", help="write the bound address here once ready")
     parser.add_argument(
@@ -282,6 +289,7 @@ def scheduler_main(argv: list[str] | None = None) -> int:
     configure_logging("scheduler", conf.settings, args.log_level, args.request_log)
     try:
         stage_addrs = None if args.in_process else parse_stage_addrs(args.stage)
+        standby_addrs = parse_stage_addrs(args.standby_stage, "--standby-stage", complete=False)
         source = resolve_model_arg(args)
         config = engine_config_from_args(args)
         if args.metrics_listen and not is_host_port(args.metrics_listen):
@@ -312,6 +320,7 @@ def scheduler_main(argv: list[str] | None = None) -> int:
             settings=settings,
             metrics_listen=args.metrics_listen,
             companion=functools.partial(serve_api, address=http) if http else None,
+            standby_addrs=standby_addrs,
         )
     except (ListenError, SharedMemoryFull) as exc:  # a port taken, /dev/shm too small: one line, not a traceback
         print(f"{parser.prog}: {exc}", file=sys.stderr)

@@ -81,6 +81,7 @@ class Point:
     consumer: str
     op_us: float | None  # None: a named profile
     fuse_loop_head: bool = True
+    transport: str = "rings"  # the stage data plane: "rings" (shared memory) or "streams" (gRPC)
 
     @property
     def label(self) -> str:
@@ -231,7 +232,7 @@ asyncio.run(main())
 def run_api(point: Point, warmup_s: float, seconds: float, seed: int, op_log: str) -> dict[str, Any]:
     cfg = _config(point)
     metrics_port = _free_port()
-    env = {**os.environ, "CDB_STAGE_OP_LOG": op_log}
+    env = {**os.environ, "CDB_STAGE_OP_LOG": op_log, "CDB_STAGE_RINGS": str(point.transport == "rings").lower()}
     with serve_all(cfg, "127.0.0.1:0", env=env, metrics_listen=f"127.0.0.1:{metrics_port}") as tree:
         assert tree.scheduler is not None
         url = f"http://127.0.0.1:{metrics_port}/metrics"
@@ -360,7 +361,7 @@ def run_point(point: Point, warmup_s: float, seconds: float, seed: int = 0) -> d
     if point.consumer == "api":
         fig = run_api(point, warmup_s, seconds, seed, op_log)
     else:
-        settings = dataclasses.replace(load_settings(), stage_op_log=op_log)
+        settings = dataclasses.replace(load_settings(), stage_op_log=op_log, stage_rings=point.transport == "rings")
         env = {**os.environ, "CDB_STAGE_OP_LOG": op_log}
         with start_stages(_config(point), settings=settings, env=env) as tree:
             fig = run_in_process(point, tree, warmup_s, seconds, seed)
@@ -368,23 +369,27 @@ def run_point(point: Point, warmup_s: float, seconds: float, seed: int = 0) -> d
     fig["ideal_tokens_per_s"] = point.width / max(1e-9, fig["mean_depth"] * fig["mean_loop_op_us"] / 1e6)
     fig["of_ideal"] = fig["tokens_per_s"] / fig["ideal_tokens_per_s"]
     where = {"family": point.family, "cost": point.cost, "op_us": point.op_us, "width": point.width}
-    return where | {"consumer": point.consumer, "fuse_loop_head": point.fuse_loop_head} | fig
+    how = {"consumer": point.consumer, "fuse_loop_head": point.fuse_loop_head, "transport": point.transport}
+    return where | how | fig
 
 
 def points(args: argparse.Namespace) -> list[Point]:
     out = []
-    for family, consumer, fused in itertools.product(args.families, args.consumers, args.fuse_loop_head):
+    modes = itertools.product(args.families, args.consumers, args.fuse_loop_head, args.transport)
+    for family, consumer, fused, transport in modes:
         for op_us, width in itertools.product(args.op_us, args.widths):
-            out.append(Point(family, scaled_cost(family, op_us), width, consumer, op_us, fused))
+            out.append(Point(family, scaled_cost(family, op_us), width, consumer, op_us, fused, transport))
         if args.profiles:
-            out.extend(Point(family, FAMILIES[family][1], width, consumer, None, fused) for width in args.widths)
+            out.extend(
+                Point(family, FAMILIES[family][1], width, consumer, None, fused, transport) for width in args.widths
+            )
     return out
 
 
 def _table(rows: list[dict[str, Any]]) -> str:
     head = (
-        f"{'family':<7}{'cost':<18}{'w':>4} {'consumer':<11}{'fused':<6}{'eta':>6}{'of ideal':>9}{'tok/s':>9}"
-        f"{'depth':>6}"
+        f"{'family':<7}{'cost':<18}{'w':>4} {'consumer':<11}{'fused':<6}{'data':<8}{'eta':>6}{'of ideal':>9}"
+        f"{'tok/s':>9}{'depth':>6}"
         f"{'op us':>8}{'late':>7}{'fence':>7}{'prep':>6}{'react':>7}  cpu us/step: plan submit dispatch rest other"
     )
     lines = [head]
@@ -393,7 +398,7 @@ def _table(rows: list[dict[str, Any]]) -> str:
         i, c = r["idle_us_per_op"], r["sched_cpu_us_per_step"]
         lines.append(
             f"{r['family']:<7}{cost:<18}{r['width']:>4} {r['consumer']:<11}{'on' if r['fuse_loop_head'] else 'off':<6}"
-            f"{r['eta']:>6.3f}{r['of_ideal']:>9.3f}"
+            f"{r.get('transport', 'streams'):<8}{r['eta']:>6.3f}{r['of_ideal']:>9.3f}"
             f"{r['tokens_per_s']:>9.0f}{r['mean_depth']:>6.2f}{r['mean_loop_op_us']:>8.0f}"
             f"{i['op_arrived_late']:>7.0f}{i['fences']:>7.0f}{i['stage_preparation']:>6.0f}"
             f"{r['reaction_us']['p50']:>7.0f}  {c['plan']:6.0f} {c['submit']:6.0f} {c['dispatch']:6.0f} "
@@ -410,7 +415,8 @@ def write_outputs(summary: dict[str, Any], out: Path) -> list[Path]:
         if r["op_us"] is None:
             continue
         fused = "fused" if r["fuse_loop_head"] else "head op"
-        xs, ys = series.setdefault(f"{r['family']} w{r['width']} {r['consumer']} {fused}", ([], []))
+        label = f"{r['family']} w{r['width']} {r['consumer']} {fused} {r.get('transport', 'streams')}"
+        xs, ys = series.setdefault(label, ([], []))
         xs.append(r["op_us"])
         ys.append(r["eta"])
     paths = [outputs.write_json(out, "hostpath", summary)]
@@ -440,6 +446,13 @@ def main(argv: list[str] | None = None) -> int:
         choices=("on", "off"),
         default=["on"],
         help="Ouro's head in the loop op (engine option --fuse-loop-head); both: side by side",
+    )
+    p.add_argument(
+        "--transport",
+        nargs="+",
+        choices=("rings", "streams"),
+        default=["rings"],
+        help="the stage data plane (CDB_STAGE_RINGS): shared-memory rings or the gRPC streams; both: side by side",
     )
     p.add_argument("--seconds", type=float, default=3.0, help="steady window per point")
     p.add_argument("--warmup", type=float, default=1.5, help="seconds before the window (admission ramp)")

@@ -171,3 +171,6 @@ class RequestParams:
     exit_threshold: float | None = None  # per-request override of the exit threshold
     ignore_eos: bool = False  # do not stop at the model's own stop ids
     replay_depths: tuple[int, ...] | None = None  # benchmarks: served depth of generated token k at [k-1]
+    # A broken stream resumed: the tokens it had delivered and their depths (recomputed exactly, not re-sent)
+    resume_tokens: tuple[int, ...] = ()
+    resume_depths: tuple[int, ...] = ()

@@ -85,6 +85,7 @@ class Engine:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._ended_early = False  # a request ended while its tokens were handed out (engine thread)
         self._accepting = True
         self.error: str | None = None
         self.last_progress = time.monotonic()
@@ -158,9 +159,12 @@ class Engine:
                     f"max_waiting {self.config.max_waiting})"
                 )
             self._by_id[request_id] = rid
-        live = _Live(
-            request_id, self._request(rid, prompt_ids, params), sink, Detokenizer(self.tokenizer, params.stop_strings)
-        )
+        try:
+            live = _Live(request_id, self._request(rid, prompt_ids, params), sink, self._detokenizer(params))
+        except InvalidRequest:
+            with self._lock:
+                del self._by_id[request_id]
+            raise
 
         def add() -> None:
             self._live[rid] = live
@@ -171,11 +175,23 @@ class Engine:
         self._command(add)
         return request_id
 
+    def _detokenizer(self, params: RequestParams) -> Detokenizer:
+        """The request's detokenizer; a resumed stream's is primed with the tokens it had delivered, so that the
+        text of what follows (an unfinished character, a stop string across the boundary) is what it would have
+        been."""
+        detok = Detokenizer(self.tokenizer, params.stop_strings)
+        for token in params.resume_tokens:
+            if detok.push(token)[1]:
+                raise InvalidRequest("resume", "the resumed tokens already end at a stop string")
+        return detok
+
     def _request(self, rid: int, prompt_ids: Sequence[int], params: RequestParams) -> Request:
         stop = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop.update(self.model_config.stop_token_ids)
-        return Request(
+        if any(t in stop for t in params.resume_tokens):
+            raise InvalidRequest("resume", "the resumed tokens already end at a stop token")
+        req = Request(
             rid=rid,
             prompt=list(prompt_ids),
             max_tokens=params.max_tokens,
@@ -186,6 +202,10 @@ class Engine:
             replay_depths=list(params.replay_depths) if params.replay_depths is not None else None,
             arrival=time.monotonic(),
         )
+        if params.resume_tokens:  # recomputed at their depths and not reported again, as after a preemption
+            req.output, req.depths = list(params.resume_tokens), list(params.resume_depths)
+            req.loop_steps = sum(params.resume_depths)
+        return req
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.CANCELLED) -> bool:
         """End a request (thread-safe); True if it was live. Ordered after its own submission."""
@@ -208,6 +228,10 @@ class Engine:
         sched = self.scheduler
         self.cpu.start_s = time.thread_time()
         cpu, clock = self.cpu, time.thread_time
+        # A result's tokens are handed out after the ops it lets the scheduler plan are submitted: detokenizing
+        # and delivering them overlaps the stages' work instead of delaying it. A request they end (a stop
+        # string, a caller gone) leaves the scheduler before it plans again.
+        events: Sequence[TokenOut | Finished] = ()
         try:
             while not self._stopping:
                 self._run_commands()
@@ -217,6 +241,13 @@ class Engine:
                     ex.submit(op)
                 t1 = clock()
                 cpu.submit_s += t1 - t0
+                if events:
+                    self._ended_early = False
+                    self._dispatch(events)
+                    events = ()
+                    cpu.dispatch_s += clock() - t1
+                    if self._ended_early:
+                        continue  # slots were freed: plan again before waiting
                 res = ex.poll(None)
                 if isinstance(res, StageLoss):
                     log.warning("%s: recomputing %d running requests", res.reason, len(sched.running))
@@ -224,10 +255,8 @@ class Engine:
                 elif res is not None:
                     self.last_progress = time.monotonic()
                     events = sched.on_result(res)
-                    t2 = clock()
-                    self._dispatch(events)
-                    cpu.dispatch_s += clock() - t2
                 cpu.thread_s = clock() - cpu.start_s
+            self._dispatch(events)
         except Exception as exc:  # the loop cannot go on: fail every live request, then tell the owner (on_fatal)
             log.exception("engine loop failed")
             self.error = f"engine loop failed: {type(exc).__name__}: {exc}"
@@ -264,6 +293,7 @@ class Engine:
         ok = self._emit(live, token)
         if stopped or not ok:
             reason = FinishReason.STOP if stopped else FinishReason.CANCELLED
+            self._ended_early = True
             self._dispatch(self.scheduler.abort(ev.rid, reason))
 
     def _on_finish(self, live: _Live, ev: Finished) -> None:

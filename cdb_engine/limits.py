@@ -8,9 +8,9 @@ The server's exit threshold, first match wins (``ThresholdSource``):
 4. otherwise the family default (``FAMILY_EXIT_THRESHOLD``), so a released checkpoint serves depth-adaptively.
    The released Ouro ``config.json`` says 1.0 (every token at full depth) and its model card names no lower
    value; the default q = 0.5 is the middle of the CDB paper's Ouro sweep (0.2 / 0.4 / 0.5 / 0.7) and the
-   perplexity / greedy-agreement knee measured on ``ouro-kjv`` (README "Quality against depth"). Huginn's release
-   has no exit field; its cheap criterion is latent-diff and the default 0.1 is the most conservative of the CDB
-   paper's sweep (0.28 / 0.16 / 0.1).
+   perplexity / greedy-agreement knee measured on ``ouro-kjv`` (docs/benchmarks.md, "Quality against depth").
+   Huginn's release has no exit field; its cheap criterion is latent-diff and the default 0.1 is the most
+   conservative of the CDB paper's sweep (0.28 / 0.16 / 0.1).
 ``describe(limits)`` is the one-line summary of what is in effect and why.
 
 Request bounds (``RequestBounds``, ``REQUEST_BOUNDS``): every field a caller sets is checked against them by

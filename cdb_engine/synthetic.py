@@ -239,7 +239,7 @@ class SyntheticWorker:
         self.tables = BlockTables()
         self.has_kv = (c.num_prelude_layers, c.num_loop_layers, c.num_coda_layers)[stage] > 0
         self._stops = frozenset(c.stop_token_ids)
-        self._depths: dict[tuple[int, int], int] = {}  # (rid, position) -> drawn depth, while in the loop
+        self._depths: dict[int, dict[int, int]] = {}  # rid -> position -> drawn depth, while in the loop
         self._free_at = 0.0  # when the modelled device stream is done with the previous op (perf_counter)
         self._slack = threading.local()
 
@@ -255,9 +255,8 @@ class SyntheticWorker:
             raise ValueError(f"{op.stage.name} op sent to the {self.stage.name} worker")
         self.tables.release(op.released)
         self.tables.apply(op.kv_updates)
-        if op.released and self._depths:
-            gone = set(op.released)
-            self._depths = {k: d for k, d in self._depths.items() if k[0] not in gone}
+        for rid in op.released:
+            self._depths.pop(rid, None)
         result = StageResult(self.stage, op.seq, 0.0)
         if isinstance(op, LoopOp):
             for c in op.kv_copies:
@@ -302,9 +301,12 @@ class SyntheticWorker:
         signals = []
         depths = self._depths
         for rid, pos, step in zip(op.rids, op.positions, op.steps):
-            depth = depths.get((rid, pos))
+            mine = depths.get(rid)
+            if mine is None:
+                mine = depths[rid] = {}
+            depth = mine.get(pos)
             if depth is None or step == 0:
-                depth = depths[(rid, pos)] = m.depths.draw(rid, pos, max_depth)
+                depth = mine[pos] = m.depths.draw(rid, pos, max_depth)
             leave = step + 2 >= depth  # the signal is read one step ahead: the token exits at its depth
             signals.append((_HIGH if leave else 0.0) if ouro else (0.0 if leave else 1.0))
         look = tuple(signals) if ouro and m.config.has_lookahead_gate else ()

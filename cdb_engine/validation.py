@@ -103,7 +103,26 @@ def validate(
     _check_sampling(params, bounds)
     _check_stops(limits, params, bounds)
     _check_depths(limits, params, kv_policy)
+    _check_resume(limits, params)
     return ids
+
+
+def _check_resume(limits: Limits, params: RequestParams) -> None:
+    """The resumed tokens of a broken stream: as many depths as ids, known ids, depths in range, and room left."""
+    tokens, depths = params.resume_tokens, params.resume_depths
+    if not tokens and not depths:
+        return
+    if len(tokens) != len(depths):
+        raise InvalidRequest("resume", f"{len(tokens)} token ids but {len(depths)} depths")
+    if len(tokens) >= params.max_tokens:
+        raise InvalidRequest(
+            "resume", f"{len(tokens)} tokens leave nothing to generate (max_tokens {params.max_tokens})"
+        )
+    bad = [t for t in tokens if not 0 <= t < limits.vocab_size]
+    if bad:
+        raise InvalidRequest("resume", f"unknown token ids {bad[:5]} (vocabulary size {limits.vocab_size})")
+    if any(not 1 <= d <= limits.max_depth for d in depths):
+        raise InvalidRequest("resume", f"depths must be in [1, {limits.max_depth}]")
 
 
 def _check_sampling(params: RequestParams, bounds: RequestBounds) -> None:

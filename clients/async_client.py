@@ -11,6 +11,7 @@ Leaving a ``stream`` loop early (or cancelling the task) cancels the call, which
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Sequence
 from types import TracebackType
 
@@ -20,10 +21,12 @@ from typing_extensions import Unpack
 
 from cdb_api.v1 import generation_pb2 as pb
 from clients.common import (
+    RESUME_ATTEMPTS,
     ClientBase,
     GenerateOptions,
     GenerateResult,
     Metadata,
+    Resumption,
     ServerInfo,
     StreamFinish,
     StreamToken,
@@ -57,16 +60,33 @@ class AsyncClient(ClientBase):
         *,
         timeout: float | None = None,
         metadata: Metadata = (),
+        resume_attempts: int = RESUME_ATTEMPTS,
         **options: Unpack[GenerateOptions],
     ) -> AsyncIterator[StreamToken | StreamFinish]:
-        """Yield each token as it is generated, then one ``StreamFinish``."""
-        call = self._stub.GenerateStream(build_request(prompt, options), **self._kw(timeout, metadata))
-        try:
-            async for msg in call:
-                for item in stream_items(msg):
-                    yield item
-        finally:
-            call.cancel()
+        """Yield each token as it is generated, then one ``StreamFinish``; a stream whose server died or drained is
+        resumed where it stopped, as ``Client.stream`` does."""
+        stream = Resumption(
+            build_request(prompt, options), resume_attempts, self.timeout if timeout is None else timeout
+        )
+        while True:
+            call = self._stub.GenerateStream(stream.next_request(), **self._kw(stream.left(), metadata))
+            try:
+                async for msg in call:
+                    for item in stream_items(msg):
+                        yield stream.keep(item)
+                return
+            except grpc.aio.AioRpcError as exc:
+                wait_for_ready, seconds = stream.failed(exc, exc.initial_metadata())
+            finally:
+                call.cancel()
+            if not wait_for_ready:
+                await asyncio.sleep(seconds)
+                continue
+            try:  # a server took it and went away: wait for one (restarting, or another replica) to be ready
+                await asyncio.wait_for(self.channel.channel_ready(), seconds)
+            except TimeoutError:
+                assert stream.error is not None
+                raise stream.error from None
 
     async def abort(self, request_id: str, *, timeout: float | None = None) -> bool:
         reply = await self._stub.Abort(pb.AbortRequest(request_id=request_id), **self._kw(timeout, ()))

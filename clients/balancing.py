@@ -15,14 +15,18 @@ Targets (``channel_target``):
 The service config (``service_config``): ``loadBalancingConfig`` is ``round_robin`` (each call goes to the next
 READY backend; a backend whose connection fails leaves the rotation until it reconnects) or ``pick_first`` (all
 calls to the first backend that connects, the next one only when it fails). The retry policy covers every method
-of ``cdb.v1.Generation`` (not ``grpc.health.v1``: a health check asks one replica): a call that ends with
-``UNAVAILABLE`` or ``RESOURCE_EXHAUSTED`` is sent again, on the backend the policy picks next, at most
-``max_attempts`` times in all, after randomized exponential backoff (attempt n waits a uniform random time in
-[0, min(initial · multiplier^(n-1), max)]). gRPC retries a call only while it is uncommitted: a streaming call
-commits when its first response message (with the response headers) arrives, so **a stream that has delivered a
-token is never retried**; its error reaches the caller. The scheduler sends nothing before the first token, so a
-request that was waiting or prefilling on a replica that died is retried elsewhere. A unary ``Generate`` is
-retried as a whole (nothing was delivered). The call's deadline covers every attempt.
+of ``cdb.v1.Generation`` but ``GenerateStream`` (not ``grpc.health.v1``: a health check asks one replica): a call
+that ends with ``UNAVAILABLE`` or ``RESOURCE_EXHAUSTED`` is sent again, on the backend the policy picks next, at
+most ``max_attempts`` times in all, after randomized exponential backoff (attempt n waits a uniform random time in
+[0, min(initial · multiplier^(n-1), max)]). A unary ``Generate`` is retried as a whole (nothing was delivered).
+The call's deadline covers every attempt.
+
+Streams are the clients' own business (``Client.stream``): a stream that breaks because its server died or drained
+(``UNAVAILABLE``), before or after its first token, or that is refused for load (``RESOURCE_EXHAUSTED``) before it,
+is sent again on the backend the policy picks next, carrying the tokens it had delivered
+(``GenerateRequest.resume``): it continues exactly where it stopped and delivers nothing twice. gRPC's transparent
+retries cannot do that (a stream that delivered a token is committed), and they left uncommitted streams of a
+killed server waiting past their deadline, so ``GenerateStream`` has no retry policy.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from typing import Any
 import grpc
 
 GENERATION_SERVICE = "cdb.v1.Generation"
+RETRIED_METHODS = ("Generate", "Abort", "Info")  # not GenerateStream: the clients resume streams themselves
 
 
 class LbPolicy(enum.StrEnum):
@@ -85,7 +90,8 @@ def service_config(lb_policy: LbPolicy | str = LbPolicy.ROUND_ROBIN, retry: Retr
     ``cdb.v1.Generation`` method."""
     config: dict[str, Any] = {"loadBalancingConfig": [{_lb_policy(lb_policy).value: {}}]}
     if retry is not None:
-        config["methodConfig"] = [{"name": [{"service": GENERATION_SERVICE}], "retryPolicy": retry.to_json()}]
+        names = [{"service": GENERATION_SERVICE, "method": m} for m in RETRIED_METHODS]
+        config["methodConfig"] = [{"name": names, "retryPolicy": retry.to_json()}]
     return json.dumps(config)
 
 

@@ -12,7 +12,8 @@ The API key comes from ``--api-key-file`` or else ``$CDB_API_KEY`` (never a flag
 other users). ``--tls`` alone uses the system's trusted CAs. Several replicas: ``--address`` takes IP:PORT
 addresses separated by commas or a gRPC target such as ``dns:///NAME:PORT``; ``--lb-policy`` picks gRPC's
 policy (``round_robin``, the default, or ``pick_first``); a call refused with UNAVAILABLE or RESOURCE_EXHAUSTED
-before its first token is sent again, ``--max-attempts`` times in all (1: never; see ``clients.balancing``).
+is sent again, and a stream whose server dies or drains is resumed where it stopped (nothing printed twice),
+``--max-attempts`` times in all (1: never; see ``clients.balancing``).
 
 Exit status: 0 on success, 1 when the server reports an error (the gRPC status is printed to stderr).
 """
@@ -71,7 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-attempts",
         type=int,
         default=DEFAULT_RETRY.max_attempts,
-        help="attempts of a call refused before its first token, 1 (no retry) to 5 (default %(default)s)",
+        help="attempts of a call refused or broken by an unavailable server, 1 (never again) to 5 "
+        "(default %(default)s); a broken stream resumes where it stopped",
     )
     sec = p.add_argument_group("secured server")
     sec.add_argument("--tls", action="store_true", help="connect with TLS (implied by --tls-ca / --tls-cert)")
@@ -160,7 +162,7 @@ def generate_main(argv: list[str] | None = None, out: TextIO | None = None) -> i
             args.address, timeout=args.timeout, tls=tls, api_key=api_key, lb_policy=args.lb_policy, retry=retry
         )
         with client:
-            for item in client.stream(prompt, **options_from_args(args)):
+            for item in client.stream(prompt, resume_attempts=args.max_attempts - 1, **options_from_args(args)):
                 _print_item(item, args, out)
                 if isinstance(item, StreamFinish) and item.finish_reason == "error":
                     print(f"error: {item.error}", file=sys.stderr)

@@ -9,9 +9,9 @@ Leaving a ``stream`` loop early cancels the call, which aborts the request on th
 
 Several replicas: ``Client(["10.0.0.5:50051", "10.0.0.6:50051"])``, ``Client("10.0.0.5:50051,10.0.0.6:50051")``
 or ``Client("dns:///cdb-headless.cdb.svc.cluster.local:50051")``: each call goes to the next replica
-(``round_robin``), and a call that fails with UNAVAILABLE or RESOURCE_EXHAUSTED before its first token is sent
-again elsewhere (``clients.balancing``). ``health``, ``wait_for_status`` and ``info`` ask the replica the
-policy picks for that call.
+(``round_robin``); a call that fails with UNAVAILABLE or RESOURCE_EXHAUSTED is sent again elsewhere
+(``clients.balancing``), and a stream whose server dies or drains is resumed where it stopped (``stream``).
+``health``, ``wait_for_status`` and ``info`` ask the replica the policy picks for that call.
 """
 
 from __future__ import annotations
@@ -26,10 +26,12 @@ from typing_extensions import Unpack
 
 from cdb_api.v1 import generation_pb2 as pb
 from clients.common import (
+    RESUME_ATTEMPTS,
     ClientBase,
     GenerateOptions,
     GenerateResult,
     Metadata,
+    Resumption,
     ServerInfo,
     StreamFinish,
     StreamToken,
@@ -64,15 +66,37 @@ class Client(ClientBase):
         *,
         timeout: float | None = None,
         metadata: Metadata = (),
+        resume_attempts: int = RESUME_ATTEMPTS,
         **options: Unpack[GenerateOptions],
     ) -> Iterator[StreamToken | StreamFinish]:
-        """Yield each token as it is generated, then one ``StreamFinish``."""
-        call = self._stub.GenerateStream(build_request(prompt, options), **self._kw(timeout, metadata))
-        try:
-            for msg in call:
-                yield from stream_items(msg)
-        finally:
-            call.cancel()  # no-op when the stream ended; aborts the request when the caller stopped early
+        """Yield each token as it is generated, then one ``StreamFinish``.
+
+        A stream that breaks because its server died or drained (UNAVAILABLE) is resumed, up to ``resume_attempts``
+        times, on the channel's next pick (the restarted server, or another replica): the request is sent again
+        with the tokens already yielded (``GenerateRequest.resume``) and continues exactly where it stopped; no
+        token is yielded twice. ``timeout`` bounds all attempts together."""
+        stream = Resumption(
+            build_request(prompt, options), resume_attempts, self.timeout if timeout is None else timeout
+        )
+        while True:
+            call = self._stub.GenerateStream(stream.next_request(), **self._kw(stream.left(), metadata))
+            try:
+                for msg in call:
+                    for item in stream_items(msg):
+                        yield stream.keep(item)
+                return
+            except grpc.RpcError as exc:
+                wait_for_ready, seconds = stream.failed(exc, call.initial_metadata())
+            finally:
+                call.cancel()  # no-op when the stream ended; aborts the request when the caller stopped early
+            if not wait_for_ready:
+                time.sleep(seconds)
+                continue
+            try:  # a server took it and went away: wait for one (restarting, or another replica) to be ready
+                grpc.channel_ready_future(self.channel).result(timeout=seconds)
+            except grpc.FutureTimeoutError:
+                assert stream.error is not None
+                raise stream.error from None
 
     def abort(self, request_id: str, *, timeout: float | None = None) -> bool:
         """Abort a live request; False if the server does not know it."""

@@ -72,6 +72,7 @@ log = logging.getLogger("cdb.launcher")
 PARENT_ENV = "CDB_PARENT_PID"
 SECRET_ENV = "CDB_STAGE_SECRET_FILE"
 _SUPERVISE_PERIOD_S = 0.1
+STANDBY_SUFFIX = "-standby"  # the child name of a role's warm standby stage (``CDB_STANDBY_STAGES``)
 _T = TypeVar("_T")
 
 
@@ -167,6 +168,7 @@ class ServeHandle:
         self.settings = settings
         self.address = ""
         self.stage_addrs: dict[Stage, str] = {}
+        self.standby_addrs: dict[Stage, str] = {}  # CDB_STANDBY_STAGES
         self.python = sys.executable  # the interpreter the children run under
         self.policy = RestartPolicy.from_settings(settings)
         self.restarts: list[Restart] = []
@@ -323,11 +325,21 @@ class ServeHandle:
 
     @property
     def stages(self) -> dict[Stage, subprocess.Popen[bytes]]:
-        """The stage processes now (a restart replaces one)."""
+        """The first stage process of each role now (a restart replaces one; see ``standbys``)."""
         return {
             Stage.from_role(n): c.proc
             for n, c in list(self._children.items())
-            if n != "scheduler" and c.proc is not None
+            if n in Stage.roles() and c.proc is not None
+        }
+
+    @property
+    def standbys(self) -> dict[Stage, subprocess.Popen[bytes]]:
+        """The warm standby stage process of each role (``CDB_STANDBY_STAGES``); whichever of a role's two serves,
+        the other waits, model loaded."""
+        return {
+            Stage.from_role(n.removesuffix(STANDBY_SUFFIX)): c.proc
+            for n, c in list(self._children.items())
+            if n.endswith(STANDBY_SUFFIX) and c.proc is not None
         }
 
     @property
@@ -336,7 +348,7 @@ class ServeHandle:
         return child.proc if child is not None else None
 
     def processes(self) -> list[subprocess.Popen[bytes]]:
-        return [p for p in (self.scheduler, *self.stages.values()) if p is not None]
+        return [p for p in (self.scheduler, *self.stages.values(), *self.standbys.values()) if p is not None]
 
     def log(self, name: str) -> str:
         """A child's output so far (``scheduler`` or a role name); for error messages and tests."""
@@ -411,7 +423,7 @@ def _start_tree(
     env: Mapping[str, str] | None,
     metrics_listen: str | None = None,
 ) -> ServeHandle:
-    settings = settings or load_settings()
+    settings = settings or load_settings(env)  # the environment the children get (None: this process's)
     sweep_stale_segments()  # what trees SIGKILLed whole left behind (their owners are gone)
     workdir = tempfile.mkdtemp(prefix="cdb-serve-")
     if not (settings.stage_secret_file or settings.stage_secret):
@@ -422,25 +434,31 @@ def _start_tree(
     try:
         # Unix socket paths are known in advance, so the scheduler starts with the stages and connects as soon
         # as they listen (it waits for them): start-up costs one interpreter + torch import, not two.
-        ready = {stage: os.path.join(handle.workdir, f"{stage.role}.ready") for stage in Stage}
-        sockets = {stage: f"unix://{handle.workdir}/{stage.role}.sock" for stage in Stage}
-        for stage in Stage:
-            argv = ["-m", "cdb", "stage", "--role", stage.role, "--model", config.model, "--listen", sockets[stage]]
-            argv += ["--dtype", config.dtype, "--device", config.device, "--ready-file", ready[stage]]
+        names = {stage: stage.role for stage in Stage}
+        standby = {stage: stage.role + STANDBY_SUFFIX for stage in Stage} if settings.standby_stages else {}
+        ready = {n: os.path.join(handle.workdir, f"{n}.ready") for n in (*names.values(), *standby.values())}
+        sockets = {n: f"unix://{handle.workdir}/{n}.sock" for n in ready}
+        for stage, name in [*names.items(), *standby.items()]:
+            argv = ["-m", "cdb", "stage", "--role", stage.role, "--model", config.model, "--listen", sockets[name]]
+            argv += ["--dtype", config.dtype, "--device", config.device, "--ready-file", ready[name]]
             if config.synthetic_cost:
                 argv += ["--synthetic-cost", config.synthetic_cost, "--synthetic-depths", config.synthetic_depths]
-            handle.start_child(stage.role, argv, env, ready[stage])
+            handle.start_child(name, argv, env, ready[name])
         sched_ready = os.path.join(handle.workdir, "scheduler.ready")
         if listen is not None:
             argv = ["-m", "cdb", "scheduler", "--listen", listen, "--ready-file", sched_ready]
-            argv += [f"--stage={s.role}={a}" for s, a in sockets.items()]
+            argv += [f"--stage={s.role}={sockets[n]}" for s, n in names.items()]
+            argv += [f"--standby-stage={s.role}={sockets[n]}" for s, n in standby.items()]
             if metrics_listen is not None:
                 argv.append(f"--metrics-listen={metrics_listen}")
             argv += engine_config_to_argv(config, env)
             handle.start_child("scheduler", argv, env, sched_ready)
         for stage, proc in handle.stages.items():
             timeout = settings.ready_timeout_s
-            handle.stage_addrs[stage] = wait_ready_file(ready[stage], proc, timeout, f"{stage.role} stage")
+            handle.stage_addrs[stage] = wait_ready_file(ready[stage.role], proc, timeout, f"{stage.role} stage")
+        for stage, proc in handle.standbys.items():
+            what = f"{stage.role} standby stage"
+            handle.standby_addrs[stage] = wait_ready_file(ready[standby[stage]], proc, settings.ready_timeout_s, what)
         if handle.scheduler is not None:
             handle.address = wait_ready_file(sched_ready, handle.scheduler, settings.ready_timeout_s, "scheduler")
         handle.supervise()

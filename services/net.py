@@ -56,18 +56,19 @@ def bound_address(listen: str, port: int) -> str:
     return f"{listen.rpartition(':')[0]}:{port}"
 
 
-def parse_stage_addrs(specs: Sequence[str]) -> dict[Stage, str]:
-    """``["prelude=ADDR", "loop=ADDR", "head=ADDR"]`` -> addresses by stage; all three required."""
+def parse_stage_addrs(specs: Sequence[str], flag: str = "--stage", complete: bool = True) -> dict[Stage, str]:
+    """``["prelude=ADDR", "loop=ADDR", "head=ADDR"]`` -> addresses by stage; all three required unless not
+    ``complete`` (``--standby-stage``: any roles)."""
     addrs: dict[Stage, str] = {}
     roles = "|".join(s.role for s in Stage)
     for spec in specs:
         role, sep, address = spec.partition("=")
         if not sep or not address or role not in Stage.roles():
-            raise ValueError(f"--stage must be ROLE=ADDRESS with ROLE in {roles}, got {spec!r}")
+            raise ValueError(f"{flag} must be ROLE=ADDRESS with ROLE in {roles}, got {spec!r}")
         addrs[Stage.from_role(role)] = address
     missing = [s.role for s in Stage if s not in addrs]
-    if missing:
-        raise ValueError(f"missing --stage for {', '.join(missing)} (or use --in-process)")
+    if complete and missing:
+        raise ValueError(f"missing {flag} for {', '.join(missing)} (or use --in-process)")
     return addrs
 
 

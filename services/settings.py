@@ -19,7 +19,7 @@ allowed where the default says so. The tables are the fields' own help (``metada
 | ``CDB_HEALTH_INTERVAL_S`` | 0.5 | period of the scheduler's readiness check |
 | ``CDB_STALL_TIMEOUT_S`` | 15 | work pending without engine progress this long: NOT_SERVING |
 | ``CDB_DRAIN_TIMEOUT_S`` | 30 | SIGTERM: how long in-flight streams may finish before they are cancelled |
-| ``CDB_MAX_CONCURRENT_RPCS`` | 1024 | hard cap of concurrent RPCs of the public server (RESOURCE_EXHAUSTED beyond) |
+| ``CDB_MAX_CONCURRENT_RPCS`` | 1024 | hard cap of concurrent gRPC calls but health checks (RESOURCE_EXHAUSTED beyond) |
 | ``CDB_READY_TIMEOUT_S`` | 180 | ``serve_all``: how long to wait for every child to become ready |
 | ``CDB_UVLOOP`` | true | run the public server's event loop on uvloop when installed |
 | ``CDB_METRICS_ADDR`` | (unset) | ``HOST:PORT`` of the scheduler's Prometheus endpoint (``:9464``: all interfaces) |
@@ -30,6 +30,9 @@ allowed where the default says so. The tables are the fields' own help (``metada
 | ``CDB_RECONNECT_BACKOFF_S`` | 0.05 | first delay between reconnect attempts to a lost stage (doubles up to 0.5 s) |
 | ``CDB_STAGE_HANG_FLOOR_S`` | 30 | no stage op is judged hung before it has run this long |
 | ``CDB_STAGE_HANG_FACTOR`` | 20 | an op past this many times its expected time (pace x tokens): its stage is replaced |
+| ``CDB_STANDBY_STAGES`` | false | a warm standby process per stage role: a lost stage is replaced at once (2x memory) |
+| ``CDB_STAGE_RINGS`` | true | stage ops and replies travel on shared-memory rings (x86-64 Linux); false: on gRPC |
+| ``CDB_STAGE_RING_BYTES`` | 4194304 | capacity of each stage ring (two per stage); the largest op or reply fits |
 | ``CDB_TLS_CERT`` | (unset) | PEM certificate chain of the public port (with ``CDB_TLS_KEY``: TLS on) |
 | ``CDB_TLS_KEY`` | (unset) | PEM private key of the public port |
 | ``CDB_TLS_CLIENT_CA`` | (unset) | PEM CA bundle: the public port requires client certificates signed by it (mTLS) |
@@ -37,6 +40,14 @@ allowed where the default says so. The tables are the fields' own help (``metada
 | ``CDB_API_KEYS_FILE`` | (unset) | file with one API key per line (``#`` comments), merged with ``CDB_API_KEYS`` |
 | ``CDB_MAX_STREAMS_PER_CONNECTION`` | 256 | HTTP/2 max concurrent streams per client connection of the public port |
 | ``CDB_KEEPALIVE_MIN_TIME_S`` | 10 | clients may ping no more often than this (more often: GOAWAY) |
+| ``CDB_MAX_REQUESTS_PER_CALLER`` | 256 | live generation requests of one caller (API key, else host), both APIs |
+| ``CDB_MAX_STREAMS_PER_CALLER`` | 256 | streamed generations of one caller open at once (gRPC streams, SSE) |
+| ``CDB_MAX_HEALTH_WATCHES`` | 256 | open health Watch streams of all callers (apart from the RPC cap) |
+| ``CDB_STREAM_STALL_TIMEOUT_S`` | 60 | a stream whose client takes no message this long is cut, its request aborted |
+| ``CDB_IDLE_CONNECTION_TIMEOUT_S`` | 300 | gRPC: a connection without calls this long is closed (GOAWAY) |
+| ``CDB_HTTP_KEEP_ALIVE_S`` | 5 | HTTP: an idle keep-alive connection is closed after this long |
+| ``CDB_HEADER_READ_TIMEOUT_S`` | 10 | time for a new connection's handshake (gRPC), for a request's headers (HTTP) |
+| ``CDB_BODY_READ_TIMEOUT_S`` | 30 | HTTP: time for a request's whole body once its headers are in (else 408) |
 | ``CDB_HTTP_ADDR`` | (unset) | ``HOST:PORT`` of the OpenAI HTTP API (``cdb serve``: 127.0.0.1:8000); empty: none |
 | ``CDB_SERVED_MODEL_NAME`` | (unset) | model names the HTTP API accepts, comma-separated; the first is reported |
 | ``CDB_MAX_REQUEST_BYTES`` | 4194304 | largest HTTP request body; more: 413 before parsing and the API-key check |
@@ -135,7 +146,7 @@ class Settings:
     stall_timeout_s: float = _help("work pending without engine progress this long: NOT_SERVING", 15.0)
     drain_timeout_s: float = _help("SIGTERM: how long in-flight streams may finish before they are cancelled", 30.0)
     max_concurrent_rpcs: int = _help(
-        "hard cap of concurrent RPCs of the public server (RESOURCE_EXHAUSTED beyond)", 1024
+        "hard cap of concurrent gRPC calls but health checks (RESOURCE_EXHAUSTED beyond)", 1024
     )
     ready_timeout_s: float = _help("``serve_all``: how long to wait for every child to become ready", 180.0)
     uvloop: bool = _help("run the public server's event loop on uvloop when installed", True)
@@ -153,6 +164,13 @@ class Settings:
     stage_hang_factor: float = _help(
         "an op past this many times its expected time (pace x tokens): its stage is replaced", 20.0
     )
+    standby_stages: bool = _help(
+        "a warm standby process per stage role: a lost stage is replaced at once (2x memory)", False
+    )
+    stage_rings: bool = _help(
+        "stage ops and replies travel on shared-memory rings (x86-64 Linux); false: on gRPC", True
+    )
+    stage_ring_bytes: int = _help("capacity of each stage ring (two per stage); the largest op or reply fits", 4 << 20)
     tls_cert: str = _help("PEM certificate chain of the public port (with ``CDB_TLS_KEY``: TLS on)", "")
     tls_key: str = _help("PEM private key of the public port", "")
     tls_client_ca: str = _help("PEM CA bundle: the public port requires client certificates signed by it (mTLS)", "")
@@ -164,6 +182,18 @@ class Settings:
         "HTTP/2 max concurrent streams per client connection of the public port", 256
     )
     keepalive_min_time_s: float = _help("clients may ping no more often than this (more often: GOAWAY)", 10.0)
+    max_requests_per_caller: int = _help("live generation requests of one caller (API key, else host), both APIs", 256)
+    max_streams_per_caller: int = _help("streamed generations of one caller open at once (gRPC streams, SSE)", 256)
+    max_health_watches: int = _help("open health Watch streams of all callers (apart from the RPC cap)", 256)
+    stream_stall_timeout_s: float = _help(
+        "a stream whose client takes no message this long is cut, its request aborted", 60.0
+    )
+    idle_connection_timeout_s: float = _help("gRPC: a connection without calls this long is closed (GOAWAY)", 300.0)
+    http_keep_alive_s: float = _help("HTTP: an idle keep-alive connection is closed after this long", 5.0)
+    header_read_timeout_s: float = _help(
+        "time for a new connection's handshake (gRPC), for a request's headers (HTTP)", 10.0
+    )
+    body_read_timeout_s: float = _help("HTTP: time for a request's whole body once its headers are in (else 408)", 30.0)
     http_addr: str = _help("``HOST:PORT`` of the OpenAI HTTP API (``cdb serve``: 127.0.0.1:8000); empty: none", "")
     served_model_name: str = _help("model names the HTTP API accepts, comma-separated; the first is reported", "")
     max_request_bytes: int = _help("largest HTTP request body; more: 413 before parsing and the API-key check", 4 << 20)

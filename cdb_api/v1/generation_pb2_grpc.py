@@ -63,7 +63,9 @@ class GenerationServicer:
 
     def GenerateStream(self, request, context):
         """Generates tokens for one prompt, one message per token, then one final message with the finish reason and
-        usage. Cancelling the call aborts the request.
+        usage. Cancelling the call aborts the request. Once the request is admitted the server sends the initial
+        metadata `cdb-request-id` (the request's id): a stream that breaks after it may be resumed
+        (GenerateRequest.resume).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

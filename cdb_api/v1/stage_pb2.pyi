@@ -84,7 +84,7 @@ class KVSpec(_message.Message):
     def __init__(self, policy: _Optional[str] = ..., max_depth: _Optional[int] = ..., shared_after: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...
 
 class ConfigureRequest(_message.Message):
-    __slots__ = ("role", "model", "dtype", "bank", "fences", "kv", "token_bank", "holder", "device")
+    __slots__ = ("role", "model", "dtype", "bank", "fences", "kv", "token_bank", "holder", "device", "rings")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -94,6 +94,7 @@ class ConfigureRequest(_message.Message):
     TOKEN_BANK_FIELD_NUMBER: _ClassVar[int]
     HOLDER_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    RINGS_FIELD_NUMBER: _ClassVar[int]
     role: StageRole
     model: str
     dtype: str
@@ -103,7 +104,16 @@ class ConfigureRequest(_message.Message):
     token_bank: BankSpec
     holder: str
     device: str
-    def __init__(self, role: _Optional[_Union[StageRole, str]] = ..., model: _Optional[str] = ..., dtype: _Optional[str] = ..., bank: _Optional[_Union[BankSpec, _Mapping]] = ..., fences: _Optional[_Union[FenceBoardSpec, _Mapping]] = ..., kv: _Optional[_Union[KVSpec, _Mapping]] = ..., token_bank: _Optional[_Union[BankSpec, _Mapping]] = ..., holder: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...
+    rings: StageRings
+    def __init__(self, role: _Optional[_Union[StageRole, str]] = ..., model: _Optional[str] = ..., dtype: _Optional[str] = ..., bank: _Optional[_Union[BankSpec, _Mapping]] = ..., fences: _Optional[_Union[FenceBoardSpec, _Mapping]] = ..., kv: _Optional[_Union[KVSpec, _Mapping]] = ..., token_bank: _Optional[_Union[BankSpec, _Mapping]] = ..., holder: _Optional[str] = ..., device: _Optional[str] = ..., rings: _Optional[_Union[StageRings, _Mapping]] = ...) -> None: ...
+
+class StageRings(_message.Message):
+    __slots__ = ("ops", "replies")
+    OPS_FIELD_NUMBER: _ClassVar[int]
+    REPLIES_FIELD_NUMBER: _ClassVar[int]
+    ops: str
+    replies: str
+    def __init__(self, ops: _Optional[str] = ..., replies: _Optional[str] = ...) -> None: ...
 
 class ConfigureResponse(_message.Message):
     __slots__ = ("role", "model", "architecture", "bank_width", "device", "process")

@@ -7,8 +7,14 @@
   --served-model-name``): every name is accepted as a request's ``model``, the first is the one reported.
   Requests go through the same engine and the same ``GenerationService`` state as the gRPC API: its drain,
   readiness verdict, metrics and traces cover them too.
-- Request bodies over ``CDB_MAX_REQUEST_BYTES`` get 413 before they are parsed or their API key is checked
-  (``body_limit.BodyLimit``); building and validating a request (template, tokenization) runs off the event loop.
+- Request bodies over ``CDB_MAX_REQUEST_BYTES`` get 413 before they are parsed or their API key is checked, and
+  bodies not received within ``CDB_BODY_READ_TIMEOUT_S`` 408 (``body_limit.BodyLimit``); building and validating a
+  request (template, tokenization) runs off the event loop.
+- Fair shares: a caller's generation requests count in its share (``services.scheduler.shares``: its API key, else
+  its client host), with the gRPC API's: over ``CDB_MAX_REQUESTS_PER_CALLER`` / ``CDB_MAX_STREAMS_PER_CALLER``
+  (``stream: true``) it gets 429 ``rate_limit_exceeded`` naming the setting. Connections (``protocol``): request
+  headers within ``CDB_HEADER_READ_TIMEOUT_S``, idle keep-alive ``CDB_HTTP_KEEP_ALIVE_S``, and a client that takes
+  nothing of a response for ``CDB_STREAM_STALL_TIMEOUT_S`` is cut (its request aborted).
 - ``HttpServer`` / ``serve_http``: uvicorn on ``HOST:PORT`` on the running loop, without uvicorn's signal handlers
   (the scheduler owns SIGTERM and drains); stopping closes the listener, lets in-flight responses end for up to
   ``shutdown_timeout_s`` and then cuts them (which aborts their requests).
@@ -40,11 +46,13 @@ from cdb_model.loader import load_generation_defaults
 from services.http.body_limit import BodyLimit
 from services.http.calls import Call, Prepare
 from services.http.errors import ApiError, api_error, validation_error
+from services.http.protocol import guarded_protocol
 from services.http.responses import ChatRender, CompletionRender, Render
 from services.http.schemas import CHAT_FIELDS, FIELDS, ChatCompletionRequest, CompletionRequest
 from services.http.streaming import EventStream, sse_body, until_done_or_gone
 from services.scheduler.handlers import GenerationService
 from services.scheduler.security import CallerAuth, read_api_keys
+from services.scheduler.shares import host_key, share_scope
 from services.settings import Settings, served_names
 from services.version import server_version
 
@@ -73,7 +81,8 @@ def create_app(
     created = int(time.time())
     generation = load_generation_defaults(engine.config.model)  # sampling defaults of unset fields, max_new_tokens
     app = FastAPI(title="cdb OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None)
-    app.add_middleware(BodyLimit, max_bytes=settings.max_request_bytes)  # before parsing and the API-key check
+    # before parsing and the API-key check
+    app.add_middleware(BodyLimit, max_bytes=settings.max_request_bytes, read_timeout_s=settings.body_read_timeout_s)
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
@@ -124,8 +133,16 @@ def create_app(
         """Admit the request (every refusal is an error reply), then stream it or answer once it has finished."""
         headers = request.headers.items()
         try:
+            caller = share_scope(auth.scope_of(headers), host_key(request.client.host if request.client else ""))
             call = await Call.open(
-                service, render.id, prepare, operation=operation, max_tokens=max_tokens, headers=headers
+                service,
+                render.id,
+                prepare,
+                operation=operation,
+                max_tokens=max_tokens,
+                headers=headers,
+                caller=caller,
+                streaming=stream,
             )
         except Exception as exc:
             return api_error(exc, fields).response()
@@ -265,12 +282,15 @@ class HttpServer:
         host, port = address.rpartition(":")[0] or "0.0.0.0", self.socket.getsockname()[1]
         self.address = f"{host}:{port}"
         self.scheme = "https" if settings is not None and settings.tls_cert else "http"
+        limits = settings or Settings()
         config = uvicorn.Config(
             app,
             lifespan="off",
             log_config=None,
             access_log=False,
             ws="none",
+            http=guarded_protocol(limits.header_read_timeout_s, limits.stream_stall_timeout_s),
+            timeout_keep_alive=limits.http_keep_alive_s,  # type: ignore[arg-type]  # a float works (call_later)
             timeout_graceful_shutdown=max(1, round(shutdown_timeout_s)),
             **(_tls_options(settings) if settings is not None else {}),
         )

@@ -42,9 +42,12 @@ class Call:
         operation: str,
         max_tokens: int,
         headers: Iterable[tuple[str, str]],
+        caller: str,
+        streaming: bool,
     ) -> Call:
         """Build the request (``prepare``: prompt and params; may raise ``InvalidRequest``; run on a worker thread),
-        validate and submit it; every refusal raises (and is counted) before anything is streamed."""
+        validate and submit it as a request of ``caller`` (its share scope; ``streaming``: an SSE response, see
+        ``GenerationService.admit``); every refusal raises (and is counted) before anything is streamed."""
         engine = service.engine
         span = telemetry.start_request_span(
             model=engine.config.model,
@@ -67,7 +70,8 @@ class Call:
         def open_stream(ids: list[int], params: RequestParams) -> RequestStream:
             return engine.open_stream(ids, params, request_id, observer=observer)
 
-        return cls(service, request_id, await service.admit(prepare, open_stream, request_id, observer))
+        stream = await service.admit(prepare, open_stream, request_id, observer, caller=caller, streaming=streaming)
+        return cls(service, request_id, stream)
 
     async def events(self) -> AsyncIterator[Event]:
         try:

@@ -9,6 +9,8 @@ module only turns that gRPC status into an HTTP status and names the field in th
 | missing or wrong API key | 401 | ``invalid_request_error`` | ``invalid_api_key`` |
 | ``model`` is not the served model | 404 | ``invalid_request_error`` | ``model_not_found`` |
 | ``Overloaded`` (waiting queue full) | 429 | ``rate_limit_error`` | ``overloaded`` |
+| ``CallerLimit`` (the caller's own limits, ``shares``) | 429 | ``rate_limit_error`` | ``rate_limit_exceeded`` |
+| a body not received within ``CDB_BODY_READ_TIMEOUT_S`` | 408 | ``invalid_request_error`` | ``request_timeout`` |
 | ``StageFailed``, ``EngineStopped``, ``ServerDraining`` | 503 | ``server_error`` | ``unavailable`` |
 | anything else (logged, never a traceback to the client) | 500 | ``server_error`` | ``internal_error`` |
 """
@@ -23,7 +25,7 @@ import grpc
 from fastapi.responses import JSONResponse
 
 from cdb_engine.errors import InvalidRequest
-from services.scheduler.errors import status_for
+from services.scheduler.errors import CallerLimit, status_for
 
 log = logging.getLogger("cdb.http")
 
@@ -63,6 +65,8 @@ def api_error(exc: BaseException, fields: Mapping[str, str] | None = None) -> Ap
     if isinstance(exc, ApiError):
         return exc
     code, message = status_for(exc)
+    if isinstance(exc, CallerLimit):
+        return ApiError(429, message, "rate_limit_error", None, "rate_limit_exceeded")
     if isinstance(exc, InvalidRequest):
         param = (fields or {}).get(exc.field, exc.field)
         return ApiError(400, f"{param}: {exc.message}", param=param)

@@ -3,7 +3,8 @@
 One ``Render`` per request follows its events (text, served depths, logprobs) and shapes them: ``token(ev)`` /
 ``finish(ev)`` give the SSE chunks, ``response()`` the non-streamed body. Each token's served loop depth is an
 extension field of the choice, ``"cdb": {"depths": [...]}`` (plus ``mean_depth`` and ``total_loop_steps`` once
-the request has finished).
+the request has finished); a streamed token's chunk also carries its id (``"token_ids"``), which a client resumes
+a broken stream with (the request's ``resume`` extension).
 """
 
 from __future__ import annotations
@@ -83,7 +84,8 @@ class Render:
         """The chunk streamed for one token."""
         self._record(ev)
         lp = self._logprobs(self.lp[-1:], self.offsets[-1:]) if self.logprobs and ev.logprobs is not None else None
-        return self._envelope([self._chunk_choice(ev.text, lp, None, {"depths": [ev.depth]})])
+        cdb = {"depths": [ev.depth], "token_ids": [ev.token_id]}  # what a broken stream resumes with
+        return self._envelope([self._chunk_choice(ev.text, lp, None, cdb)])
 
     def finish(self, ev: FinishEvent) -> list[dict[str, Any]]:
         """The last chunk (held-back text, ``finish_reason``) and, when asked, the usage chunk."""

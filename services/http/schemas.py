@@ -30,6 +30,15 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
+class ResumeState(BaseModel):
+    """``resume``: what a broken stream had delivered (the ``cdb.token_ids`` and ``cdb.depths`` of its chunks)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    token_ids: list[StrictInt]
+    depths: list[StrictInt]
+
+
 class _Common(BaseModel):
     """Fields shared by completions and chat completions (OpenAI's names and defaults, plus cdb extensions)."""
 
@@ -52,6 +61,7 @@ class _Common(BaseModel):
     exit_threshold: float | None = None  # per-request exit threshold of the loop (lower: shallower, faster)
     top_k: StrictInt | None = None
     ignore_eos: StrictBool = False
+    resume: ResumeState | None = None  # continue a broken stream after the tokens it had delivered
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -100,6 +110,8 @@ class _Common(BaseModel):
             stop_strings=tuple(stop),
             exit_threshold=self.exit_threshold,
             ignore_eos=self.ignore_eos,
+            resume_tokens=tuple(self.resume.token_ids) if self.resume else (),
+            resume_depths=tuple(self.resume.depths) if self.resume else (),
         )
 
     @property

@@ -36,6 +36,10 @@ class Unauthenticated(Exception):
     """The call carries no valid API key; the message says what is wrong (never the key)."""
 
 
+class CallerLimit(Exception):
+    """The caller is at one of its limits (``services.scheduler.shares``); the message names the setting."""
+
+
 class UndecodableRequest(Exception):
     """The request bytes do not parse; the message is ``field: problem`` (``services.scheduler.decoding``)."""
 
@@ -48,6 +52,8 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.UNAUTHENTICATED, str(exc)
     if isinstance(exc, InvalidRequest):
         return grpc.StatusCode.INVALID_ARGUMENT, f"{_FIELD_PATHS.get(exc.field, exc.field)}: {exc.message}"
+    if isinstance(exc, CallerLimit):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
     if isinstance(exc, Overloaded):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, f"server overloaded: {exc}"
     if isinstance(exc, StageFailed | EngineStopped | ServerDraining):

@@ -10,12 +10,17 @@
   (spans add the scope as ``cdb.caller``).
 - ``add_generation_service`` registers the handlers with request deserializers that never raise
   (``services.scheduler.decoding``): an undecodable request gets INVALID_ARGUMENT naming the field.
+- Fair shares (``services.scheduler.shares``): ``admit`` takes the caller's share (``CallerAuth.share_scope``: its
+  key, else its host) before building a request, ``release`` gives it back; ``caps`` are the gRPC server's call
+  caps (an interceptor); a ``GenerateStream`` whose client takes no message for ``CDB_STREAM_STALL_TIMEOUT_S`` is
+  ended with DEADLINE_EXCEEDED and its request aborted.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -36,6 +41,7 @@ from services.scheduler import messages
 from services.scheduler.decoding import Undecodable, tolerant_deserializer
 from services.scheduler.errors import ServerDraining, StageFailed, UndecodableRequest, mapped_errors, status_for
 from services.scheduler.security import CallerAuth
+from services.scheduler.shares import CallCaps, CallerShares, Share, StallGuard
 from services.settings import Settings, served_names
 from services.telemetry.metrics import Metrics
 from services.telemetry.request_observer import ObservedRequest
@@ -43,6 +49,9 @@ from services.transport.executor import GrpcExecutorFactory
 from services.version import server_version
 
 _SERVICE = pb.DESCRIPTOR.services_by_name["Generation"]
+ACCEPTED_HEADER = "cdb-request-id"  # GenerateStream's initial metadata once admitted (clients.common reads it)
+
+log = logging.getLogger("cdb.scheduler")
 
 
 class GenerationService(generation_pb2_grpc.GenerationServicer):
@@ -70,6 +79,10 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         self.draining = False
         self.not_ready: str | None = "starting"  # the readiness check's last verdict (None: ready)
         self.cut = False  # drain deadline passed: remaining requests end with UNAVAILABLE
+        self.shares = CallerShares.from_settings(settings)  # per-caller limits of both front ends
+        self.caps = CallCaps(settings)  # the gRPC server's call caps (its interceptor)
+        self._held: dict[str, Share] = {}  # key of a live request (as ``live``) -> its caller's share
+        self._stall_aborts: set[asyncio.Task[None]] = set()  # statuses of stalled streams, until sent
 
     @property
     def broken(self) -> str | None:
@@ -109,7 +122,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         return scope, f"{scope}/{request_id}"
 
     async def _events(
-        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, request_id: str
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, request_id: str, *, streaming: bool
     ) -> AsyncGenerator[list[Event]]:
         """One request's engine events (carrying the scoped id), in batches of what was ready together: tokens, or
         the finish alone (after the tokens before it); raises what the caller maps to a status."""
@@ -120,8 +133,17 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         def open_stream(ids: list[int], params: RequestParams) -> RequestStream:
             return self._open(ids, params, scoped_id, request_id, observer)
 
-        stream = await self.admit(lambda: messages.request_to_engine(request), open_stream, scoped_id, observer)
+        stream = await self.admit(
+            lambda: messages.request_to_engine(request),
+            open_stream,
+            scoped_id,
+            observer,
+            caller=self.auth.share_scope(context),
+            streaming=streaming,
+        )
         try:
+            if streaming:  # accepted: the client knows this server took the request (a break is then resumable)
+                await context.send_initial_metadata(((ACCEPTED_HEADER, request_id),))
             async with stream:
                 async for ev in stream:
                     batch = [ev, *stream.take_ready()]
@@ -143,15 +165,21 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         open_stream: Callable[[list[int], RequestParams], RequestStream],
         key: str,
         observer: ObservedRequest,
+        *,
+        caller: str,
+        streaming: bool,
     ) -> RequestStream:
-        """Admission of one request of either front end (gRPC, HTTP): build it (``prepare``: prompt and params),
-        validate it, refuse it while draining or when the stages are given up on, open its engine stream, and
-        register it as live under ``key`` (the drain waits for it; ``release`` ends that). Every refusal is counted
-        by ``observer`` and raised before anything is streamed.
+        """Admission of one request of either front end (gRPC, HTTP): take a share of ``caller`` (its share scope;
+        ``streaming``: a streamed response), build the request (``prepare``: prompt and params), validate it, refuse
+        it while draining or when the stages are given up on, open its engine stream, and register it as live under
+        ``key`` (the drain waits for it; ``release`` ends that and gives the share back). Every refusal is counted
+        by ``observer`` and raised before anything is streamed; a refused request holds no share.
 
         Building and validating (chat template rendering, tokenization: bounded, but not free) run on a worker
         thread, never on the event loop that serves every other call."""
+        share: Share | None = None
         try:
+            share = self.shares.acquire(caller, streaming)
             ids, params = await asyncio.to_thread(self._build, prepare)
             observer.validated(len(ids), params)
             if self.draining:
@@ -160,13 +188,18 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 raise StageFailed(self.broken)
             stream = open_stream(ids, params)
         except asyncio.CancelledError as exc:  # the caller left while its request was being built
+            if share is not None:
+                share.release()
             observer.gone(exc)
             raise
         except Exception as exc:
+            if share is not None:
+                share.release()
             observer.rejected(exc)
             raise
         observer.admitted(len(ids))
         self.live[key] = observer
+        self._held[key] = share
         self.idle.clear()
         return stream
 
@@ -176,8 +209,11 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         return self.engine.validate(prompt, params), params
 
     def release(self, key: str) -> None:
-        """A request registered by ``admit`` has ended."""
+        """A request registered by ``admit`` has ended: unregistered, its caller's share given back."""
         self.live.pop(key, None)
+        share = self._held.pop(key, None)
+        if share is not None:
+            share.release()
         if not self.live:
             self.idle.set()
 
@@ -205,20 +241,45 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
     ) -> AsyncGenerator[pb.GenerateStreamResponse]:
         request_id = request.request_id or uuid.uuid4().hex
         batched = request.batch_tokens
-        async with contextlib.aclosing(self._events(request, context, request_id)) as batches:
-            async for events in batches:
-                if batched and len(events) > 1:  # tokens that were ready together: one message
-                    yield messages.tokens_to_pb(request_id, [e for e in events if isinstance(e, TokenEvent)])
-                    continue
-                for ev in events:
-                    msg = messages.event_to_pb(ev)
-                    msg.request_id = request_id  # the caller's id, not the engine's scoped one
-                    yield msg
+        guard = self._stall_guard(context, request_id)
+        try:
+            async with contextlib.aclosing(self._events(request, context, request_id, streaming=True)) as batches:
+                async for events in batches:
+                    if batched and len(events) > 1:  # tokens that were ready together: one message
+                        out = [messages.tokens_to_pb(request_id, [e for e in events if isinstance(e, TokenEvent)])]
+                    else:
+                        out = [messages.event_to_pb(ev) for ev in events]
+                        for msg in out:
+                            msg.request_id = request_id  # the caller's id, not the engine's scoped one
+                    for msg in out:
+                        guard.sending()
+                        yield msg  # gRPC sends it before asking for the next one: a full window holds us here
+                        guard.sent()
+        finally:
+            guard.close()
+
+    def _stall_guard(self, context: grpc.aio.ServicerContext, request_id: str) -> StallGuard:
+        """A guard that ends this call (DEADLINE_EXCEEDED) when its client stops taking messages: the status is
+        queued behind what the client has not read, and the call's task is cancelled, which closes the handler
+        (the request is aborted, its share and slot freed). Made on the call's task (the one to cancel)."""
+        task = asyncio.current_task()
+        timeout = self.settings.stream_stall_timeout_s
+
+        def stalled() -> None:
+            message = f"the client took no message for {timeout:g}s (CDB_STREAM_STALL_TIMEOUT_S): stream cut"
+            log.warning("GenerateStream %s from %s: %s", request_id, context.peer(), message)
+            status = asyncio.ensure_future(_abort_quietly(context, grpc.StatusCode.DEADLINE_EXCEEDED, message))
+            self._stall_aborts.add(status)
+            status.add_done_callback(self._stall_aborts.discard)
+            if task is not None:
+                task.cancel()
+
+        return StallGuard(timeout, stalled)
 
     @mapped_errors
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
         out = pb.GenerateResponse(request_id=request.request_id or uuid.uuid4().hex)
-        async with contextlib.aclosing(self._events(request, context, out.request_id)) as batches:
+        async with contextlib.aclosing(self._events(request, context, out.request_id, streaming=False)) as batches:
             async for events in batches:
                 for ev in events:
                     out.text += ev.text
@@ -268,6 +329,12 @@ def add_generation_service(service: GenerationService, server: grpc.aio.Server) 
             handlers[method.name] = grpc.unary_unary_rpc_method_handler(_decoded_unary(fn), **kw)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(_SERVICE.full_name, handlers),))
     server.add_registered_method_handlers(_SERVICE.full_name, handlers)
+
+
+async def _abort_quietly(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> None:
+    """End the call with this status; nothing if it has one already (finished, or its client gone)."""
+    with contextlib.suppress(Exception):
+        await context.abort(code, message)
 
 
 async def _refuse_undecodable(request: Undecodable, context: grpc.aio.ServicerContext) -> None:

@@ -50,6 +50,8 @@ def request_to_engine(req: pb.GenerateRequest) -> tuple[str | list[int], Request
         exit_threshold=req.exit_threshold if req.HasField("exit_threshold") else None,
         ignore_eos=req.ignore_eos,
         replay_depths=tuple(req.replay_depths) if req.replay_depths else None,
+        resume_tokens=tuple(req.resume.token_ids),
+        resume_depths=tuple(req.resume.depths),
     )
     return prompt, params
 

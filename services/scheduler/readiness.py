@@ -35,8 +35,8 @@ class Readiness:
         self.settings = settings
         self.health = health.aio.HealthServicer()
         self.reason: str | None = "starting"
-        options = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000)]
-        self._channels = {s: grpc.aio.insecure_channel(a, options=options) for s, a in (stage_addrs or {}).items()}
+        self._stage_addrs = dict(stage_addrs or {})
+        self._channels: dict[str, grpc.aio.Channel] = {}  # by address: a standby that took over is probed too
         self.on_fatal: Callable[[], None] | None = None  # called once when the stages are given up on
         self.fatal: str | None = None
         self._busy_since: float | None = None
@@ -61,9 +61,17 @@ class Readiness:
             since = max(st.last_progress_monotonic, self._busy_since)
             if now - since > self.settings.stall_timeout_s:
                 return f"no engine progress for {now - since:.1f}s with {st.waiting + st.running} requests"
-        probes = [self._probe(stage, ch) for stage, ch in self._channels.items()]
+        addrs = executor.stage_addrs if executor is not None else self._stage_addrs  # the stages serving now
+        probes = [self._probe(stage, self._channel(address)) for stage, address in addrs.items()]
         failures = [why for why in await asyncio.gather(*probes) if why]
         return "; ".join(failures) or None
+
+    def _channel(self, address: str) -> grpc.aio.Channel:
+        channel = self._channels.get(address)
+        if channel is None:
+            options = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000)]
+            channel = self._channels[address] = grpc.aio.insecure_channel(address, options=options)
+        return channel
 
     def _fatal(self, why: str) -> None:
         if self.fatal is None:

@@ -11,7 +11,8 @@
 - ``CallerAuth.scope(context)``: the caller's scope, which request ids and Abort live in: ``key-<digest>`` (12 hex
   digits of a digest of its API key; never the key) when keys are on, else ``cert-<digest>`` of the verified
   client certificate's subject (mTLS), else ``anon``: without keys or client certificates all callers share one
-  scope.
+  scope. ``CallerAuth.share_scope(context)``: the scope its limits count in (``shares``): the same, but its host's
+  instead of ``anon``.
 """
 
 from __future__ import annotations
@@ -28,11 +29,11 @@ from typing import Any
 import grpc
 
 from services.scheduler.errors import Unauthenticated, status_for
+from services.scheduler.shares import ANONYMOUS_SCOPE, grpc_peer_host, share_scope
 from services.settings import Settings
 
 log = logging.getLogger("cdb.scheduler")
 
-ANONYMOUS_SCOPE = "anon"
 OPEN_SERVICES = ("grpc.health.v1.Health",)  # callable without a key
 _BEARER = "bearer "
 
@@ -94,6 +95,11 @@ class CallerAuth:
         """The caller's scope (see the module docstring); raises ``Unauthenticated`` for a refused key."""
         subjects = context.auth_context().get("x509_subject")
         return self.scope_of(context.invocation_metadata(), subjects[0] if subjects else None)
+
+    def share_scope(self, context: grpc.aio.ServicerContext) -> str:
+        """The scope the caller's limits count in (``shares.share_scope``): ``scope``, but its host's instead of
+        the one anonymous scope."""
+        return share_scope(self.scope(context), grpc_peer_host(context.peer()))
 
     def scope_of(self, metadata: Iterable[Any] | None, cert_subject: bytes | None = None) -> str:
         """The scope of a caller with this metadata (``(name, value)`` pairs, lower-case names: gRPC metadata or

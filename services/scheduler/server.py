@@ -4,7 +4,7 @@
   tracing, then ``serve`` until signalled.
 - ``serve``: ``cdb.v1.Generation`` + ``grpc.health.v1`` + reflection; SIGTERM/SIGINT: NOT_SERVING, new work
   refused (UNAVAILABLE), in-flight streams finish up to the drain timeout, then the rest end with UNAVAILABLE.
-- ``build_server`` / ``listen_on``: the public server, fit to expose (README, "Exposing the public port"):
+- ``build_server`` / ``listen_on``: the public server, fit to expose (docs/operations.md, "Exposing the public port"):
   - TLS when ``CDB_TLS_CERT`` + ``CDB_TLS_KEY`` are set; with ``CDB_TLS_CLIENT_CA`` clients must present a
     certificate signed by that CA (mTLS).
   - API keys (``CDB_API_KEYS``, ``CDB_API_KEYS_FILE``): every call but ``grpc.health.v1`` needs
@@ -18,6 +18,14 @@
     connection without calls (else GOAWAY ``too_many_pings`` after ``_MAX_PING_STRIKES`` bad pings), and no
     ``SO_REUSEPORT``: a busy port is a ``ListenError`` (``cannot listen on ADDR: address already in use``), never
     a silently shared one.
+  - Fair shares (``shares``): live requests and open streams per caller (``CDB_MAX_REQUESTS_PER_CALLER``,
+    ``CDB_MAX_STREAMS_PER_CALLER``; a caller: its API key, else its client certificate, else its host), the server's
+    calls but health checks (``CDB_MAX_CONCURRENT_RPCS``) and its health Watch streams
+    (``CDB_MAX_HEALTH_WATCHES``) bounded apart, each RESOURCE_EXHAUSTED beyond, naming the setting; a stream whose
+    client takes no message for ``CDB_STREAM_STALL_TIMEOUT_S`` is cut (DEADLINE_EXCEEDED, its request aborted).
+  - Connections: the TLS and HTTP/2 handshake within ``CDB_HEADER_READ_TIMEOUT_S``, closed (GOAWAY) after
+    ``CDB_IDLE_CONNECTION_TIMEOUT_S`` without calls, pinged every ``_KEEPALIVE_S`` (60 s) while they have calls and
+    closed when a ping goes unanswered for ``_KEEPALIVE_TIMEOUT_S`` (20 s).
 """
 
 from __future__ import annotations
@@ -58,16 +66,23 @@ Companion = Callable[[Engine, GenerationService, Settings], Coroutine[Any, Any, 
 
 _MAX_CONNECTION_AGE_S, _MAX_CONNECTION_AGE_GRACE_S = 300, 3600
 _MAX_PING_STRIKES = 2  # pings too soon tolerated before GOAWAY (gRPC's default, set so that it is documented)
+_KEEPALIVE_S, _KEEPALIVE_TIMEOUT_S = 60, 20  # the server pings a connection with calls; unanswered: it is closed
 
 
 def server_options(settings: Settings) -> list[tuple[str, Any]]:
-    """gRPC core options of the public server: the HTTP/2 limits of the module docstring."""
+    """gRPC core options of the public server: the HTTP/2 limits and connection timeouts of the module docstring."""
     return [
         *NO_REUSEPORT,
         ("grpc.max_concurrent_streams", settings.max_streams_per_connection),
         ("grpc.http2.min_recv_ping_interval_without_data_ms", round(settings.keepalive_min_time_s * 1000)),
         ("grpc.http2.max_ping_strikes", _MAX_PING_STRIKES),
         ("grpc.keepalive_permit_without_calls", 0),
+        # a vanished client (no FIN) is found within a ping and its calls end (their requests aborted, shares freed)
+        ("grpc.keepalive_time_ms", _KEEPALIVE_S * 1000),
+        ("grpc.keepalive_timeout_ms", _KEEPALIVE_TIMEOUT_S * 1000),
+        ("grpc.http2.max_pings_without_data", 0),  # also on a stream that sends nothing for long (a health Watch)
+        ("grpc.max_connection_idle_ms", round(settings.idle_connection_timeout_s * 1000)),
+        ("grpc.server_handshake_timeout_ms", round(settings.header_read_timeout_s * 1000)),
         # Clients balancing over a headless Service re-resolve when a connection ends: a GOAWAY after 5 minutes makes
         # them find scaled-up replicas. Calls already open on the old connection run on for up to an hour.
         ("grpc.max_connection_age_ms", _MAX_CONNECTION_AGE_S * 1000),
@@ -79,11 +94,9 @@ def build_server(
     service: GenerationService, readiness: Readiness, settings: Settings, security: PortSecurity
 ) -> grpc.aio.Server:
     """The public server (no port yet): Generation, health and reflection behind the API-key check."""
-    server = grpc.aio.server(
-        interceptors=security.interceptors(),
-        options=server_options(settings),
-        maximum_concurrent_rpcs=settings.max_concurrent_rpcs,
-    )
+    # the call caps are the service's own (``shares.CallCaps``), not grpc's maximum_concurrent_rpcs, which would count
+    # health Watch streams against the generation calls; after the API-key check: a refused call counts for nothing
+    server = grpc.aio.server(interceptors=[*security.interceptors(), service.caps], options=server_options(settings))
     add_generation_service(service, server)
     health_pb2_grpc.add_HealthServicer_to_server(readiness.health, server)
     enable_reflection(server, (SERVICE_NAME, health.SERVICE_NAME))
@@ -171,8 +184,10 @@ def run_scheduler(
     settings: Settings | None = None,
     metrics_listen: str | None = None,
     companion: Companion | None = None,
+    standby_addrs: Mapping[Stage, str] | None = None,
 ) -> None:
-    """Start the engine (connecting the stages; ``stage_addrs=None``: in-process) and serve until signalled
+    """Start the engine (connecting the stages; ``stage_addrs=None``: in-process; ``standby_addrs``: a warm standby
+    stage process per role, which takes over when its role's stage is lost) and serve until signalled
     (``companion``: see ``serve``).
 
     Tracing follows the ``OTEL_*`` environment (service ``cdb-scheduler``); metrics are always kept and served
@@ -185,7 +200,7 @@ def run_scheduler(
     throughput_log: ThroughputLog | None = None
     try:
         traces = telemetry.RequestTraces() if telemetry.enabled() else None
-        factory = GrpcExecutorFactory(stage_addrs, settings) if stage_addrs is not None else None
+        factory = GrpcExecutorFactory(stage_addrs, settings, None, standby_addrs) if stage_addrs is not None else None
         observer: OpRecorder | None = None
 
         def in_process(setup: StageSetup) -> Executor:

@@ -8,6 +8,7 @@ stop here: the executor and the stage server see plan objects only.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from operator import attrgetter
 
 from cdb_api.v1 import stage_pb2 as pb
 from cdb_scheduler.plan import (
@@ -27,6 +28,9 @@ from cdb_scheduler.plan import (
 from services.transport.bank import BankSpec, CudaIpcHandle
 
 _MASK64 = (1 << 64) - 1
+_TEMPERATURE, _TOP_K, _TOP_P, _SEED, _LOGPROBS, _RETURN_LOGPROB = (
+    attrgetter(name) for name in ("temperature", "top_k", "top_p", "seed", "logprobs", "return_logprob")
+)
 
 _ROLE_TO_PB = {Stage.PRELUDE: pb.STAGE_ROLE_PRELUDE, Stage.LOOP: pb.STAGE_ROLE_LOOP, Stage.HEAD: pb.STAGE_ROLE_HEAD}
 _PB_TO_ROLE = {v: k for k, v in _ROLE_TO_PB.items()}
@@ -91,12 +95,12 @@ def _head_columns(
     head.positions.extend(positions)
     head.rows.extend(rows)
     head.token_index.extend(token_index)
-    head.temperature.extend(s.temperature for s in sampling)
-    head.top_k.extend(s.top_k for s in sampling)
-    head.top_p.extend(s.top_p for s in sampling)
-    head.seed.extend(s.seed & _MASK64 for s in sampling)
-    head.logprobs.extend(s.logprobs for s in sampling)
-    head.return_logprob.extend(s.return_logprob for s in sampling)
+    head.temperature.extend(map(_TEMPERATURE, sampling))  # attrgetter maps: C loops, no generator frames
+    head.top_k.extend(map(_TOP_K, sampling))
+    head.top_p.extend(map(_TOP_P, sampling))
+    head.seed.extend(_MASK64 & seed for seed in map(_SEED, sampling))
+    head.logprobs.extend(map(_LOGPROBS, sampling))
+    head.return_logprob.extend(map(_RETURN_LOGPROB, sampling))
 
 
 def _sampling_of(h: pb.HeadBatch) -> tuple[SamplingParams, ...]:

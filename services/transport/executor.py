@@ -25,6 +25,11 @@ stage found stopped when the stages are re-attached is killed too). Each batch c
 own, twice the floor plus the budgets of every op outstanding when it is sent: a wait on a hung stage's op is
 released by the loss well before it.
 
+The data plane: with ``CDB_STAGE_RINGS`` (the default, on x86-64 Linux) each stage's ops and replies travel on
+two shared-memory message rings made with the fence board (``services.transport.ring``): ``submit`` writes the
+serialized batch straight onto the stage's ops ring, and each link's ring thread reads the replies ring; the
+``Run`` streams stay open beside them as each session's lifeline (their breaking is the loss signal, as before).
+
 Admission: every Stage call carries the deployment's stage secret (``services.stage_secret``) and this
 executor's ``holder`` id, so a stage serves one scheduler's session at a time.
 """
@@ -49,13 +54,16 @@ from cdb_engine.setup import StageSetup
 from cdb_scheduler.plan import Fence, Stage, StageLoss, StageOp, StageResult
 from services.settings import Settings, load_settings
 from services.stage_secret import call_metadata, load_stage_secret
+from services.transport import ring as ring_transport
 from services.transport.bank import SharedBank
 from services.transport.convert import bank_spec_to_pb, op_to_pb, result_from_pb, role_to_pb
 from services.transport.fences import FenceBoard
 from services.transport.links import StageLink, channel_options
+from services.transport.ring import MessageRing
 from services.transport.watchdog import HangWatch, OldestOp, ProcessId, is_stopped, kill, op_units
 
 _RECONNECT_BACKOFF_MAX_S = 0.5  # a restarted stage is re-attached within this of listening
+_STANDBY_WAIT_S = 0.5  # how long a re-attach waits for a standby before it tries the lost stage's own address
 
 log = logging.getLogger("cdb.executor")
 
@@ -104,12 +112,21 @@ class GrpcExecutor:
         stage_addrs: Mapping[Stage, str],
         settings: Settings | None = None,
         observer: OpObserver | None = None,
+        standby_addrs: Mapping[Stage, str] | None = None,
     ) -> None:
         self.settings = settings or load_settings()
         self.observer = observer
         self._sent: dict[tuple[Stage, int], tuple[StageOp, int]] = {}  # with an observer: op, sent at (ns)
         self.setup = setup
-        self.stage_addrs = dict(stage_addrs)
+        self.stage_addrs = dict(stage_addrs)  # the address each stage is served from now (a standby may take over)
+        # Every address of a role: the first stage process, then its warm standby (model loaded, no session).
+        # A lost stage is re-attached on another address of its role first: a process that is already up.
+        self._role_addrs = {
+            s: [a, *([standby_addrs[s]] if standby_addrs and s in standby_addrs else [])]
+            for s, a in stage_addrs.items()
+        }
+        self._lost: set[Stage] = set()  # stages lost since the last re-attach
+        self.takeovers = 0  # losses healed by another process of the role (a standby)
         self.counters = {stage: StageCounters() for stage in Stage}
         self.broken: str | None = None  # gave up: no stages came back in time (permanent)
         self.outage: str | None = None  # a stage is lost; re-attaching (None: all attached)
@@ -133,21 +150,28 @@ class GrpcExecutor:
         self._closed = False
         self._closing = threading.Event()
         self._links: dict[Stage, StageLink] = {}
-        self.channels: dict[Stage, grpc.Channel] = {}
+        self.channels: dict[Stage, grpc.Channel] = {}  # each stage's active channel (of ``stage_addrs``)
+        self._by_addr: dict[str, grpc.Channel] = {}
         self.watch = HangWatch(self.settings.stage_hang_floor_s, self.settings.stage_hang_factor)
         self._procs: dict[Stage, ProcessId] = {}  # each stage's process, from its last Configure reply
         bank_device = setup.device if setup.device.startswith("cuda") else "cpu"
         self.bank = SharedBank.create(setup.bank_rows, setup.bank_width, setup.dtype, bank_device)
         self.tokens = SharedBank.create(setup.bank_rows, 1, "int64", bank_device)
         self.fences = FenceBoard.create()
+        rings: dict[Stage, tuple[MessageRing, MessageRing]] = {}
         try:
             for stage in Stage:
                 self.channels[stage] = self._connect(stage, self.stage_addrs[stage])
+                self._by_addr[self.stage_addrs[stage]] = self.channels[stage]
+                for other in self._role_addrs[stage][1:]:  # standbys connect in the background
+                    self._by_addr[other] = grpc.insecure_channel(other, options=channel_options(self.settings))
+            rings = self._new_rings()
             for stage in Stage:
-                self._configure(stage, self.fences)
+                self._configure(stage, self.fences, rings.get(stage))
             for stage in Stage:
-                self._links[stage] = self._link(stage, 0)
+                self._links[stage] = self._link(stage, 0, rings.pop(stage, None))
         except BaseException:
+            _close_rings(rings)
             self.close()
             raise
         threading.Thread(target=self._watchdog, name="cdb-stage-watchdog", daemon=True).start()
@@ -161,10 +185,38 @@ class GrpcExecutor:
             raise ConnectionError(f"{stage.role} stage at {address} not reachable") from None
         return channel
 
-    def _link(self, stage: Stage, epoch: int) -> StageLink:
-        return StageLink(stage, self.channels[stage], self, epoch, self._metadata)
+    def _link(self, stage: Stage, epoch: int, rings: tuple[MessageRing, MessageRing] | None) -> StageLink:
+        timeout = self.settings.stage_hang_floor_s
+        return StageLink(stage, self.channels[stage], self, epoch, self._metadata, rings, timeout)
 
-    def _configure(self, stage: Stage, fences: FenceBoard, timeout: float | None = None) -> None:
+    def _new_rings(self) -> dict[Stage, tuple[MessageRing, MessageRing]]:
+        """A fresh ops ring and replies ring per stage (none where rings are off or unsupported)."""
+        rings: dict[Stage, tuple[MessageRing, MessageRing]] = {}
+        if not (self.settings.stage_rings and ring_transport.SUPPORTED):
+            return rings
+        size = self.settings.stage_ring_bytes
+        try:
+            for stage in Stage:
+                ops = MessageRing.create(size, f"{stage.role} stage's ops ring")
+                try:
+                    replies = MessageRing.create(size, f"{stage.role} stage's replies ring")
+                except BaseException:
+                    ops.close()
+                    raise
+                rings[stage] = (ops, replies)
+        except BaseException:
+            _close_rings(rings)
+            raise
+        return rings
+
+    def _configure(
+        self,
+        stage: Stage,
+        fences: FenceBoard,
+        rings: tuple[MessageRing, MessageRing] | None,
+        timeout: float | None = None,
+        channel: grpc.Channel | None = None,
+    ) -> None:
         s = self.setup
         request = pb.ConfigureRequest(
             role=role_to_pb(stage),
@@ -183,7 +235,9 @@ class GrpcExecutor:
             holder=self.holder,
             device=s.device,
         )
-        stub = stage_pb2_grpc.StageStub(self.channels[stage])
+        if rings is not None:
+            request.rings.ops, request.rings.replies = rings[0].name, rings[1].name
+        stub = stage_pb2_grpc.StageStub(channel or self.channels[stage])
         reply = stub.Configure(
             request,
             timeout=timeout or self.settings.stage_connect_timeout_s,
@@ -218,8 +272,14 @@ class GrpcExecutor:
                 self._sent[(op.stage, op.seq)] = (op, time.time_ns())
             if self.outage is not None:
                 self._backlog.append((op.stage, msg))
-            else:
+                return
+            try:
                 self._links[op.stage].send(msg)
+            except ValueError as exc:  # larger than the stage ring: this op fails, nothing else
+                del pending[op.seq]
+                self._sent.pop((op.stage, op.seq), None)
+                why = f"{exc}; raise CDB_STAGE_RING_BYTES"
+                self._results.put(StageResult(op.stage, op.seq, 0.0, error=why))
 
     def poll(self, timeout: float | None) -> StageResult | StageLoss | None:
         try:
@@ -249,7 +309,7 @@ class GrpcExecutor:
         self._closing.set()
         for link in links.values():
             link.close()
-        for channel in self.channels.values():
+        for channel in {*self.channels.values(), *self._by_addr.values()}:
             channel.close()
         self.fences.close()
         self.bank.close()
@@ -327,6 +387,7 @@ class GrpcExecutor:
             if self.outage is None:
                 self._lost_at = time.monotonic()
             self.outage = why
+            self._lost.add(stage)
             self._loss_pending = True
             for pending in self._outstanding.values():
                 pending.clear()
@@ -384,24 +445,42 @@ class GrpcExecutor:
                 log.error("%s stage process %d is stopped: killed, its supervisor restarts it", stage.role, proc.pid)
         board = FenceBoard.create(completed)
         links: dict[Stage, StageLink] = {}
+        rings: dict[Stage, tuple[MessageRing, MessageRing]] = {}
         try:
+            rings = self._new_rings()
+            with self._lock:
+                lost = set(self._lost)
+            moved: dict[Stage, str] = {}
             for stage in Stage:  # waits for the channel to be ready (a restarting stage), bounded
-                self._configure(stage, board, timeout=max(1.0, min(10.0, deadline - time.monotonic())))
+                timeout = max(1.0, min(10.0, deadline - time.monotonic()))
+                address = self._attach_one(stage, stage in lost, board, rings.get(stage), timeout)
+                if address != self.stage_addrs[stage]:
+                    moved[stage] = address
+            for stage, address in moved.items():
+                self.channels[stage] = self._by_addr[address]
+                self.stage_addrs[stage] = address
             for stage in Stage:
-                links[stage] = self._link(stage, epoch)
+                links[stage] = self._link(stage, epoch, rings.pop(stage, None))
             with self._lock:
                 install = not self._closed and self.broken is None and self._epoch == epoch
                 if install:
                     old, self.fences, self._links = self.fences, board, links
                     self.outage = None  # the recovery loop sees it and ends (or serves a newer loss)
                     for stage, msg in self._backlog:
-                        links[stage].send(msg)
+                        try:
+                            links[stage].send(msg)
+                        except ValueError as exc:  # larger than the stage ring: this op fails
+                            self._outstanding[stage].pop(msg.seq, None)
+                            self._results.put(StageResult(stage, msg.seq, 0.0, error=str(exc)))
                     self._backlog.clear()
                     self.recoveries += 1
+                    self.takeovers += bool(moved)
+                    self._lost.clear()
                     self.recovery_s.append(time.monotonic() - self._lost_at)
         except BaseException:
             for link in links.values():
                 link.cancel()
+            _close_rings(rings)
             board.close()
             raise
         if not install:  # a newer loss (or close) meanwhile: these links are stale
@@ -411,6 +490,32 @@ class GrpcExecutor:
             return
         old.close()
         log.warning("stages re-attached %.2fs after the loss (%d outages healed)", self.recovery_s[-1], self.recoveries)
+
+    def _attach_one(
+        self,
+        stage: Stage,
+        lost: bool,
+        board: FenceBoard,
+        rings: tuple[MessageRing, MessageRing] | None,
+        timeout: float,
+    ) -> str:
+        """Configure ``stage`` on one of its role's addresses; return that address. A lost stage tries the role's
+        other addresses first (a warm standby answers at once; the lost process may still be restarting), each
+        briefly, then waits for its own address as usual."""
+        current = self.stage_addrs[stage]
+        if lost:
+            for address in self._role_addrs[stage]:
+                if address == current:
+                    continue
+                try:
+                    self._configure(stage, board, rings, timeout=_STANDBY_WAIT_S, channel=self._by_addr[address])
+                except grpc.RpcError as exc:
+                    log.info("%s stage standby at %s not available (%s)", stage.role, address, exc.code().name)
+                    continue
+                log.warning("%s stage: its standby at %s takes over", stage.role, address)
+                return address
+        self._configure(stage, board, rings, timeout=timeout)
+        return current
 
     # --- the hang watchdog -----------------------------------------------------------------------------------
 
@@ -466,13 +571,25 @@ class GrpcExecutor:
                 self._results.put(StageResult(stage, seq, 0.0, error=why))
 
 
+def _close_rings(rings: Mapping[Stage, tuple[MessageRing, MessageRing]]) -> None:
+    """Unmap and unlink rings that no link owns."""
+    for pair in rings.values():
+        for ring in pair:
+            ring.close()
+
+
 class GrpcExecutorFactory:
     """``executor_factory`` for ``Engine``: builds a :class:`GrpcExecutor` and remembers it for health checks."""
 
     def __init__(
-        self, stage_addrs: Mapping[Stage, str], settings: Settings | None = None, observer: OpObserver | None = None
+        self,
+        stage_addrs: Mapping[Stage, str],
+        settings: Settings | None = None,
+        observer: OpObserver | None = None,
+        standby_addrs: Mapping[Stage, str] | None = None,
     ) -> None:
         self.observer = observer
+        self.standby_addrs = dict(standby_addrs or {})
         missing = set(Stage) - set(stage_addrs)
         if missing:
             raise ValueError(f"missing stage addresses: {sorted(s.role for s in missing)}")
@@ -481,5 +598,5 @@ class GrpcExecutorFactory:
         self.executor: GrpcExecutor | None = None
 
     def __call__(self, setup: StageSetup) -> GrpcExecutor:
-        self.executor = GrpcExecutor(setup, self.stage_addrs, self.settings, self.observer)
+        self.executor = GrpcExecutor(setup, self.stage_addrs, self.settings, self.observer, self.standby_addrs)
         return self.executor

@@ -18,13 +18,12 @@ On CUDA a stage synchronizes its device work before ``complete``; interprocess C
 from __future__ import annotations
 
 import ctypes
-import platform
-import sys
 import time
 from collections.abc import Iterable, Mapping
 from multiprocessing import shared_memory
 
 from cdb_scheduler.plan import Fence, Stage
+from services.transport import futex
 from services.transport.segments import attach_segment, close_segment, create_segment
 
 _N = len(Stage)
@@ -32,16 +31,6 @@ _ABORT = _N  # int64 index of the abort flag, after the counters
 _WAKE_OFFSET = 8 * (_N + 1)  # byte offset of the int32 wake words
 _SIZE = _WAKE_OFFSET + 8 * ((4 * _N + 7) // 8)  # a multiple of 8 bytes
 _SLICE_S = 5e-3  # longest single sleep: bounds the cost of a missed wake
-
-_SYS_FUTEX = {"x86_64": 202, "aarch64": 98}.get(platform.machine()) if sys.platform == "linux" else None
-_FUTEX_WAIT, _FUTEX_WAKE = 0, 1  # shared (not FUTEX_PRIVATE_FLAG): the word lives in shared memory
-
-
-class _Timespec(ctypes.Structure):
-    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
-
-
-_libc = ctypes.CDLL(None, use_errno=True) if _SYS_FUTEX is not None else None
 
 
 class FenceTimeout(TimeoutError):
@@ -93,8 +82,7 @@ class FenceBoard:
     def _bump(self, stage: Stage) -> None:
         word = self._wake[stage]
         self._wake[stage] = word + 1 if word < 0x7FFFFFFF else 0
-        if _libc is not None:
-            _libc.syscall(_SYS_FUTEX, ctypes.c_void_p(self._wake_addr[stage]), _FUTEX_WAKE, 0x7FFFFFFF, None, None, 0)
+        futex.wake(self._wake_addr[stage])
 
     def completed(self, stage: Stage) -> int:
         """The last completed op of ``stage`` (-1: none)."""
@@ -138,16 +126,13 @@ class FenceBoard:
                 raise FenceTimeout(f"fences {missing} not satisfied after {timeout:.1f}s")
             if now < spin_until:
                 continue
-            if _libc is None:
+            if not futex.AVAILABLE:
                 time.sleep(pause)
                 pause = min(pause * 2, 1e-3)
                 continue
             word = self._wake[behind.stage]  # read the word BEFORE re-checking: a completion after this read
             if counters[behind.stage] < behind.seq and not counters[_ABORT]:  # changes it, so the wait returns
-                left = min(_SLICE_S, deadline - now)
-                ts = _Timespec(int(left), int((left % 1.0) * 1e9))
-                addr = ctypes.c_void_p(self._wake_addr[behind.stage])
-                _libc.syscall(_SYS_FUTEX, addr, _FUTEX_WAIT, ctypes.c_int(word), ctypes.byref(ts), None, 0)
+                futex.wait(self._wake_addr[behind.stage], word, min(_SLICE_S, deadline - now))
 
     def close(self) -> None:
         """Unmap; the owner also unlinks. Idempotent."""

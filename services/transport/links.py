@@ -1,4 +1,9 @@
-"""One stage's persistent ``Run`` stream (``StageLink``) and the options of the scheduler's stage channels."""
+"""One stage's persistent ``Run`` stream (``StageLink``) and the options of the scheduler's stage channels.
+
+With message rings (``services.transport.ring``) a link writes its ops straight onto the stage's ops ring from
+the calling thread and reads the replies ring on its own thread; the stream then carries nothing and only tells
+that the stage (or the connection) is gone.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +18,7 @@ from cdb_api.v1 import stage_pb2 as pb
 from cdb_api.v1 import stage_pb2_grpc
 from cdb_scheduler.plan import Stage
 from services.settings import Settings
+from services.transport.ring import MessageRing, RingClosed, RingFull
 
 _END = object()
 
@@ -46,7 +52,8 @@ def channel_options(settings: Settings) -> list[tuple[str, int]]:
 
 
 class StageLink:
-    """One stage's persistent Run stream: a send queue feeding gRPC, and a reader thread."""
+    """One stage's persistent Run stream: a send queue feeding gRPC, and a reader thread; with ``rings`` (the
+    session's ops and replies rings, which the link then owns) the data goes on the rings instead."""
 
     def __init__(
         self,
@@ -55,19 +62,64 @@ class StageLink:
         owner: LinkOwner,
         epoch: int = 0,
         metadata: Sequence[tuple[str, str]] = (),
+        rings: tuple[MessageRing, MessageRing] | None = None,
+        ring_timeout_s: float = 30.0,
     ) -> None:
         self.stage = stage
         self.epoch = epoch
         self._outbox: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._rings = rings
+        self._ring_timeout_s = ring_timeout_s
         stub = stage_pb2_grpc.StageStub(channel)
         # gRPC drains the iterator on its own thread
         self.call = stub.Run(iter(self._outbox.get, _END), metadata=tuple(metadata))
         self._owner = owner
         self._thread = threading.Thread(target=self._read, name=f"cdb-link-{stage.role}", daemon=True)
         self._thread.start()
+        self._ring_thread: threading.Thread | None = None
+        if rings is not None:
+            self._ring_thread = threading.Thread(target=self._read_ring, name=f"cdb-ring-{stage.role}", daemon=True)
+            self._ring_thread.start()
+
+    @property
+    def max_message(self) -> int | None:
+        """The largest serialized batch the link can carry (None: gRPC's own limit)."""
+        return self._rings[0].max_record if self._rings is not None else None
 
     def send(self, msg: pb.StageBatch) -> None:
-        self._outbox.put(msg)
+        if self._rings is None:
+            self._outbox.put(msg)
+        else:
+            self._put(msg.SerializeToString())
+
+    def _put(self, payload: bytes) -> None:
+        assert self._rings is not None
+        try:
+            self._rings[0].put(payload, self._ring_timeout_s)
+        except RingClosed:
+            pass  # the link was cancelled: what it carried is void
+        except RingFull as exc:  # the stage takes nothing: a loss (reported off the caller's locks)
+            why = f"{self.stage.role} stage failed ({exc})"
+            threading.Thread(target=self._owner.on_broken, args=(self.stage, self.epoch, why), daemon=True).start()
+
+    def _read_ring(self) -> None:
+        """Replies from the replies ring until the link is cancelled; then the rings are unmapped (and unlinked)."""
+        assert self._rings is not None
+        ops, replies = self._rings
+        try:
+            while True:
+                try:
+                    got = replies.get()
+                except RingClosed:
+                    break
+                if got is None:
+                    continue
+                self._owner.on_reply(self.stage, self.epoch, pb.StageReply.FromString(got[0]))
+        finally:
+            ops.shut()
+            replies.shut()
+            ops.close()
+            replies.close()
 
     def _read(self) -> None:
         replies: Iterator[pb.StageReply] = self.call
@@ -81,14 +133,20 @@ class StageLink:
 
     def send_end(self) -> None:
         """Half-close: the stage finishes what it has, then ends the stream."""
+        if self._rings is not None:
+            self._put(b"")  # the end of the batches, in order behind them
         self._outbox.put(_END)
 
     def cancel(self) -> None:
-        """End the stream now (the stage drops what it has); does not wait for the reader."""
+        """End the stream now (the stage drops what it has); does not wait for the readers."""
+        if self._rings is not None:
+            for ring in self._rings:
+                ring.shut()
         self._outbox.put(_END)
         self.call.cancel()
 
     def close(self) -> None:
         self.cancel()
-        if threading.current_thread() is not self._thread:
-            self._thread.join(timeout=5)
+        for thread in (self._thread, self._ring_thread):
+            if thread is not None and threading.current_thread() is not thread:
+                thread.join(timeout=5)

@@ -10,6 +10,13 @@ The executor thread runs batches back to back in ``seq`` order; it marks complet
 the reply is sent, so a stage waiting on this one starts without a round trip through the scheduler. A batch
 that fails (an exception, a fence timeout) gets a reply with ``error``; the stage keeps serving. Network bytes are
 only ever parsed as protobuf.
+
+A session configured with message rings (``ConfigureRequest.rings``, ``services.transport.ring``) takes its
+batches from the ops ring and writes its replies to the replies ring, both on the executor thread itself:
+
+    ops ring --executor: fences, compute, complete(seq)--> replies ring
+
+with no thread hop on the way; its Run stream carries nothing and only ends the session when it ends.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import queue
 import threading
 import time
 import traceback
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
@@ -44,6 +52,7 @@ from services.transport.convert import (
     role_to_pb,
 )
 from services.transport.fences import FenceAborted, FenceBoard, FenceTimeout
+from services.transport.ring import MessageRing, RingClosed, RingFull
 from services.transport.watchdog import this_process
 
 log = logging.getLogger("cdb.stage")
@@ -80,6 +89,7 @@ class _Session:
     fences: FenceBoard
     worker: Any  # a StageWorker; None once closed
     holder: str
+    rings: tuple[MessageRing, MessageRing] | None = None  # ops, replies (``ConfigureRequest.rings``)
     lock: threading.Lock = field(default_factory=threading.Lock)
     streams: int = 0
     closed: bool = False
@@ -88,6 +98,8 @@ class _Session:
     def close(self, op_log: str = "", role: str = "") -> None:
         """Unmap the shared memory once the running batch (if any) ends; write the timeline to ``op_log`` (a
         folder) if recorded. Idempotent."""
+        if self.rings is not None:
+            self.rings[0].interrupt()  # an executor waiting for its next op lets go of the lock's turn
         with self.lock:
             if self.closed:
                 return
@@ -96,6 +108,8 @@ class _Session:
             self.bank.close()
             self.tokens.close()
             self.fences.close()
+            for ring in self.rings or ():
+                ring.close()
             if op_log and self.timeline:
                 write_op_log(op_log, role, self.holder, self.timeline)
 
@@ -211,7 +225,7 @@ class StageService(stage_pb2_grpc.StageServicer):
         )
 
     def _attach(self, request: pb.ConfigureRequest, context: grpc.ServicerContext) -> _Session:
-        attached: list[SharedBank | FenceBoard] = []
+        attached: list[SharedBank | FenceBoard | MessageRing] = []
         try:
             bank = SharedBank.attach(bank_spec_from_pb(request.bank))
             attached.append(bank)
@@ -219,6 +233,13 @@ class StageService(stage_pb2_grpc.StageServicer):
             attached.append(tokens)
             fences = FenceBoard.attach(request.fences.name)
             attached.append(fences)
+            rings = None
+            if request.HasField("rings"):
+                ops = MessageRing.attach(request.rings.ops)
+                attached.append(ops)
+                replies = MessageRing.attach(request.rings.replies)
+                attached.append(replies)
+                rings = (ops, replies)
             assert bank.tensor is not None and tokens.tensor is not None
             kv = request.kv
             layout = KVLayout(KVPolicy(kv.policy), kv.max_depth, kv.shared_after)
@@ -231,7 +252,7 @@ class StageService(stage_pb2_grpc.StageServicer):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"cannot attach the shared memory: {exc}")
             raise  # not reached: abort raises
         timeline: list[tuple[int, ...]] | None = [] if self.settings.stage_op_log else None
-        return _Session(bank, tokens, fences, worker, request.holder, timeline=timeline)
+        return _Session(bank, tokens, fences, worker, request.holder, rings, timeline=timeline)
 
     def Run(self, request_iterator: Iterator[pb.StageBatch], context: grpc.ServicerContext) -> Iterator[pb.StageReply]:
         with self._lock:
@@ -241,8 +262,14 @@ class StageService(stage_pb2_grpc.StageServicer):
         if session is None:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "stage not configured: call Configure first")
         assert session is not None
-        inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         outbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        inbox: Any
+        sink: Any
+        if session.rings is None:
+            inbox, sink = queue.SimpleQueue(), outbox
+        else:  # the executor reads its ops and writes its replies itself; the stream is the session's lifeline
+            inbox = _RingInbox(session.rings[0], self.settings.fence_spin_s)
+            sink = _RingOutbox(session.rings[1], outbox, self.settings.stage_hang_floor_s)
         stop = threading.Event()
 
         def on_done() -> None:
@@ -258,7 +285,8 @@ class StageService(stage_pb2_grpc.StageServicer):
                     inbox.put((msg, clock()))
             except grpc.RpcError:
                 pass  # the caller went away; the callback stops the executor
-            inbox.put(_END)
+            if session.rings is None:
+                inbox.put(_END)  # with rings, the ops ring says where the batches end
 
         def execute() -> None:
             # Op k+1 is launched before op k is waited for when it arrives before op k is done and its fences are
@@ -294,7 +322,7 @@ class StageService(stage_pb2_grpc.StageServicer):
                     if reply is None:
                         outbox.put(grpc.StatusCode.ABORTED)
                         return
-                    outbox.put(reply)
+                    sink.put(reply)
                     launched = following
                 outbox.put(_END)
             finally:
@@ -305,6 +333,8 @@ class StageService(stage_pb2_grpc.StageServicer):
         while (reply := outbox.get()) is not _END:
             if isinstance(reply, grpc.StatusCode):
                 context.abort(reply, "stage was reconfigured by its scheduler")
+            if isinstance(reply, tuple):
+                context.abort(*reply)
             yield reply
 
     def _stream_ended(self, session: _Session) -> None:
@@ -413,3 +443,71 @@ class StageService(stage_pb2_grpc.StageServicer):
             session.close(self.settings.stage_op_log, self.stage.role)
         for other in dropping:
             other.close(self.settings.stage_op_log, self.stage.role)  # idempotent: waits while another thread closes
+
+
+class _RingInbox:
+    """The executor's inbox over a session's ops ring: ``(StageBatch, arrived_ns)`` items, ``_END`` at the end of
+    the batches (an empty record), when the ring closes, or when ``put(_END)`` stops the stream. A message that
+    comes on the stream itself (not sent by the project's executor) is taken too, after the ring's pending ones."""
+
+    def __init__(self, ring: MessageRing, spin_s: float) -> None:
+        self._ring = ring
+        self._spin_s = spin_s
+        self._side: deque[Any] = deque()
+        self._stopped = False
+
+    def put(self, item: Any) -> None:
+        """From another thread: a message that came on the stream, or ``_END`` (the stream is over)."""
+        if item is _END:
+            self._stopped = True
+        else:
+            self._side.append(item)
+        self._ring.interrupt()
+
+    def get(self, timeout: float | None = None) -> Any:
+        while True:
+            if self._stopped:
+                return _END
+            if self._side:
+                return self._side.popleft()
+            try:
+                got = self._ring.get(timeout, self._spin_s)
+            except RingClosed:
+                return _END
+            if got is None:
+                if timeout is None or self._stopped or self._side:
+                    continue  # woken: look again
+                raise queue.Empty
+            payload, arrived = got
+            if not payload:
+                return _END  # the scheduler ended its batches (half-close)
+            try:
+                return pb.StageBatch.FromString(payload), arrived
+            except Exception:  # a record that is not a batch: the session cannot go on
+                log.error("a record on the ops ring is not a StageBatch (%d bytes): ending the session", len(payload))
+                return _END
+
+    def get_nowait(self) -> Any:
+        return self.get(timeout=0.0)
+
+
+class _RingOutbox:
+    """Replies go onto a session's replies ring from the executor thread; stream items (the end, an abort) go to
+    the stream's own queue. A replies ring its scheduler stops reading ends the stream (ABORTED)."""
+
+    def __init__(self, ring: MessageRing, stream: queue.SimpleQueue[Any], timeout: float) -> None:
+        self._ring = ring
+        self._stream = stream
+        self._timeout = timeout
+
+    def put(self, item: Any) -> None:
+        if not isinstance(item, pb.StageReply):
+            self._stream.put(item)
+            return
+        try:
+            self._ring.put(item.SerializeToString(), self._timeout)
+        except RingClosed:
+            self._stream.put(_END)  # the scheduler closed the session: nothing more to say
+        except (RingFull, ValueError) as exc:
+            log.error("%s: ending the session", exc)
+            self._stream.put((grpc.StatusCode.ABORTED, f"replies ring: {exc}"))

@@ -63,8 +63,8 @@ def test_targets_for_one_address_several_ip_literals_and_dns_names() -> None:
 def test_service_config_round_robin_with_a_bounded_retry_policy_for_generation() -> None:
     config = json.loads(service_config(LbPolicy.ROUND_ROBIN, RetryPolicy()))
     assert config["loadBalancingConfig"] == [{"round_robin": {}}]
-    (method,) = config["methodConfig"]
-    assert method["name"] == [{"service": "cdb.v1.Generation"}]
+    (method,) = config["methodConfig"]  # streams are resumed by the clients, not retried by gRPC
+    assert method["name"] == [{"service": "cdb.v1.Generation", "method": m} for m in ("Generate", "Abort", "Info")]
     assert method["retryPolicy"] == {
         "maxAttempts": 3,
         "initialBackoff": "0.1s",
@@ -95,6 +95,7 @@ class FakeReplica(generation_pb2_grpc.GenerationServicer):
     refuse: grpc.StatusCode | None = None
     cut_after_token: bool = False
     calls: int = 0
+    resumes: list[list[int]] = field(default_factory=list)  # GenerateRequest.resume.token_ids of each stream
     lock: threading.Lock = field(default_factory=threading.Lock)
     address: str = ""
 
@@ -106,9 +107,12 @@ class FakeReplica(generation_pb2_grpc.GenerationServicer):
 
     def GenerateStream(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> Iterator[object]:
         self._count(context)
-        yield pb.GenerateStreamResponse(request_id=request.request_id, token=pb.Token(id=7, text="x", depth=2))
-        if self.cut_after_token:
-            context.abort(grpc.StatusCode.UNAVAILABLE, "replica lost mid-stream")
+        with self.lock:
+            self.resumes.append(list(request.resume.token_ids))
+        if not request.resume.token_ids:  # a resumed stream continues after the tokens it had
+            yield pb.GenerateStreamResponse(request_id=request.request_id, token=pb.Token(id=7, text="x", depth=2))
+            if self.cut_after_token:
+                context.abort(grpc.StatusCode.UNAVAILABLE, "replica lost mid-stream")
         finish = pb.Finish(reason=pb.FINISH_REASON_LENGTH, usage=pb.Usage(generated_tokens=1, total_loop_steps=2))
         yield pb.GenerateStreamResponse(request_id=request.request_id, finish=finish)
 
@@ -188,15 +192,24 @@ def test_a_call_refused_before_its_first_token_is_retried_on_another_replica(fak
         assert fakes[0].calls + fakes[1].calls <= 2 * 24  # at most max_attempts - 1 refusals per call
 
 
-def test_a_stream_that_delivered_a_token_is_never_retried(fakes: list[FakeReplica]) -> None:
+def test_a_stream_that_delivered_a_token_is_resumed_elsewhere_with_it(fakes: list[FakeReplica]) -> None:
     for r in fakes:
         r.cut_after_token = True
     with Client([r.address for r in fakes], timeout=10) as client:
         _ready(client, fakes)
         run = StreamRun(client, "p", GenerateOptions(max_tokens=5), timeout=10).start()
-        assert run.done.wait(15)
-        assert run.code == grpc.StatusCode.UNAVAILABLE and "mid-stream" in run.error.details()  # type: ignore[union-attr]
-        assert [t.id for t in run.tokens] == [7]  # the token once, no replay from a second attempt
+        assert run.done.wait(15) and run.error is None, run.error
+        assert [t.id for t in run.tokens] == [7]  # the token once: the resumed stream continued after it
+        assert run.finish is not None and run.finish.finish_reason == "length"
+        assert sum(r.calls for r in fakes) == 2
+        assert sorted(x for r in fakes for x in r.resumes) == [[], [7]]  # sent again with what it had delivered
+    for r in fakes:
+        r.calls = 0
+    with Client([r.address for r in fakes], timeout=10) as client:  # resuming off: the break reaches the caller
+        _ready(client, fakes)
+        with pytest.raises(grpc.RpcError) as err:
+            list(client.stream("p", max_tokens=5, resume_attempts=0))
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "mid-stream" in err.value.details()
         assert sum(r.calls for r in fakes) == 1
 
 
@@ -301,9 +314,7 @@ def test_one_client_spreads_requests_over_three_replicas(replicas: list[Replica]
     assert all(0.8 * n / 3 <= s <= 1.2 * n / 3 for s in served), served
 
 
-def test_a_dead_replica_fails_only_its_streams_that_had_tokens_and_the_rest_complete_elsewhere(
-    replicas: list[Replica],
-) -> None:
+def test_a_dead_replica_loses_no_stream_its_streams_resume_on_the_others(replicas: list[Replica]) -> None:
     long = GenerateOptions(max_tokens=300, ignore_eos=True)
     per_replica = 2 * REPLICA.max_num_seqs  # two running, two waiting on each replica
     with Client([r.address for r in replicas], timeout=60) as client:
@@ -321,13 +332,12 @@ def test_a_dead_replica_fails_only_its_streams_that_had_tokens_and_the_rest_comp
                 )
         deadline = time.monotonic() + 30
         while sum(1 for run in runs if run.tokens) < 3 * per_replica // 2 and time.monotonic() < deadline:
-            threading.Event().wait(0.02)  # every running request has streamed a token (its stream is committed)
+            threading.Event().wait(0.02)  # every running request has streamed a token
         victim = replicas[0].handle
         assert victim.scheduler is not None
         victim.unsupervise()  # the replica stays dead
         with Client(victim.address, timeout=10) as direct:
             held = direct.info().counters
-        streamed = {id(run) for run in runs if run.tokens}  # had tokens before the kill
         victim.scheduler.send_signal(signal.SIGKILL)
         assert victim.scheduler.wait(timeout=10) == -signal.SIGKILL
         with futures.ThreadPoolExecutor(4) as pool:  # requests sent after the death complete on the others
@@ -335,15 +345,9 @@ def test_a_dead_replica_fails_only_its_streams_that_had_tokens_and_the_rest_comp
         assert all(r.finish.generated_tokens == 3 for r in after)
         for run in runs:  # every call ends: each has a deadline
             assert run.done.wait(70), "a call did not end"
-    failed = [run for run in runs if run.error is not None]
     assert held["running"] == 2 and held["waiting"] == 2
-    assert len(failed) == held["running"], [(run.code, len(run.tokens)) for run in runs]
-    for run in failed:  # the victim's streams that had tokens: UNAVAILABLE, not retried (no second stream)
-        assert run.code == grpc.StatusCode.UNAVAILABLE and id(run) in streamed
-        assert 0 < len(run.tokens) < long["max_tokens"] and run.finish is None
-    for run in runs:  # the rest, the victim's two waiting ones included, completed on the others
-        if run.error is None:
-            assert run.finish is not None and run.finish.finish_reason == "length"
-            assert len(run.tokens) == long["max_tokens"]
-    waiting = [run for run in runs if id(run) not in streamed]  # the victim's two among them
-    assert len(waiting) >= held["waiting"] and all(run.error is None for run in waiting)
+    for run in runs:  # the victim's streams too: resumed on the others, whole, under their own ids, nothing twice
+        assert run.error is None, (run.code, len(run.tokens))
+        assert run.finish is not None and run.finish.finish_reason == "length"
+        assert run.finish.generated_tokens == len(run.tokens) == long["max_tokens"]
+        assert {t.request_id for t in run.tokens} == {run.finish.request_id}

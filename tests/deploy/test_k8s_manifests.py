@@ -467,9 +467,9 @@ def test_prometheus_adapter_rule_serves_the_hpa_metric() -> None:
     assert "<<.LabelMatchers>>" in rule["metricsQuery"] and "by (<<.GroupBy>>)" in rule["metricsQuery"]
 
 
-def test_readme_documents_running_on_kubernetes() -> None:
-    readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("## Running on Kubernetes") :]
+def test_deployment_page_documents_running_on_kubernetes() -> None:
+    page = (ROOT / "docs" / "deployment.md").read_text()
+    section = page[page.index("## Running on Kubernetes") :]
     section = section[: section.find("\n## ", 1)]
     for needle in ("kubectl apply -k deploy/k8s/overlays/cpu", "cdb-stage-secret", "cdb-headless", "cdb-models"):
         assert needle in section, needle
@@ -491,7 +491,7 @@ class PodTree(ProcessTree):
         secret_mount = {m["name"]: m["mountPath"] for m in pod["containers"][0]["volumeMounts"]}["stage-secret"]
         paths = {"/tmp": workdir / "tmp", "/models": ROOT / "models", secret_mount: workdir / "secret"}
         self.remap = Remap.free((50051, 50061, 50062, 50063, 8000, 9464), paths)
-        # The Secret's content, made as the README says: cdb secret --out FILE.
+        # The Secret's content, made as docs/deployment.md says: cdb secret --out FILE.
         secret_file = workdir / "secret" / "stage-secret"
         made = run_once(["python", "-m", "cdb", "secret", "--out", str(secret_file)], os.environ)
         assert made.returncode == 0, made.stderr

@@ -130,6 +130,24 @@ def test_the_same_seed_gives_the_same_text(client: openai.OpenAI) -> None:
     assert sample(7) != sample(8)
 
 
+def test_a_broken_stream_resumed_with_its_token_ids_and_depths_continues_exactly(client: openai.OpenAI) -> None:
+    args = {"model": MODEL, "prompt": PROMPT, "max_tokens": 16, "temperature": 0.9, "seed": 7, "stream": True}
+    whole = [depths_of(c.choices[0]) | {"text": c.choices[0].text} for c in client.completions.create(**args)]
+    tokens = [c for c in whole if c.get("token_ids")]
+    assert len(tokens) == 16 and all(len(c["token_ids"]) == 1 for c in tokens)
+    cut = 6  # the stream broke after six tokens: send them back, as GenerateRequest.resume does over gRPC
+    resume = {"token_ids": [c["token_ids"][0] for c in tokens[:cut]], "depths": [c["depths"][0] for c in tokens[:cut]]}
+    rest = [
+        depths_of(c.choices[0]) | {"text": c.choices[0].text}
+        for c in client.completions.create(**args, extra_body={"resume": resume})
+    ]
+    assert [c["text"] for c in tokens[:cut]] + [c["text"] for c in rest] == [c["text"] for c in whole]
+    assert [c.get("depths") for c in rest] == [c.get("depths") for c in whole[cut:]]
+    assert rest[-1]["total_loop_steps"] == whole[-1]["total_loop_steps"]
+    with pytest.raises(openai.BadRequestError, match="resume"):
+        client.completions.create(**args, extra_body={"resume": {"token_ids": [1, 2], "depths": [4]}})
+
+
 def test_completion_logprobs_name_tokens_and_alternatives(client: openai.OpenAI) -> None:
     out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0, logprobs=3)
     lp = out.choices[0].logprobs

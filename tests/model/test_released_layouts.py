@@ -1,5 +1,5 @@
 """The released Ouro-1.4B and Huginn-0125 configs built on the meta device: every tensor name and shape the loader
-expects (the upstream checkpoint keys), the parameter counts and KV sizes the README's memory figures use, and
+expects (the upstream checkpoint keys), the parameter counts and KV sizes docs/deployment.md's memory figures use, and
 the loader's checks against a header-only checkpoint in that layout. No weights, no network."""
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def test_ouro_14b_names_and_shapes_on_meta() -> None:
     got = expected_tensors(c)
     assert got == ouro_keys(24, 2048, 16, 16, 128, 5632, 49152)
     total = sum(math.prod(s) for s in got.values())
-    assert total == 1_434_652_673  # README: 2.87 GB in bf16, 5.74 GB in fp32
+    assert total == 1_434_652_673  # docs/deployment.md: 2.87 GB in bf16, 5.74 GB in fp32
     f0, fr = c.param_counts()
     assert total == f0 + fr + 49152 * 2048 - 2048  # + the embedding lookup, - the final norm counted in both
     assert c.kv_bytes_per_token(loop_slots=4, dtype_bytes=2) == 768 * 2**10  # last_exited / depth_indexed
@@ -82,7 +82,7 @@ def test_huginn_0125_names_and_shapes_on_meta() -> None:
     got = expected_tensors(c)
     assert got == huginn_keys(2, 4, 2, 5280, 55, 17920, 65536)
     total = sum(math.prod(s) for s in got.values())
-    assert total == 3_564_976_800  # README: 7.13 GB in bf16, 14.26 GB in fp32
+    assert total == 3_564_976_800  # docs/deployment.md: 7.13 GB in bf16, 14.26 GB in fp32
     assert c.max_depth == 32 and c.head_dim == 96
     per_layer = 2 * 5280 * 2  # K and V of one layer and slot, bf16
     assert c.kv_bytes_per_token(loop_slots=32, dtype_bytes=2) == (4 + 4 * 32) * per_layer

@@ -76,7 +76,9 @@ def test_kill_9_of_each_stage_in_turn_loses_no_request_and_changes_no_token() ->
 def test_a_stage_down_past_the_limit_fails_its_requests_and_the_scheduler_exits_1() -> None:
     with process_tree(CONFIG, CDB_STAGE_DOWN_LIMIT_S="2") as tree, Client(tree.address, timeout=60) as client:
         runs = [
-            StreamRun(client, f"prompt {i}", GenerateOptions(max_tokens=3000, ignore_eos=True)).start()
+            StreamRun(
+                client, f"prompt {i}", GenerateOptions(max_tokens=3000, ignore_eos=True), resume_attempts=0
+            ).start()
             for i in range(4)
         ]
         for run in runs:

@@ -34,6 +34,15 @@ def test_server_options_carry_the_settings() -> None:
     assert options["grpc.http2.max_ping_strikes"] == 2
 
 
+def test_server_options_carry_the_connection_timeouts() -> None:
+    settings = Settings(idle_connection_timeout_s=30, header_read_timeout_s=1.5)
+    options = dict(server_options(settings))
+    assert options["grpc.max_connection_idle_ms"] == 30_000  # a connection without calls: GOAWAY
+    assert options["grpc.server_handshake_timeout_ms"] == 1500  # TLS + HTTP/2 preface of a new connection
+    assert options["grpc.keepalive_time_ms"] == 60_000 and options["grpc.keepalive_timeout_ms"] == 20_000
+    assert options["grpc.http2.max_pings_without_data"] == 0
+
+
 def _check(channel: grpc.Channel, timeout: float) -> int:
     return int(health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout).status)
 
@@ -82,5 +91,26 @@ def test_a_client_pinging_too_often_gets_goaway(engine: Engine, with_a_call: boo
                 with pytest.raises(grpc.RpcError) as err:
                     next(watch)
                 assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        finally:
+            channel.unsubscribe(on_state)
+
+
+def test_a_connection_without_calls_is_closed_after_the_idle_timeout(engine: Engine) -> None:
+    settings = Settings(idle_connection_timeout_s=0.3, health_interval_s=0.05)
+    with public_server(engine, settings) as server, grpc.insecure_channel(server.address, [OWN_CONNECTION]) as channel:
+        ready, dropped = threading.Event(), threading.Event()
+
+        def on_state(state: grpc.ChannelConnectivity) -> None:
+            if state is grpc.ChannelConnectivity.READY:
+                ready.set()
+            elif ready.is_set():
+                dropped.set()  # READY -> anything else: the server sent GOAWAY and closed the idle connection
+
+        channel.subscribe(on_state)
+        try:
+            assert _check(channel, timeout=10) == health_pb2.HealthCheckResponse.SERVING
+            assert ready.wait(10)
+            assert dropped.wait(20), "the server kept an idle connection open"
+            assert _check(channel, timeout=10) == health_pb2.HealthCheckResponse.SERVING  # the client reconnects
         finally:
             channel.unsubscribe(on_state)

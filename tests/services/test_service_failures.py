@@ -44,7 +44,7 @@ def test_sigterm_stops_serving_drains_in_flight_streams_and_exits() -> None:
         short = [
             StreamRun(client, f"short {i}", GenerateOptions(max_tokens=40, ignore_eos=True)).start() for i in range(3)
         ]
-        long = [StreamRun(client, f"long {i}", LONG).start() for i in range(2)]
+        long = [StreamRun(client, f"long {i}", LONG, resume_attempts=0).start() for i in range(2)]  # no replica
         for run in short + long:
             assert run.first.wait(30)
         assert tree.scheduler is not None

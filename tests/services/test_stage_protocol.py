@@ -81,11 +81,15 @@ def poll_all(ex: GrpcExecutor, n: int, timeout: float = 10.0) -> list[StageResul
     return out
 
 
-@pytest.fixture
-def fake_stages(tmp_path: Path) -> Iterator[tuple[dict, GrpcExecutor]]:
+@pytest.fixture(params=["rings", "streams"])
+def fake_stages(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[tuple[dict, GrpcExecutor]]:
+    """Three fake stages and an executor over them; ops and replies on the shared-memory rings (the default) or
+    on the gRPC streams (``CDB_STAGE_RINGS=false``)."""
     FakeWorker.reset()
-    with stage_servers(tmp_path, lambda s: fake_model(), worker_factory=FakeWorker) as running:
-        ex = GrpcExecutor(fake_setup(), {s: r.address for s, r in running.items()}, FAST)
+    settings = replace(FAST, stage_rings=request.param == "rings")
+    with stage_servers(tmp_path, lambda s: fake_model(), worker_factory=FakeWorker, settings=settings) as running:
+        ex = GrpcExecutor(fake_setup(), {s: r.address for s, r in running.items()}, settings)
+        assert all(link.max_message is not None for link in ex._links.values()) == (request.param == "rings")
         try:
             yield running, ex
         finally:
@@ -285,8 +289,8 @@ def test_stage_servers_listen_on_loopback_only(listen: str, ok: bool) -> None:
             require_loopback(listen)
 
 
-@pytest.mark.parametrize("model", ["ouro-tiny", "huginn-tiny"])
-def test_engine_over_grpc_stages_equals_in_process_engine(tmp_path: Path, model: str) -> None:
+@pytest.mark.parametrize(("model", "rings"), [("ouro-tiny", True), ("huginn-tiny", True), ("ouro-tiny", False)])
+def test_engine_over_grpc_stages_equals_in_process_engine(tmp_path: Path, model: str, rings: bool) -> None:
     cfg = EngineConfig(model=model, dtype="float64", max_num_seqs=4, num_kv_blocks=128, init_seed=7)
     prompts: list[str | list[int]] = ["hello", [5, 6, 7, 8, 9, 10], "the loop", [300] * 20, "x", "abc def"]
     params = [
@@ -297,8 +301,9 @@ def test_engine_over_grpc_stages_equals_in_process_engine(tmp_path: Path, model:
     with Engine(cfg) as local:
         expected = local.generate(prompts, params)
     weights = {s: load_model(model, dtype=torch.float64, stages=stage_weights(s, load_config(model))) for s in Stage}
-    with stage_servers(tmp_path, weights.__getitem__, model_name=model) as running:
-        factory = GrpcExecutorFactory({s: r.address for s, r in running.items()}, FAST)
+    settings = replace(FAST, stage_rings=rings)
+    with stage_servers(tmp_path, weights.__getitem__, model_name=model, settings=settings) as running:
+        factory = GrpcExecutorFactory({s: r.address for s, r in running.items()}, settings)
         with Engine(cfg, executor_factory=factory) as remote:
             got = remote.generate(prompts, params)
     for e, g in zip(expected, got):

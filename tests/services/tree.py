@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from cdb_engine.config import EngineConfig
-from clients.common import GenerateOptions, StreamFinish, StreamToken
+from clients.common import RESUME_ATTEMPTS, GenerateOptions, StreamFinish, StreamToken
 from clients.sync_client import Client
 from services.launcher import ServeHandle, serve_all
 from services.telemetry.otlp_receiver import OtlpReceiver
@@ -124,6 +124,7 @@ class StreamRun:
     prompt: str | Sequence[int]
     options: GenerateOptions
     timeout: float | None = None
+    resume_attempts: int = RESUME_ATTEMPTS  # 0: a broken stream's error reaches the test (server semantics)
     tokens: list[StreamToken] = field(default_factory=list)
     finish: StreamFinish | None = None
     error: grpc.RpcError | None = None
@@ -136,7 +137,10 @@ class StreamRun:
 
     def _run(self) -> None:
         try:
-            for item in self.client.stream(self.prompt, timeout=self.timeout, **self.options):
+            stream = self.client.stream(
+                self.prompt, timeout=self.timeout, resume_attempts=self.resume_attempts, **self.options
+            )
+            for item in stream:
                 if isinstance(item, StreamToken):
                     self.tokens.append(item)
                     self.first.set()

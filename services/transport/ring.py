@@ -1,0 +1,230 @@
+"""A message ring in shared memory: the data plane between the scheduler and a stage on one host.
+
+Each stage has two rings, made by the scheduler's executor with the fence board and named in ``Configure``:
+its ops (scheduler -> stage, serialized ``StageBatch`` messages) and its replies (stage -> scheduler,
+serialized ``StageReply`` messages). The gRPC ``Run`` stream of the session stays open beside them and carries
+no data: it is the session's lifeline (a dead process on either side ends it) and keeps health and keepalive.
+A record goes from the producing thread straight into the consuming thread, with no gRPC thread, HTTP/2
+framing or completion queue in between; the producer wakes a sleeping consumer through a futex on the ring's
+wake word (``services.transport.futex``).
+
+One producer and one consumer per ring (the executor holds its lock around ``put``; a stage writes its replies
+from its executor thread only). Layout of the segment: a 64-byte header, then ``capacity`` bytes of records::
+
+    header: int64 written, int64 consumed (running byte totals), int64 closed, int32 data word, int32 space word
+    record: uint32 length, uint32 kind (0 data, 1 wrap: the rest of the lap is skipped), int64 stamp, payload
+
+Records start on 16-byte boundaries, so a record header always fits before the end of a lap. ``stamp`` is the
+producer's ``time.perf_counter_ns()`` at ``put`` (``CLOCK_MONOTONIC``: comparable across the processes of a
+host): a stage's op log reads an op's arrival from it.
+
+Ordering: the producer writes the payload, then the ``written`` total (one aligned 8-byte store), then bumps the
+data word and wakes; the consumer reads the data word, then ``written``, then the payload. That relies on stores
+becoming visible in program order, which x86-64 guarantees (``SUPPORTED``); elsewhere the stages use the gRPC
+stream for data, as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import platform
+import struct
+import sys
+import time
+from multiprocessing import shared_memory
+
+from services.transport import futex
+from services.transport.segments import attach_segment, close_segment, create_segment
+
+SUPPORTED = sys.platform == "linux" and platform.machine() in ("x86_64", "AMD64") and futex.AVAILABLE
+
+_HEADER = 64
+_WRITTEN, _CONSUMED, _CLOSED = 0, 1, 2  # int64 slots of the header
+_DATA_WORD, _SPACE_WORD = 6, 7  # int32 slots (byte offsets 24 and 28)
+_REC = struct.Struct("<IIq")  # length, kind, stamp
+_DATA, _WRAP = 0, 1
+_ALIGN = 16
+_SLICE_S = 5e-3  # longest single sleep: bounds the cost of a missed wake
+
+
+class RingClosed(ConnectionError):
+    """The ring was closed (its session is over): nothing more will be read from or written to it."""
+
+
+class RingFull(TimeoutError):
+    """The consumer took nothing for the whole timeout and the record does not fit."""
+
+
+def _aligned(n: int) -> int:
+    return (n + _ALIGN - 1) & ~(_ALIGN - 1)
+
+
+class MessageRing:
+    """A single-producer single-consumer ring of byte records in shared memory. Use :meth:`create` /
+    :meth:`attach`."""
+
+    def __init__(self, segment: shared_memory.SharedMemory, owner: bool) -> None:
+        self.name = segment.name
+        self.owner = owner
+        self._segment: shared_memory.SharedMemory | None = segment
+        buf = segment.buf
+        assert buf is not None
+        self.capacity = len(buf) - _HEADER
+        if self.capacity <= 0 or self.capacity % _ALIGN:
+            raise ValueError(f"shared-memory segment {segment.name} is not a message ring ({len(buf)} bytes)")
+        self._buf = buf
+        self._data = buf[_HEADER:]
+        self._q = buf[:24].cast("q")
+        self._words = buf[:32].cast("i")
+        self._anchor = ctypes.c_char.from_buffer(buf)  # pins the mapping for the futex addresses
+        base = ctypes.addressof(self._anchor)
+        self._data_addr = base + 4 * _DATA_WORD
+        self._space_addr = base + 4 * _SPACE_WORD
+        self._interrupted = False  # this process's consumer was told to stop waiting (``interrupt``)
+
+    @classmethod
+    def create(cls, capacity: int, what: str) -> MessageRing:
+        """A new empty ring of ``capacity`` bytes (rounded up to 16) owned by this process."""
+        size = _HEADER + _aligned(max(capacity, 4 * _ALIGN))
+        return cls(create_segment("ring", size, what), owner=True)
+
+    @classmethod
+    def attach(cls, name: str) -> MessageRing:
+        return cls(attach_segment(name), owner=False)
+
+    @property
+    def max_record(self) -> int:
+        """The largest payload one record can carry."""
+        return self.capacity - _REC.size
+
+    # --- producer --------------------------------------------------------------------------------------------
+
+    def put(self, payload: bytes, timeout: float) -> None:
+        """Append one record (stamped now) and wake the consumer. Waits up to ``timeout`` seconds for space.
+
+        Raises :class:`RingClosed`, :class:`RingFull`, or ValueError for a payload larger than ``max_record``."""
+        n = len(payload)
+        if n > self.max_record:
+            raise ValueError(f"a {n}-byte message does not fit a {self.capacity}-byte stage ring")
+        try:
+            self._put(payload, n, timeout)
+        except ValueError:  # the views were released under this call: the ring was closed here
+            raise RingClosed("stage ring closed") from None
+
+    def _put(self, payload: bytes, n: int, timeout: float) -> None:
+        if self._segment is None:
+            raise RingClosed("stage ring closed")
+        q, cap = self._q, self.capacity
+        need = _aligned(_REC.size + n)
+        deadline = 0.0
+        while True:
+            if q[_CLOSED]:
+                raise RingClosed("stage ring closed")
+            written = q[_WRITTEN]
+            offset = written % cap
+            skip = cap - offset if offset + need > cap else 0
+            if written + skip + need - q[_CONSUMED] <= cap:
+                break
+            now = time.perf_counter()
+            if not deadline:
+                deadline = now + timeout
+            elif now >= deadline:
+                raise RingFull(f"stage ring full for {timeout:g}s: its consumer takes nothing")
+            word = self._words[_SPACE_WORD]
+            if written + skip + need - q[_CONSUMED] > cap and not q[_CLOSED]:
+                futex.wait(self._space_addr, word, min(_SLICE_S, deadline - now))
+        data = self._data
+        if skip:
+            _REC.pack_into(data, offset, 0, _WRAP, 0)
+            written += skip
+            offset = 0
+        _REC.pack_into(data, offset, n, _DATA, time.perf_counter_ns())
+        start = offset + _REC.size
+        data[start : start + n] = payload
+        q[_WRITTEN] = written + need  # publishes the record (x86-64: stores are seen in program order)
+        self._bump(_DATA_WORD, self._data_addr)
+
+    def _bump(self, slot: int, addr: int) -> None:
+        words = self._words
+        word = words[slot]
+        words[slot] = word + 1 if word < 0x7FFFFFFF else 0
+        futex.wake(addr)
+
+    # --- consumer --------------------------------------------------------------------------------------------
+
+    def get(self, timeout: float | None = None, spin_s: float = 0.0) -> tuple[bytes, int] | None:
+        """The next record's payload and stamp; waits up to ``timeout`` seconds (None: until one comes), spinning
+        ``spin_s`` first. None on timeout or after :meth:`interrupt`. Raises :class:`RingClosed` once the ring
+        is closed and drained."""
+        try:
+            return self._get(timeout, spin_s)
+        except ValueError:  # the views were released under this call: the ring was closed here
+            raise RingClosed("stage ring closed") from None
+
+    def _get(self, timeout: float | None, spin_s: float) -> tuple[bytes, int] | None:
+        if self._segment is None:
+            raise RingClosed("stage ring closed")
+        q, cap, data = self._q, self.capacity, self._data
+        deadline = spin_until = 0.0
+        while True:
+            consumed = q[_CONSUMED]
+            if q[_WRITTEN] != consumed:
+                offset = consumed % cap
+                n, kind, stamp = _REC.unpack_from(data, offset)
+                if kind == _WRAP:
+                    q[_CONSUMED] = consumed + cap - offset
+                    continue
+                start = offset + _REC.size
+                payload = bytes(data[start : start + n])
+                q[_CONSUMED] = consumed + _aligned(_REC.size + n)
+                self._bump(_SPACE_WORD, self._space_addr)
+                return payload, stamp
+            if q[_CLOSED]:
+                raise RingClosed("stage ring closed")
+            if self._interrupted:
+                self._interrupted = False
+                return None
+            now = time.perf_counter()
+            if not deadline:
+                deadline = now + (timeout if timeout is not None else float("inf"))
+                spin_until = now + spin_s
+            if now >= deadline:
+                return None
+            if now < spin_until:
+                continue
+            word = self._words[_DATA_WORD]  # read BEFORE re-checking: a put after this read changes it
+            if q[_WRITTEN] == q[_CONSUMED] and not q[_CLOSED] and not self._interrupted:
+                futex.wait(self._data_addr, word, min(_SLICE_S, deadline - now))
+
+    def interrupt(self) -> None:
+        """Make this process's waiting (or next) ``get`` return None at once."""
+        self._interrupted = True
+        with contextlib.suppress(ValueError):  # closed meanwhile: nobody waits any more
+            self._bump(_DATA_WORD, self._data_addr)
+
+    # --- both ------------------------------------------------------------------------------------------------
+
+    def shut(self) -> None:
+        """Close the ring for both sides: a waiting ``get`` or ``put`` raises :class:`RingClosed` (records already
+        written are still read first)."""
+        if self._segment is None:
+            return
+        with contextlib.suppress(ValueError):  # closed meanwhile by another thread of this process
+            self._q[_CLOSED] = 1
+            self._bump(_DATA_WORD, self._data_addr)
+            self._bump(_SPACE_WORD, self._space_addr)
+
+    @property
+    def closed(self) -> bool:
+        return self._segment is None or bool(self._q[_CLOSED])
+
+    def close(self) -> None:
+        """Unmap; the owner also unlinks. Idempotent. Call once no thread of this process uses the ring."""
+        segment, self._segment = self._segment, None
+        if segment is None:
+            return
+        for view in (self._q, self._words, self._data):
+            view.release()
+        del self._anchor
+        close_segment(segment, unlink=self.owner)
