@@ -279,6 +279,25 @@ class Replica:
             return None
         return {k: int(c.get(k, 0)) for k in ("loop_steps", "recoveries", "recomputed")}
 
+    def serving(self, stage: Stage) -> subprocess.Popen[bytes] | None:
+        """The process serving ``stage`` now: with warm standby stages (``CDB_STANDBY_STAGES``) the one its
+        scheduler attached (``Info.stage_pids``), not the idle one; else the role's only process."""
+        procs = [p for p in (self.tree.stages.get(stage), self.tree.standbys.get(stage)) if p is not None]
+        if len(procs) > 1:
+            try:
+                pid = self.probe.info(timeout=2.0).stage_pids.get(stage.role)
+            except grpc.RpcError:
+                return None
+            procs = [p for p in procs if p.pid == pid]
+        return procs[0] if procs else None
+
+    def healed(self) -> list[float]:
+        """Its scheduler's healed stage losses, loss -> re-attached, in seconds (``Info.recovery_seconds``)."""
+        try:
+            return list(self.probe.info(timeout=2.0).recovery_seconds)
+        except grpc.RpcError:
+            return []
+
     def recoveries(self) -> int | None:
         """Stage losses since its scheduler started (``Info.counters.recoveries``, counted when a loss is declared
         and its requests requeued, not once the stages are back); None when it cannot be asked."""
@@ -332,6 +351,8 @@ class Fault:
     detected_s: float | None = None  # health left SERVING
     recovery_s: float | None = None  # health SERVING again (after it left; or QUIET_S after Info counted the loss)
     killed: bool | None = None  # freezes: the frozen process was killed (by the scheduler's watchdog)
+    reattach_s: float | None = None  # stage faults: the scheduler's own loss -> re-attached (Info.recovery_seconds)
+    healed_before: int = 0  # Info.recovery_seconds entries before the fault
     proc: subprocess.Popen[bytes] | None = None
 
 
@@ -420,7 +441,7 @@ class Faults:
         with self.lock:
             stage = self.rng.choice(list(Stage))
         target = "scheduler" if kind == "scheduler_kill" else stage.role
-        proc = replica.tree.scheduler if kind == "scheduler_kill" else replica.tree.stages.get(stage)
+        proc = replica.tree.scheduler if kind == "scheduler_kill" else replica.serving(stage)
         if proc is None or proc.poll() is not None:  # between a death and its restart: skip this tick
             with self.lock:
                 replica.busy = False
@@ -428,6 +449,8 @@ class Faults:
         before = None if kind == "scheduler_kill" else replica.recoveries()  # a restarted scheduler counts from 0
         replica.pids.add(proc.pid)
         fault = Fault(kind, replica.index, target, proc.pid, time.monotonic(), waited_s, before, proc=proc)
+        if kind != "scheduler_kill":
+            fault.healed_before = len(replica.healed())
         # Popen.send_signal does nothing once the process was reaped, so a recycled pid is never hit.
         proc.send_signal(signal.SIGSTOP if kind == "stage_freeze" else signal.SIGKILL)
         fault.at = time.monotonic()
@@ -465,6 +488,10 @@ class Faults:
                         counted_at = now
                 time.sleep(0.02)  # the health polling period
         finally:
+            if fault.kind != "scheduler_kill" and fault.recovery_s is not None:
+                healed = replica.healed()
+                if len(healed) > fault.healed_before:
+                    fault.reattach_s = healed[fault.healed_before]
             with self.lock:
                 replica.busy, replica.free_at = False, time.monotonic() + SETTLE_S
 
@@ -593,6 +620,7 @@ def summarize(
         entry: dict[str, Any] = {
             "count": len(mine),
             "recovery_s": _spread(times),
+            "reattach_s": _spread([f.reattach_s for f in mine if f.reattach_s is not None]),
             "unrecovered": len(mine) - len(times),
             "late": sum(f.waited_s > 0 for f in mine),  # every replica was still recovering at its tick
             "waited_s": sum(f.waited_s for f in mine),
@@ -616,6 +644,7 @@ def summarize(
                 "waited_s": f.waited_s,
                 "detected_s": f.detected_s,
                 "recovery_s": f.recovery_s,
+                "reattach_s": f.reattach_s,
                 **({"killed": f.killed} if f.kind == "stage_freeze" else {}),
             }
             for f in faults
@@ -711,6 +740,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--deadline", type=float, default=0.05, help="fraction with a short deadline")
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument(
+        "--standby-stages",
+        action="store_true",
+        help="a warm standby process per stage role in every replica (CDB_STANDBY_STAGES): a lost stage is replaced "
+        "at once",
+    )
+    p.add_argument(
         "--dtype",
         choices=[DType.FLOAT64.value, DType.FLOAT32.value],
         default=DType.FLOAT64.value,
@@ -755,6 +790,8 @@ def main(argv: list[str] | None = None) -> int:
     mark = time.monotonic()
     env = {k: v for k, v in os.environ.items() if k != "CDB_METRICS_ADDR"}  # replicas would share its port
     env.update(CDB_HEALTH_INTERVAL_S="0.1", CDB_STAGE_KEEPALIVE_S="2", CDB_HTTP_ADDR="")
+    if args.standby_stages:
+        env["CDB_STANDBY_STAGES"] = "true"
     # The trees start while the references are computed (both are mostly interpreter and torch start-up).
     started: list[tuple[list[ServeHandle], list[BaseException]]] = []
 
@@ -898,6 +935,8 @@ def report(summary: dict[str, Any]) -> str:
         rec = f["recovery_s"]
         line = f"{kind}: {f['count']} {f['by_target']}  recovery s p50 {fmt(rec['p50'])} p99 {fmt(rec['p99'])}"
         line += f" max {fmt(rec['max'])}"
+        if f["reattach_s"]["p50"] is not None:
+            line += f"  re-attached s p50 {fmt(f['reattach_s']['p50'])} p99 {fmt(f['reattach_s']['p99'])}"
         if f["late"]:
             line += f"  late {f['late']} (waited {f['waited_s']:.0f}s for a replica back in service)"
         if "detection_s" in f:

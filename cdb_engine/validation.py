@@ -45,6 +45,13 @@ def _longer(text: str, max_bytes: int, field: str) -> bool:
     return len(text) > max_bytes or utf8_size(text, field) > max_bytes
 
 
+def check_text_size(text: str, field: str, bounds: RequestBounds = REQUEST_BOUNDS) -> None:
+    """``InvalidRequest`` naming ``field`` for text over the prompt bound (``max_prompt_bytes``), before it is
+    tokenized."""
+    if _longer(text, bounds.max_prompt_bytes, field):
+        raise InvalidRequest(field, f"longer than {bounds.max_prompt_bytes} bytes")
+
+
 def check_request_id(request_id: str, bounds: RequestBounds = REQUEST_BOUNDS) -> None:
     """``InvalidRequest`` naming ``request_id`` when it is longer than the bound (or not valid Unicode)."""
     if _longer(request_id, bounds.max_request_id_bytes, "request_id"):

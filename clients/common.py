@@ -431,6 +431,8 @@ class ServerInfo:
     error: str
     limits: dict[str, int]
     counters: dict[str, int]
+    stage_pids: dict[str, int] = field(default_factory=dict)  # the process serving each stage role
+    recovery_seconds: tuple[float, ...] = ()  # each healed stage loss: loss -> every stage re-attached
 
     @classmethod
     def from_pb(cls, m: pb.InfoResponse) -> ServerInfo:
@@ -450,4 +452,6 @@ class ServerInfo:
             m.error,
             limits,
             counters,
+            dict(m.stage_pids),
+            tuple(m.recovery_seconds),
         )

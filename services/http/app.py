@@ -2,9 +2,11 @@
 
 - ``create_app(engine, service, settings)``: the FastAPI app. ``POST /v1/completions``, ``POST /v1/chat/completions``
   (non-streamed, or SSE with ``stream: true`` ending in ``data: [DONE]``), ``GET /v1/models`` (with the context
-  length, ``max_model_len``, as vLLM gives it), ``GET /health``, ``GET /version``, ``GET /metrics`` (the
-  scheduler's own Prometheus exposition). The model is served under ``CDB_SERVED_MODEL_NAME`` (``cdb serve
-  --served-model-name``): every name is accepted as a request's ``model``, the first is the one reported.
+  length, ``max_model_len``, as vLLM gives it), ``POST /tokenize``, ``POST /detokenize`` and ``GET
+  /tokenizer_info`` (vLLM's shapes: a remote tokenizer, e.g. the evaluation harness's, speaks them), ``GET
+  /health``, ``GET /version``, ``GET /metrics`` (the scheduler's own Prometheus exposition). The model is served
+  under ``CDB_SERVED_MODEL_NAME`` (``cdb serve --served-model-name``): every name is accepted as a request's
+  ``model``, the first is the one reported.
   Requests go through the same engine and the same ``GenerationService`` state as the gRPC API: its drain,
   readiness verdict, metrics and traces cover them too.
 - Request bodies over ``CDB_MAX_REQUEST_BYTES`` get 413 before they are parsed or their API key is checked, and
@@ -37,18 +39,26 @@ import uvicorn
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
 from cdb_engine.config import RequestParams
 from cdb_engine.engine import Engine
-from cdb_engine.validation import check_messages_size
+from cdb_engine.validation import check_messages_size, check_text_size
 from cdb_model.loader import load_generation_defaults
 from services.http.body_limit import BodyLimit
 from services.http.calls import Call, Prepare
 from services.http.errors import ApiError, api_error, validation_error
 from services.http.protocol import guarded_protocol
 from services.http.responses import ChatRender, CompletionRender, Render
-from services.http.schemas import CHAT_FIELDS, FIELDS, ChatCompletionRequest, CompletionRequest
+from services.http.schemas import (
+    CHAT_FIELDS,
+    FIELDS,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 from services.http.streaming import EventStream, sse_body, until_done_or_gone
 from services.scheduler.handlers import GenerationService
 from services.scheduler.security import CallerAuth, read_api_keys
@@ -210,6 +220,68 @@ def create_app(
     async def model(model: str) -> dict[str, Any]:
         check_model(model)
         return model_card()
+
+    def tokenize_ids(body: TokenizeRequest) -> list[int]:  # on a worker thread: templates and tokenizers are slow
+        if (body.prompt is None) == (body.messages is None):
+            raise ApiError(400, "give exactly one of 'prompt' and 'messages'", param="prompt")
+        if body.messages is not None:
+            chat = [{"role": m.role, "content": m.content or ""} for m in body.messages]
+            check_messages_size(chat)
+            return engine.tokenizer.apply_chat_template(chat, add_generation_prompt=body.add_generation_prompt)
+        if isinstance(body.prompt, list):
+            check_token_ids(body.prompt, "prompt")
+            return list(body.prompt)
+        assert body.prompt is not None
+        check_text_size(body.prompt, "prompt")
+        return engine.tokenizer.encode(body.prompt)
+
+    def check_token_ids(ids: Sequence[int], param: str) -> None:
+        if len(ids) > engine.limits.max_total_tokens:
+            raise ApiError(400, f"more than {engine.limits.max_total_tokens} token ids (max_model_len)", param=param)
+        bad = [t for t in ids if not 0 <= t < engine.limits.vocab_size]
+        if bad:
+            raise ApiError(
+                400, f"unknown token ids {bad[:5]} (vocabulary size {engine.limits.vocab_size})", param=param
+            )
+
+    @app.post("/tokenize", dependencies=[Depends(authorized)])
+    async def tokenize(body: TokenizeRequest) -> Response:
+        """Token ids of a prompt or a chat, as the completions endpoints would see them."""
+        check_model(body.model)
+        try:
+            ids = await run_in_threadpool(tokenize_ids, body)
+        except Exception as exc:
+            return api_error(exc, CHAT_FIELDS if body.messages is not None else FIELDS).response()
+        strs = (
+            [engine.tokenizer.decode([i], skip_special_tokens=False) for i in ids] if body.return_token_strs else None
+        )
+        return JSONResponse(
+            {"count": len(ids), "max_model_len": engine.limits.max_total_tokens, "tokens": ids, "token_strs": strs}
+        )
+
+    @app.post("/detokenize", dependencies=[Depends(authorized)])
+    async def detokenize(body: DetokenizeRequest) -> Response:
+        """The text of token ids (special tokens skipped, as in generated text)."""
+        check_model(body.model)
+        try:
+            check_token_ids(body.tokens, "tokens")
+            text = await run_in_threadpool(engine.tokenizer.decode, body.tokens)
+        except Exception as exc:
+            return api_error(exc, FIELDS).response()
+        return JSONResponse({"prompt": text})
+
+    @app.get("/tokenizer_info", dependencies=[Depends(authorized)])
+    async def tokenizer_info() -> dict[str, Any]:
+        """What a remote tokenizer needs: the class, sizes, special ids and the chat template."""
+        tok = engine.tokenizer
+        return {
+            "tokenizer_class": type(tok).__name__,
+            "vocab_size": engine.limits.vocab_size,
+            "model_max_length": engine.limits.max_total_tokens,
+            "eos_token_id": tok.eos_token_id,
+            "stop_token_ids": list(tok.stop_token_ids),
+            "chat_template": getattr(tok, "chat_template", None),
+        }
 
     @app.get("/version")
     async def version() -> dict[str, str]:

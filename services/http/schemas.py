@@ -226,3 +226,26 @@ class ChatCompletionRequest(_Common):
 def says_sampling(defaults: GenerationDefaults) -> bool:
     """The checkpoint's ``generation_config.json`` says how to sample (not only its end-of-sequence ids)."""
     return defaults.do_sample or any(v is not None for v in (defaults.temperature, defaults.top_p, defaults.top_k))
+
+
+class TokenizeRequest(BaseModel):
+    """``POST /tokenize`` (vLLM's shape): a ``prompt`` (text, or token ids echoed back), or chat ``messages``
+    rendered by the chat template."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    prompt: str | list[StrictInt] | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: StrictBool = True
+    add_special_tokens: StrictBool = True  # the tokenizer's own configuration decides; accepted for compatibility
+    return_token_strs: StrictBool = False
+
+
+class DetokenizeRequest(BaseModel):
+    """``POST /detokenize`` (vLLM's shape)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    tokens: list[StrictInt]

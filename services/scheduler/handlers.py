@@ -301,7 +301,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
     @mapped_errors
     async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.InfoResponse:
         problem = self.broken or self.not_ready
-        reply = messages.info_to_pb(self.engine, self.deployment, self.settings.max_concurrent_rpcs, problem)
+        executor = self.factory.executor if self.factory is not None else None
+        reply = messages.info_to_pb(self.engine, self.deployment, self.settings.max_concurrent_rpcs, problem, executor)
         reply.version = server_version()
         reply.served_model_names.extend(served_names(self.settings.served_model_name) or [self.engine.config.model])
         return reply

@@ -14,6 +14,7 @@ from cdb_engine.engine import Engine, FinishEvent, TokenEvent
 from cdb_engine.limits import describe
 from cdb_scheduler.plan import SamplingParams, TokenLogprobs
 from cdb_scheduler.request import FinishReason
+from services.transport.executor import GrpcExecutor
 
 _DEFAULT_MAX_TOKENS = RequestParams().max_tokens
 
@@ -92,8 +93,15 @@ def event_to_pb(ev: TokenEvent | FinishEvent) -> pb.GenerateStreamResponse:
     return pb.GenerateStreamResponse(request_id=ev.request_id, finish=finish_to_pb(ev))
 
 
-def info_to_pb(engine: Engine, deployment: str, max_concurrent_rpcs: int, extra_error: str | None = None) -> Any:
-    """``InfoResponse`` from the engine's configuration, limits and live counters."""
+def info_to_pb(
+    engine: Engine,
+    deployment: str,
+    max_concurrent_rpcs: int,
+    extra_error: str | None = None,
+    executor: GrpcExecutor | None = None,
+) -> Any:
+    """``InfoResponse`` from the engine's configuration, limits and live counters (and the stage processes and
+    recoveries of ``executor``)."""
     cfg, mc, limits = engine.config, engine.model_config, engine.limits
     st = engine.stats()
     error = st.error or extra_error
@@ -136,4 +144,6 @@ def info_to_pb(engine: Engine, deployment: str, max_concurrent_rpcs: int, extra_
         early_exit=limits.early_exit,
         exit_summary=describe(limits),
         mean_served_depth=sum(d * n for d, n in hist.items()) / served if served else 0.0,
+        stage_pids=executor.stage_pids() if executor is not None else {},
+        recovery_seconds=list(executor.recovery_s[-100:]) if executor is not None else [],
     )

@@ -491,6 +491,10 @@ class GrpcExecutor:
         old.close()
         log.warning("stages re-attached %.2fs after the loss (%d outages healed)", self.recovery_s[-1], self.recoveries)
 
+    def stage_pids(self) -> dict[str, int]:
+        """The process id serving each stage role (from its last ``Configure``)."""
+        return {stage.role: proc.pid for stage, proc in list(self._procs.items())}
+
     def _attach_one(
         self,
         stage: Stage,

@@ -225,6 +225,34 @@ def test_chat_without_a_template_is_400_naming_messages() -> None:
 
 
 # --- models, health, metrics -------------------------------------------------------------------------------------
+def test_tokenize_detokenize_and_tokenizer_info_in_vllms_shapes(api: Served) -> None:
+    tok = api.engine.tokenizer
+
+    def call(method: str, path: str, body: dict | None = None) -> tuple[int, dict]:
+        status, _, raw = api.request(method, path, body)
+        return status, json.loads(raw)
+
+    status, got = call("POST", "/tokenize", {"model": MODEL, "prompt": PROMPT, "return_token_strs": True})
+    ids = tok.encode(PROMPT)
+    assert status == 200 and got["tokens"] == ids and got["count"] == len(ids)
+    assert got["max_model_len"] == api.engine.limits.max_total_tokens
+    assert "".join(got["token_strs"]) == PROMPT
+    _, chat = call("POST", "/tokenize", {"messages": CHAT})
+    assert chat["tokens"] == tok.apply_chat_template(CHAT, add_generation_prompt=True)
+    assert call("POST", "/detokenize", {"tokens": ids}) == (200, {"prompt": PROMPT})
+    _, info = call("GET", "/tokenizer_info")
+    assert info["model_max_length"] == api.engine.limits.max_total_tokens and info["chat_template"]
+    assert info["vocab_size"] == api.engine.limits.vocab_size and info["eos_token_id"] == tok.eos_token_id
+    for path, body, param in (
+        ("/tokenize", {"prompt": PROMPT, "messages": CHAT}, "prompt"),
+        ("/tokenize", {}, "prompt"),
+        ("/detokenize", {"tokens": [api.engine.limits.vocab_size]}, "tokens"),
+        ("/tokenize", {"prompt": PROMPT, "model": "nope"}, "model"),
+    ):
+        status, err = call("POST", path, body)
+        assert status in (400, 404) and err["error"]["param"] == param, (path, body, err)
+
+
 def test_models_lists_the_served_model_and_unknown_ones_are_404(client: openai.OpenAI) -> None:
     assert [m.id for m in client.models.list()] == [MODEL]
     assert client.models.retrieve(MODEL).id == MODEL

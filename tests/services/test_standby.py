@@ -43,15 +43,18 @@ def test_a_killed_stage_is_replaced_by_its_standby_without_a_restart() -> None:
                 for run in runs[: CONFIG.max_num_seqs]:
                     assert run.first.wait(60)
                 victim = tree.stages[role]
+                assert client.info().stage_pids[role.role] == victim.pid
                 os.kill(victim.pid, signal.SIGKILL)
                 assert victim.wait(10) == -signal.SIGKILL
                 for run in runs:
                     assert run.done.wait(120) and run.error is None, (role, run.error)
                 assert tokens(runs) == want, role.role
                 assert victim.poll() is not None and tree.stages[role] is victim  # not restarted: the standby served
+                assert client.info().stage_pids[role.role] == tree.standbys[role].pid
                 client.wait_for_status("SERVING", timeout=30)
                 wait_for_counters(client, lambda c: all(c[k] == v for k, v in IDLE.items()), "nothing held", 30)
-            assert client.info().counters["recoveries"] == 2
+            info = client.info()
+            assert info.counters["recoveries"] == 2 and len(info.recovery_seconds) == 2
         assert "takes over" in tree.log("scheduler")
     finally:
         tree.stop(drain_timeout=5.0)
