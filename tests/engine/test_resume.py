@@ -5,6 +5,7 @@ depths, the same text, the same usage, nothing delivered twice; across KV polici
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 from dataclasses import replace
 
 import pytest
@@ -24,6 +25,12 @@ CASES = [
         RequestParams(max_tokens=16, sampling=SamplingParams(temperature=1.2, top_k=20, seed=11), ignore_eos=True),
     ),
 ]
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[Engine]:
+    with Engine(BASE) as eng:
+        yield eng
 
 
 def run(engine: Engine, prompt: str | list[int], params: RequestParams) -> list[TokenEvent | FinishEvent]:
@@ -73,19 +80,18 @@ def test_a_resumed_stream_continues_exactly_where_it_stopped(model: str, kv_poli
                 )
 
 
-def test_a_stop_string_across_the_resume_point_is_still_found() -> None:
-    with Engine(BASE) as engine:
-        params = RequestParams(max_tokens=20, ignore_eos=True)
-        tokens = [e for e in run(engine, "the loop", params) if isinstance(e, TokenEvent)]
-        text = "".join(t.text for t in tokens)
-        stop = text[5:8]  # three characters the generation produces
-        with_stop = replace(params, stop_strings=(stop,))
-        full = run(engine, "the loop", with_stop)
-        first = [e for e in full if isinstance(e, TokenEvent)]
-        for cut in range(1, len(first)):
-            rest = run(engine, "the loop", resumed(with_stop, first[:cut]))
-            assert "".join(t.text for t in first[:cut]) + "".join(e.text for e in rest) == "".join(e.text for e in full)
-            assert rest[-1].finish_reason == full[-1].finish_reason
+def test_a_stop_string_across_the_resume_point_is_still_found(engine: Engine) -> None:
+    params = RequestParams(max_tokens=20, ignore_eos=True)
+    tokens = [e for e in run(engine, "the loop", params) if isinstance(e, TokenEvent)]
+    text = "".join(t.text for t in tokens)
+    stop = text[5:8]  # three characters the generation produces
+    with_stop = replace(params, stop_strings=(stop,))
+    full = run(engine, "the loop", with_stop)
+    first = [e for e in full if isinstance(e, TokenEvent)]
+    for cut in range(1, len(first)):
+        rest = run(engine, "the loop", resumed(with_stop, first[:cut]))
+        assert "".join(t.text for t in first[:cut]) + "".join(e.text for e in rest) == "".join(e.text for e in full)
+        assert rest[-1].finish_reason == full[-1].finish_reason
 
 
 @pytest.mark.parametrize(
@@ -97,21 +103,19 @@ def test_a_stop_string_across_the_resume_point_is_still_found() -> None:
         ((5, 6), (4, 99), 8, "depths must be in"),
     ],
 )
-def test_bad_resume_states_are_refused_naming_the_field(tokens, depths, max_tokens, why) -> None:
-    with Engine(BASE) as engine:
-        params = RequestParams(max_tokens=max_tokens, resume_tokens=tokens, resume_depths=depths)
-        with pytest.raises(InvalidRequest, match=why) as err:
-            engine.validate("hi", params)
-        assert err.value.field == "resume"
+def test_bad_resume_states_are_refused_naming_the_field(engine: Engine, tokens, depths, max_tokens, why) -> None:
+    params = RequestParams(max_tokens=max_tokens, resume_tokens=tokens, resume_depths=depths)
+    with pytest.raises(InvalidRequest, match=why) as err:
+        engine.validate("hi", params)
+    assert err.value.field == "resume"
 
 
-def test_a_resume_that_already_ended_is_refused_and_leaves_the_id_free() -> None:
-    with Engine(BASE) as engine:
-        eos = engine.model_config.stop_token_ids[0]
-        params = RequestParams(max_tokens=8, resume_tokens=(5, eos), resume_depths=(4, 2))
-        ids = engine.validate("hi", params)
-        with pytest.raises(InvalidRequest, match="stop token"):
-            engine.submit(ids, params, lambda ev: None, "again")
-        events = run(engine, "hi", RequestParams(max_tokens=2, ignore_eos=True))  # the engine still serves
-        assert isinstance(events[-1], FinishEvent)
-        engine.submit(ids, replace(params, resume_tokens=(), resume_depths=()), lambda ev: None, "again")
+def test_a_resume_that_already_ended_is_refused_and_leaves_the_id_free(engine: Engine) -> None:
+    eos = engine.model_config.stop_token_ids[0]
+    params = RequestParams(max_tokens=8, resume_tokens=(5, eos), resume_depths=(4, 2))
+    ids = engine.validate("hi", params)
+    with pytest.raises(InvalidRequest, match="stop token"):
+        engine.submit(ids, params, lambda ev: None, "again")
+    events = run(engine, "hi", RequestParams(max_tokens=2, ignore_eos=True))  # the engine still serves
+    assert isinstance(events[-1], FinishEvent)
+    engine.submit(ids, replace(params, resume_tokens=(), resume_depths=()), lambda ev: None, "again")
