@@ -448,7 +448,7 @@ class StageService(stage_pb2_grpc.StageServicer):
 class _RingInbox:
     """The executor's inbox over a session's ops ring: ``(StageBatch, arrived_ns)`` items, ``_END`` at the end of
     the batches (an empty record), when the ring closes, or when ``put(_END)`` stops the stream. A message that
-    comes on the stream itself (not sent by the project's executor) is taken too, after the ring's pending ones."""
+    comes on the stream itself (not sent by the project's executor) is taken too, before the ring's next one."""
 
     def __init__(self, ring: MessageRing, spin_s: float) -> None:
         self._ring = ring
