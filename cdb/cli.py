@@ -18,7 +18,11 @@ COMMANDS = {
     "scheduler": ("cdb.processes", "scheduler_main", "run the scheduler service"),
     "train": ("cdb_train.cli", "main", "train the shipped looped model (prepare | train | lookahead | card)"),
     "bench": ("cdb_bench.cli", "main", "benchmarks: offline, services, serve, scheduler, step (see cdb bench --help)"),
-    "eval": ("cdb_train.quality", "main", "quality against depth: perplexity, greedy agreement per exit threshold q"),
+    "eval": (
+        "cdb.evaluate",
+        "main",
+        "quality against depth per exit threshold q; --harness: lm_eval through the API over q",
+    ),
     "secret": ("cdb.processes", "secret_main", "make the stage plane's secret file (0600) if it does not exist"),
     "trace": ("services.telemetry.trace_cli", "main", "receive OTLP spans here and print each request's trace tree"),
 }

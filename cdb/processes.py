@@ -1,4 +1,5 @@
-"""``cdb stage`` and ``cdb scheduler``: one process of the tree each (the launcher's and compose's commands)."""
+"""``cdb stage`` and ``cdb scheduler``: one process of the tree each (the launcher's and compose's commands); and
+``resolve_command``, the one resolution of a command's configuration that every ``cdb`` process runs."""
 
 from __future__ import annotations
 
@@ -9,18 +10,29 @@ import os
 import sys
 from collections.abc import Callable, Mapping
 
-from cdb.model_source import ModelNotFoundError, ModelSource, resolve_model
+from cdb.model_source import ModelSource, resolve_model
 from cdb_engine.config import EngineConfig
-from cdb_engine.options import add_engine_args, engine_config_from_args
+from cdb_engine.config_source import ENGINE_FIELDS
+from cdb_engine.options import add_engine_args
 from cdb_scheduler.plan import Stage
 from services.launcher import die_with_parent, pin_cpus
 from services.net import ListenError, is_host_port, parse_stage_addrs
-from services.settings import LOG_LEVELS, Configuration, Settings, SettingsError, load_configuration, served_names
+from services.settings import (
+    LOG_LEVELS,
+    Configuration,
+    Resolved,
+    Settings,
+    SettingsError,
+    handed_configuration,
+    load_configuration,
+    served_names,
+)
 from services.telemetry.logs import configure_logging
 from services.version import server_version
 
-STAGE_ENGINE_FIELDS = ("model", "dtype", "device", "synthetic_cost", "synthetic_depths")  # what a stage loads;
-# the rest comes with Configure
+# The engine flags of ``cdb stage``: what a stage loads (its other fields come from its source, and what it serves
+# with from the scheduler's Configure)
+STAGE_ENGINE_FIELDS = ("model", "dtype", "device", "synthetic_cost", "synthetic_depths")
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -55,14 +67,25 @@ def add_served_name_arg(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_chat_template_arg(parser: argparse.ArgumentParser) -> None:
+    """``--chat-template FILE|TEMPLATE`` (over ``CDB_CHAT_TEMPLATE``)."""
+    parser.add_argument(
+        "--chat-template",
+        metavar="FILE|TEMPLATE",
+        help="the HTTP API's chat template instead of the tokenizer's: a Jinja file or the template itself "
+        "(default: $CDB_CHAT_TEMPLATE; else the tokenizer's)",
+    )
+
+
 def served_model_names(args: argparse.Namespace, settings: Settings, source: ModelSource) -> list[str]:
-    """The names the model is served under: ``--served-model-name``, else ``CDB_SERVED_MODEL_NAME``, else the model
-    as the user named it (a hub id, not its cache folder); ValueError for an empty name or one with a comma (the
-    names travel to the scheduler comma-separated)."""
+    """The names the model is served under: ``--served-model-name``, else ``CDB_SERVED_MODEL_NAME``, else a hub id
+    as the user named it (not its cache folder; [] otherwise: the APIs report the model as configured); ValueError
+    for an empty name or one with a comma (``Settings.served_model_name`` holds them comma-separated)."""
     given = args.served_model_name or []
     if any(not name.strip() or "," in name for name in given):
         raise ValueError(f"--served-model-name takes names without commas, none empty; got {given!r}")
-    return [name.strip() for name in given] or served_names(settings.served_model_name) or [source.name]
+    named = [name.strip() for name in given] or served_names(settings.served_model_name)
+    return named or ([source.name] if source.from_cache else [])
 
 
 def resolve_model_arg(args: argparse.Namespace) -> ModelSource:
@@ -74,11 +97,18 @@ def resolve_model_arg(args: argparse.Namespace) -> ModelSource:
 
 
 def add_config_arg(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument(
         "--config",
         metavar="FILE",
         help="config file (TOML; YAML for .yaml/.yml) of settings and engine options, under the CDB_* variables "
         "and these flags; keys as in services/settings.py (default: $CDB_CONFIG)",
+    )
+    group.add_argument(
+        "--resolved-config",
+        metavar="FILE",
+        help="the whole configuration as a launcher resolved it (JSON; cdb serve writes one for its children): "
+        "read instead of the CDB_* variables and any config file",
     )
 
 
@@ -103,12 +133,129 @@ def add_log_args(parser: argparse.ArgumentParser, conf: Configuration, *, reques
 def read_configuration(
     argv: list[str] | None, environ: Mapping[str, str] | None = None, *, prog: str = "cdb"
 ) -> Configuration:
-    """The source of a command's defaults: ``environ`` (default: ``os.environ``) and the config file its
-    ``--config`` (or ``CDB_CONFIG``) names; SettingsError naming a bad value."""
+    """The source of a command's defaults: the document its ``--resolved-config`` names, else ``environ`` (default:
+    ``os.environ``) and the config file its ``--config`` (or ``CDB_CONFIG``) names; SettingsError naming a bad
+    value."""
     pre = argparse.ArgumentParser(prog=prog, add_help=False)
     pre.add_argument("--config", metavar="FILE")
+    pre.add_argument("--resolved-config", metavar="FILE")
     known, _ = pre.parse_known_args(sys.argv[1:] if argv is None else argv)
+    if known.resolved_config:
+        return handed_configuration(known.resolved_config)
     return load_configuration(environ, known.config)
+
+
+# Flags that set a service setting (argparse dest -> Settings field); the paths among them are made absolute (a
+# child may run elsewhere), the addresses checked as HOST:PORT (the error names the flag).
+SETTING_FLAGS = {
+    "log_level": "log_level",
+    "request_log": "request_log",
+    "metrics_listen": "metrics_addr",
+    "http": "http_addr",
+    "tls_cert": "tls_cert",
+    "tls_key": "tls_key",
+    "tls_client_ca": "tls_client_ca",
+    "api_keys_file": "api_keys_file",
+    "chat_template": "chat_template",
+}
+_PATH_FLAGS = ("tls_cert", "tls_key", "tls_client_ca", "api_keys_file")
+_ADDRESS_FLAGS = {"metrics_listen": "--metrics-listen", "http": "--http"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Command:
+    """A command line resolved: the configuration the process runs with (``resolved``), the parsed ``args`` (for
+    the options of this process alone: ``--listen``, ``--role``, ...), the ``parser`` and the model as named."""
+
+    resolved: Resolved
+    args: argparse.Namespace
+    parser: argparse.ArgumentParser
+    source: ModelSource
+
+
+def _model_flag(argv: list[str]) -> str | None:
+    """The value of ``--model`` in ``argv`` when it is given there (its default does not count)."""
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    pre.add_argument("--model")
+    model: str | None = pre.parse_known_args(argv)[0].model
+    return model
+
+
+def _take_model_arg(args: argparse.Namespace, argv: list[str]) -> None:
+    """``cdb serve MODEL``: MODEL is ``--model``; ValueError when both are given and differ."""
+    if getattr(args, "model_arg", None) is None:
+        return
+    flag = _model_flag(argv)
+    if flag is not None and flag != args.model_arg:
+        raise ValueError(f"the model is named twice, {args.model_arg} (MODEL) and {flag} (--model): give one")
+    args.model = args.model_arg
+
+
+def _resolve(conf: Configuration, args: argparse.Namespace, source: ModelSource) -> Resolved:
+    """The command's flags over its source: every engine field and setting a flag of this command sets."""
+    given = vars(args)
+    engine = EngineConfig(**{**conf.engine, **{name: given[name] for name in ENGINE_FIELDS if name in given}})
+    for dest, flag in _ADDRESS_FLAGS.items():
+        if (value := given.get(dest)) and not is_host_port(value):
+            raise ValueError(f"{flag} must be HOST:PORT, got {value!r}")
+    flags = {field: given[dest] for dest, field in SETTING_FLAGS.items() if given.get(dest) is not None}
+    flags.update({name: os.path.abspath(flags[name]) for name in _PATH_FLAGS if name in flags})
+    if "chat_template" in given and (template := flags.get("chat_template", conf.settings.chat_template)):
+        from services.http.chat_template import ChatTemplateError, read_chat_template  # (FastAPI: only if set)
+
+        try:  # checked before anything starts: read and compiled; a file's path made absolute
+            read_chat_template(template)
+        except ChatTemplateError as exc:
+            raise ValueError(f"--chat-template (or CDB_CHAT_TEMPLATE): {exc}") from None
+        if os.path.isfile(template):
+            flags["chat_template"] = os.path.abspath(template)
+    if "served_model_name" in given:
+        flags["served_model_name"] = ",".join(served_model_names(args, conf.settings, source))
+    return Resolved(dataclasses.replace(conf.settings, **flags), engine)
+
+
+def resolve_command(
+    argv: list[str] | None,
+    prog: str,
+    build: Callable[[Configuration], argparse.ArgumentParser],
+    environ: Mapping[str, str] | None = None,
+) -> Command:
+    """The one resolution of a ``cdb`` command, highest first: its flags, then its source (``read_configuration``:
+    the launcher's document, or the ``CDB_*`` variables over the config file over the defaults), which are the
+    flags' defaults in ``prog``'s parser (``build``). The model is resolved too (a hub id: its cache snapshot).
+    Raises SettingsError (a bad setting) or ValueError (the model not found or named twice), one line each; a bad
+    flag value exits 2 through the parser."""
+    conf = read_configuration(argv, environ, prog=prog)
+    parser = build(conf)
+    args = parser.parse_args(argv)
+    _take_model_arg(args, sys.argv[1:] if argv is None else argv)
+    source = resolve_model_arg(args)
+    try:
+        resolved = _resolve(conf, args, source)
+    except ValueError as exc:
+        parser.error(str(exc))
+    return Command(resolved, args, parser, source)
+
+
+def process_resolution(command: str, argv: list[str], environ: Mapping[str, str]) -> Resolved:
+    """The configuration that ``cdb stage ARGV`` or ``cdb scheduler ARGV`` runs with in ``environ``, without
+    running it."""
+    build = {"stage": stage_parser, "scheduler": scheduler_parser}[command]
+    return resolve_command(argv, f"cdb {command}", build, environ).resolved
+
+
+def parse_command(
+    argv: list[str] | None, prog: str, build: Callable[[Configuration], argparse.ArgumentParser]
+) -> Command | None:
+    """``resolve_command`` for a command's main: a bad setting or model prints one line and gives None (the
+    command exits 2)."""
+    try:
+        return resolve_command(argv, prog, build)
+    except SettingsError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+    except ValueError as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+    return None
 
 
 def stage_parser(conf: Configuration) -> argparse.ArgumentParser:
@@ -122,46 +269,18 @@ def stage_parser(conf: Configuration) -> argparse.ArgumentParser:
     return parser
 
 
-def process_config(command: str, argv: list[str], environ: Mapping[str, str]) -> EngineConfig:
-    """The engine config that ``cdb stage ARGV`` or ``cdb scheduler ARGV`` runs with in ``environ``, without
-    running it (a stage's fields beyond model, dtype and device keep their defaults)."""
-    build = {"stage": stage_parser, "scheduler": scheduler_parser}[command]
-    return engine_config_from_args(build(read_configuration(argv, environ)).parse_args(argv))
-
-
-def parse_command(
-    argv: list[str] | None, prog: str, build: Callable[[Configuration], argparse.ArgumentParser]
-) -> tuple[Configuration, argparse.ArgumentParser, argparse.Namespace] | None:
-    """Read the config source, build ``prog``'s parser over it (``build``) and parse ``argv``. A bad setting prints
-    one line and gives None (the command exits 2)."""
-    try:
-        conf = read_configuration(argv, prog=prog)
-    except SettingsError as exc:
-        print(f"{prog}: error: {exc}", file=sys.stderr)
-        return None
-    parser = build(conf)
-    return conf, parser, parser.parse_args(argv)
-
-
 def stage_main(argv: list[str] | None = None) -> int:
     """``cdb stage``: serve one stage of a looped LM (``cdb.v1.Stage``) until SIGTERM/SIGINT."""
     from services.transport.stage_server import run_stage
 
     die_with_parent()
-    parsed = parse_command(argv, "cdb stage", stage_parser)
-    if parsed is None:
+    command = parse_command(argv, "cdb stage", stage_parser)
+    if command is None:
         return 2
-    conf, parser, args = parsed
-    try:
-        resolve_model_arg(args)
-        config = engine_config_from_args(args)  # the dtype's auto resolves on the device, as the scheduler's
-    except ModelNotFoundError as exc:
-        print(f"{parser.prog}: {exc}", file=sys.stderr)
-        return 2
-    except ValueError as exc:
-        parser.error(str(exc))
-    pin_cpus(args.role, conf.settings)
-    configure_logging(args.role, conf.settings, args.log_level)
+    resolved, args = command.resolved, command.args
+    config, settings = resolved.engine, resolved.settings  # the dtype's auto resolved on the device
+    pin_cpus(args.role, settings)
+    configure_logging(args.role, settings)
     try:
         run_stage(
             args.role,
@@ -170,15 +289,16 @@ def stage_main(argv: list[str] | None = None) -> int:
             dtype=config.dtype,
             device=config.device,
             ready_file=args.ready_file,
-            settings=conf.settings,
+            settings=settings,
             synthetic_cost=config.synthetic_cost,
             synthetic_depths=config.synthetic_depths,
+            config_digest=resolved.digest(),
         )
     except ListenError as exc:
-        print(f"{parser.prog}: {exc}", file=sys.stderr)
+        print(f"{command.parser.prog}: {exc}", file=sys.stderr)
         return 1
     except ValueError as exc:  # a bad option or setting, e.g. no stage secret: one line
-        print(f"{parser.prog}: {exc}", file=sys.stderr)
+        print(f"{command.parser.prog}: {exc}", file=sys.stderr)
         return 2
     return 0
 
@@ -200,15 +320,6 @@ def secret_main(argv: list[str] | None = None) -> int:
     return 0
 
 
-# public-port flags -> the CDB_* variables they set (docs/operations.md, "Exposing the public port")
-PUBLIC_PORT_FLAGS = {
-    "tls_cert": "CDB_TLS_CERT",
-    "tls_key": "CDB_TLS_KEY",
-    "tls_client_ca": "CDB_TLS_CLIENT_CA",
-    "api_keys_file": "CDB_API_KEYS_FILE",
-}
-
-
 def add_public_port_args(parser: argparse.ArgumentParser) -> None:
     """``--tls-cert/--tls-key/--tls-client-ca/--api-keys-file`` (each overrides its ``CDB_*`` variable)."""
     group = parser.add_argument_group("public port (TLS, mTLS, API keys)")
@@ -227,11 +338,6 @@ def add_public_port_args(parser: argparse.ArgumentParser) -> None:
         help="API keys, one per line, '#' comments; calls need 'authorization: Bearer KEY' "
         "(default: $CDB_API_KEYS_FILE)",
     )
-
-
-def public_port_env(args: argparse.Namespace) -> dict[str, str]:
-    """The ``CDB_*`` variables that the public-port flags given set (absolute paths: children may run elsewhere)."""
-    return {var: os.path.abspath(value) for name, var in PUBLIC_PORT_FLAGS.items() if (value := getattr(args, name))}
 
 
 def scheduler_parser(conf: Configuration) -> argparse.ArgumentParser:
@@ -264,6 +370,7 @@ def scheduler_parser(conf: Configuration) -> argparse.ArgumentParser:
         help="also serve the OpenAI-compatible HTTP API here (default: $CDB_HTTP_ADDR; unset or empty: none)",
     )
     add_served_name_arg(parser)
+    add_chat_template_arg(parser)
     add_config_arg(parser)
     add_log_args(parser, conf)
     add_public_port_args(parser)
@@ -281,30 +388,19 @@ def scheduler_main(argv: list[str] | None = None) -> int:
     from services.transport.segments import SharedMemoryFull, sweep_stale_segments
 
     die_with_parent()
-    parsed = parse_command(argv, "cdb scheduler", scheduler_parser)
-    if parsed is None:
+    command = parse_command(argv, "cdb scheduler", scheduler_parser)
+    if command is None:
         return 2
-    conf, parser, args = parsed
-    pin_cpus("scheduler", conf.settings)
-    configure_logging("scheduler", conf.settings, args.log_level, args.request_log)
+    parser, args = command.parser, command.args
+    config, settings = command.resolved.engine, command.resolved.settings
+    pin_cpus("scheduler", settings)
+    configure_logging("scheduler", settings)
+    http = settings.http_addr
     try:
         stage_addrs = None if args.in_process else parse_stage_addrs(args.stage)
         standby_addrs = parse_stage_addrs(args.standby_stage, "--standby-stage", complete=False)
-        source = resolve_model_arg(args)
-        config = engine_config_from_args(args)
-        if args.metrics_listen and not is_host_port(args.metrics_listen):
-            raise ValueError(f"--metrics-listen must be HOST:PORT, got {args.metrics_listen!r}")
-        settings = load_configuration({**os.environ, **public_port_env(args)}, args.config).settings
-        names = served_model_names(args, settings, source)
-        settings = dataclasses.replace(settings, served_model_name=",".join(names))
         PortSecurity.from_settings(settings)  # TLS files and API keys, checked before the model loads
-        http = settings.http_addr if args.http is None else args.http
-        if http and not is_host_port(http):
-            raise ValueError(f"--http must be HOST:PORT, got {http!r}")
         check_config(config)  # a bad model path, preset, device: one line before anything loads
-    except ModelNotFoundError as exc:
-        print(f"{parser.prog}: {exc}", file=sys.stderr)
-        return 2
     except ValueError as exc:
         parser.error(str(exc))
     try:
@@ -318,7 +414,6 @@ def scheduler_main(argv: list[str] | None = None) -> int:
             stage_addrs,
             ready_file=args.ready_file,
             settings=settings,
-            metrics_listen=args.metrics_listen,
             companion=functools.partial(serve_api, address=http) if http else None,
             standby_addrs=standby_addrs,
         )

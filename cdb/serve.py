@@ -3,31 +3,26 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
-from cdb.model_source import ModelNotFoundError
 from cdb.processes import (
+    add_chat_template_arg,
     add_config_arg,
     add_log_args,
     add_public_port_args,
     add_served_name_arg,
     new_parser,
     parse_command,
-    public_port_env,
-    resolve_model_arg,
-    served_model_names,
 )
-from cdb_engine.config_source import CONFIG_ENV
-from cdb_engine.options import add_engine_args, engine_config_from_args
+from cdb_engine.options import add_engine_args
 from cdb_engine.preflight import ConfigError, check_config
 from cdb_model.loader import DEFAULT_MODEL
 from clients.common import StreamToken
 from clients.sync_client import Client
 from services.launcher import serve_all, serve_forever
-from services.net import ListenError, check_can_listen, is_host_port
+from services.net import ListenError, check_can_listen
 from services.scheduler.security import PortSecurity, read_api_keys
-from services.settings import Configuration, load_settings
+from services.settings import Configuration
 from services.telemetry.logs import configure_logging
 
 
@@ -37,12 +32,6 @@ def _tree_parser(prog: str, description: str | None, conf: Configuration) -> arg
     add_config_arg(parser)
     add_engine_args(parser, {"model": DEFAULT_MODEL, **conf.engine})  # default: the shipped model, models/ouro-kjv
     return parser
-
-
-def _share_config_file(conf: Configuration) -> None:
-    """The launcher hands this environment to its children: they read the same config file (absolute path)."""
-    if conf.config_file:
-        os.environ[CONFIG_ENV] = conf.config_file
 
 
 DEFAULT_HTTP_ADDR = "127.0.0.1:8000"  # the conventional port of an OpenAI-compatible server
@@ -80,76 +69,40 @@ def serve_parser(conf: Configuration) -> argparse.ArgumentParser:
         help="serve gRPC only, no HTTP API (default: the HTTP API on, see --http)",
     )
     add_served_name_arg(parser)
+    add_chat_template_arg(parser)
     add_log_args(parser, conf)
     add_public_port_args(parser)
     return parser
 
 
-def _model_flag(argv: list[str]) -> str | None:
-    """The value of ``--model`` in ``argv`` when it is given there (its default does not count)."""
-    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    pre.add_argument("--model")
-    model: str | None = pre.parse_known_args(argv)[0].model
-    return model
-
-
-def _take_model_arg(args: argparse.Namespace, argv: list[str]) -> None:
-    """``cdb serve MODEL``: MODEL is ``--model``; ValueError when both are given and differ."""
-    if args.model_arg is None:
-        return
-    flag = _model_flag(argv)
-    if flag is not None and flag != args.model_arg:
-        raise ValueError(f"the model is named twice, {args.model_arg} (MODEL) and {flag} (--model): give one")
-    args.model = args.model_arg
-
-
 def serve_main(argv: list[str] | None = None) -> int:
     """``cdb serve [MODEL]``: the scheduler and the three stages on this machine, gRPC and the OpenAI-compatible
     HTTP API, until Ctrl-C / SIGTERM / SIGHUP."""
-    parsed = parse_command(argv, "cdb serve", serve_parser)
-    if parsed is None:
+    command = parse_command(argv, "cdb serve", serve_parser)
+    if command is None:
         return 2
-    conf, parser, args = parsed
+    parser, args, resolved = command.parser, command.args, command.resolved
+    settings = resolved.settings
+    configure_logging("launcher", settings)
     try:
-        _take_model_arg(args, sys.argv[1:] if argv is None else argv)
-        source = resolve_model_arg(args)
-    except ValueError as exc:  # the model named twice, or a hub id not in the cache: one line
-        print(f"{parser.prog}: {exc}", file=sys.stderr)
-        return 2
-    try:
-        config = engine_config_from_args(args)
-        for flag, value in (("--metrics-listen", args.metrics_listen), ("--http", args.http)):
-            if value and not is_host_port(value):
-                raise ValueError(f"{flag} must be HOST:PORT, got {value!r}")
-        # The launcher hands this environment to its children: the scheduler child reads the flags from it. Set
-        # only once every check has passed (a refused command leaves this process's environment as it was).
-        tree_env = {CONFIG_ENV: conf.config_file} if conf.config_file else {}
-        tree_env.update(public_port_env(args))
-        tree_env["CDB_HTTP_ADDR"] = args.http or ""
-        tree_env["CDB_SERVED_MODEL_NAME"] = ",".join(served_model_names(args, conf.settings, source))
-        tree_env["CDB_LOG_LEVEL"] = args.log_level  # every process of the tree logs alike
-        tree_env["CDB_REQUEST_LOG"] = "true" if args.request_log else "false"
-        configure_logging("launcher", conf.settings, args.log_level)
-        # bad TLS files or keys: fail before the tree starts
-        PortSecurity.from_settings(load_settings({**os.environ, **tree_env}, conf.config_file))
+        PortSecurity.from_settings(settings)  # bad TLS files or keys: fail before the tree starts
     except ValueError as exc:
         parser.error(str(exc))
     try:
-        check_config(config)  # a bad model path, preset, dtype or device: one line, before any child starts
+        check_config(resolved.engine)  # a bad model path, preset, dtype or device: one line, before any child starts
     except ConfigError as exc:
         print(f"{parser.prog}: {exc}", file=sys.stderr)
         return 2
     try:
         check_can_listen(args.listen)
-        if args.http:
-            _check_http_port(args.http)
+        if settings.http_addr:
+            _check_http_port(settings.http_addr)
     except ListenError as exc:
         print(f"{parser.prog}: {exc}", file=sys.stderr)
         return 1
-    os.environ.update(tree_env)
-    if source.from_cache:
-        print(f"cdb serve: {source.name} from the local Hugging Face cache, {source.path}", flush=True)
-    return serve_forever(config, args.listen, args.metrics_listen, http=args.http or None)
+    if command.source.from_cache:
+        print(f"cdb serve: {command.source.name} from the local Hugging Face cache, {command.source.path}", flush=True)
+    return serve_forever(resolved, args.listen)
 
 
 def _check_http_port(address: str) -> None:
@@ -196,23 +149,15 @@ def demo_parser(conf: Configuration) -> argparse.ArgumentParser:
 
 def demo_main(argv: list[str] | None = None) -> int:
     """``cdb demo``: serve the embedded default, stream one generation (each token marked by its depth), stop."""
-    parsed = parse_command(argv, "cdb demo", demo_parser)
-    if parsed is None:
+    command = parse_command(argv, "cdb demo", demo_parser)
+    if command is None:
         return 2
-    conf, parser, args = parsed
-    try:
-        resolve_model_arg(args)
-        config = engine_config_from_args(args)
-    except ModelNotFoundError as exc:
-        print(f"{parser.prog}: {exc}", file=sys.stderr)
-        return 2
-    except ValueError as exc:
-        parser.error(str(exc))
-    _share_config_file(conf)
+    args, config, settings = command.args, command.resolved.engine, command.resolved.settings
     colour = args.demo_colour and sys.stdout.isatty()
     print(f"starting the prelude, loop and head stages and the scheduler for {config.model} ...", flush=True)
-    keys = read_api_keys(load_settings())  # a tree with API keys on: the demo calls it as its first key's holder
-    with serve_all(config, args.listen) as handle, Client(handle.address, api_key=keys[0] if keys else None) as client:
+    keys = read_api_keys(settings)  # a tree with API keys on: the demo calls it as its first key's holder
+    tree = serve_all(config, args.listen, settings=settings)
+    with tree as handle, Client(handle.address, api_key=keys[0] if keys else None) as client:
         max_depth = client.info().max_depth
         legend = "  ".join(_show(f"depth {d}", d, colour) for d in range(1, max_depth + 1))
         print(f"serving on {handle.address}; one generation, each token by its served loop depth ({legend}):")

@@ -81,6 +81,7 @@ def bench_offline(
     executor_factory: Callable[[StageSetup], Executor] | None = None,
     progress: bool = False,
     repeats: int = 1,
+    decode_graphs: bool | None = None,
 ) -> dict[str, object]:
     """All modes on one workload; figures relative to full depth and to the FLOP bound.
 
@@ -89,7 +90,7 @@ def bench_offline(
     """
     if executor_factory is None:
         model = load_model(base.model, dtype=torch_dtype(base.dtype), device=base.device)
-        executor_factory = shared_model_factory(model)
+        executor_factory = shared_model_factory(model, decode_graphs)
     warm = Workload(work.prompts[:4], [replace(p, max_tokens=min(p.max_tokens, 4)) for p in work.params[:4]])
     run_mode(replace(base, mode=Mode.CDB), warm, executor_factory)  # first calls allocate and warm caches
     runs: dict[str, list[dict[str, float]]] = {mode: [] for mode in modes}
@@ -173,6 +174,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--out", type=Path, help="write offline.json and PNG plots (throughput, occupancy, depths) here")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.add_argument(
+        "--cuda-graphs",
+        choices=("auto", "off"),
+        default="auto",
+        help="decode loop ops from captured CUDA graphs (auto: on CUDA) or eager",
+    )
 
 
 def write_outputs(summary: dict[str, Any], out: Path) -> list[Path]:
@@ -212,7 +219,10 @@ def main(argv: list[str] | None = None) -> int:
     add_arguments(parser)
     args = parser.parse_args(argv)
     base, work = config_and_workload(args, min_head_batch_size=args.min_head)
-    summary = bench_offline(base, work, args.modes.split(","), progress=not args.no_progress, repeats=args.repeats)
+    graphs = None if args.cuda_graphs == "auto" else False
+    summary = bench_offline(
+        base, work, args.modes.split(","), progress=not args.no_progress, repeats=args.repeats, decode_graphs=graphs
+    )
     print(json.dumps(summary, indent=2) if args.json else _table(summary))
     if args.out:
         for path in write_outputs(summary, args.out):

@@ -1,4 +1,7 @@
-"""``cdb bench step``: F0, Fr and the time of one decode loop step over 32 tokens, per preset."""
+"""``cdb bench step``: per preset F0, Fr and the time of one decode loop step over 32 tokens; then what one stage op
+costs the host (``cdb_bench.step_cost``): dispatcher calls, kernels, copies and syncs of a decode loop op of the
+presets and of the released Ouro-1.4B / Huginn-0125 shapes, and the fixed share of an op's time in tokens' worth
+(a least-squares fit of op time over widths 1 .. 64)."""
 
 from __future__ import annotations
 
@@ -8,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from cdb_bench import outputs
+from cdb_bench import outputs, step_cost
 from cdb_model.attention import PagedKV
 from cdb_model.kv import BlockTables, PagedKVPool
 from cdb_model.presets import build_preset, preset_config, preset_names
@@ -54,7 +57,11 @@ def time_loop_step(name: str, tokens: int = 32, context: int = 64, repeats: int 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="cdb bench step", description=__doc__)
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
-    ap.add_argument("--out", type=Path, help="write step.json and a plot of the step time per preset here")
+    ap.add_argument("--out", type=Path, help="write step.json and plots of the step time and the fixed cost here")
+    ap.add_argument(
+        "--fit-presets", nargs="*", default=["ouro-bench", "huginn-bench"], help="presets whose op time to fit"
+    )
+    ap.add_argument("--repeats", type=int, default=15, help="repeats per width of the fit (the fastest counts)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -66,8 +73,37 @@ def main(argv: list[str] | None = None) -> int:
         ms = time_loop_step(name)
         rows.append({"preset": name, "F0": f0, "Fr": fr, "max_depth": c.max_depth, "ms_per_step_32_tokens": ms})
         print(f"{name:14} {f0:>10,} {fr:>10,} {f0 / fr:>6.3f} {c.max_depth:>5}  {ms:.2f}")
+    costs = host_costs()
+    fits = {name: step_cost.fit_fixed_cost(name, repeats=args.repeats) for name in args.fit_presets}
+    for name, f in fits.items():
+        print(
+            f"{name}: decode loop op = {f['fixed_us']:.0f} us fixed + {f['per_token_us']:.1f} us per token "
+            f"-> fixed = {f['fixed_in_tokens']} tokens' worth"
+        )
     if args.out:
-        outputs.write_json(args.out, "step", {"threads": args.threads, "presets": rows})
+        outputs.write_json(
+            args.out, "step", {"threads": args.threads, "presets": rows, "op_costs": costs, "fixed_cost_fits": fits}
+        )
         names, times = [str(r["preset"]) for r in rows], [float(r["ms_per_step_32_tokens"]) for r in rows]
         outputs.bars(args.out / "step.png", "one loop step, 32 tokens", names, times, "ms")
+        series = {n: ([float(w) for w in f["widths"]], [t / 1e3 for t in f["us_per_op"]]) for n, f in fits.items()}
+        outputs.lines(args.out / "fixed_cost.png", "decode loop op time vs width", series, "tokens in the op", "ms")
     return 0
+
+
+def host_costs() -> dict[str, dict[str, object]]:
+    """Per-op host costs of the presets (CPU) and the released shapes (meta device), printed as a table."""
+    costs: dict[str, dict[str, object]] = {}
+    for name in ("ouro-bench", "huginn-bench"):
+        costs[name] = step_cost.preset_costs(name)
+    for name in step_cost.RELEASED:
+        costs[name] = step_cost.released_costs(name)
+    print(f"\n{'model / op':44} {'calls':>6} {'kernels':>7} {'h2d':>4} {'syncs':>5} {'host us before 1st':>18}")
+    for model, ops in costs.items():
+        for op, c in ops.items():
+            assert isinstance(c, dict)
+            print(
+                f"{model + ' ' + op:44} {c['dispatcher_calls']:>6} {c['kernels']:>7} {c['host_to_device_copies']:>4} "
+                f"{c['syncs_and_copies_out']:>5} {c['host_us_before_first_kernel']:>18}"
+            )
+    return costs

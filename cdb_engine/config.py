@@ -15,7 +15,7 @@ from typing import Any, cast
 from cdb_model.kv import KVPolicy
 from cdb_scheduler.config import Mode
 from cdb_scheduler.exit_policy import ExitRule, Horizon
-from cdb_scheduler.plan import SamplingParams
+from cdb_scheduler.plan import LogitsProcessing, SamplingParams
 
 
 class DType(enum.StrEnum):
@@ -164,7 +164,7 @@ class EngineConfig:
 class RequestParams:
     """What a caller may set per request."""
 
-    max_tokens: int = 16
+    max_tokens: int = 16  # 0: prefill only (nothing generated; with ``prompt_logprobs``, the prompt scored)
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop_token_ids: tuple[int, ...] = ()
     stop_strings: tuple[str, ...] = ()
@@ -174,3 +174,27 @@ class RequestParams:
     # A broken stream resumed: the tokens it had delivered and their depths (recomputed exactly, not re-sent)
     resume_tokens: tuple[int, ...] = ()
     resume_depths: tuple[int, ...] = ()
+    # The logprob of every prompt token after the first (with ``sampling.logprobs`` alternatives), computed from
+    # the prefill's full-depth hidden states; reported with the first token (or the finish, if none is generated)
+    prompt_logprobs: bool = False
+
+
+def logits_processing(
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
+    repetition_penalty: float = 1.0,
+    logit_bias: dict[int, float] | None = None,
+    min_tokens: int = 0,
+) -> LogitsProcessing | None:
+    """A request's ``LogitsProcessing`` from the API's fields, or None when every one is neutral (the sampler's
+    fast path). Values are checked by the engine (``validation``)."""
+    bias = tuple(sorted((logit_bias or {}).items()))
+    if not (presence_penalty or frequency_penalty or repetition_penalty != 1.0 or bias or min_tokens):
+        return None
+    return LogitsProcessing(
+        presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty,
+        repetition_penalty=repetition_penalty,
+        logit_bias=bias,
+        min_tokens=min_tokens,
+    )

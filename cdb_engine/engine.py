@@ -16,7 +16,7 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from cdb_engine.config import EngineConfig, RequestParams
 from cdb_engine.detokenizer import Detokenizer
@@ -27,7 +27,7 @@ from cdb_engine.setup import StageSetup
 from cdb_engine.stream import RequestStream
 from cdb_engine.validation import validate
 from cdb_model.loader import load_config, load_tokenizer
-from cdb_scheduler.plan import Executor, StageLoss
+from cdb_scheduler.plan import Executor, SamplingParams, StageLoss
 from cdb_scheduler.request import Finished, FinishReason, Request, TokenOut
 from cdb_scheduler.scheduler import Scheduler
 from cdb_scheduler.stats import SchedulerStats
@@ -196,10 +196,11 @@ class Engine:
             prompt=list(prompt_ids),
             max_tokens=params.max_tokens,
             policy=build_policy(self.limits, params.exit_threshold, replay=params.replay_depths is not None),
-            sampling=params.sampling,
+            sampling=_with_stop_ids(params.sampling, stop),
             stop_token_ids=frozenset(stop),
             init_seed=self.config.init_seed,
             replay_depths=list(params.replay_depths) if params.replay_depths is not None else None,
+            score_prompt=params.prompt_logprobs,
             arrival=time.monotonic(),
         )
         if params.resume_tokens:  # recomputed at their depths and not reported again, as after a preemption
@@ -290,6 +291,8 @@ class Engine:
     def _on_token(self, live: _Live, ev: TokenOut, now: int) -> None:
         text, stopped = live.detok.push(ev.token_id)
         token = TokenEvent(live.request_id, ev.index, ev.token_id, text, ev.depth, ev.logprobs, now)
+        if ev.index == 0 and live.req.score_prompt:
+            token = replace(token, prompt_logprobs=tuple(live.req.prompt_logprobs))
         ok = self._emit(live, token)
         if stopped or not ok:
             reason = FinishReason.STOP if stopped else FinishReason.CANCELLED
@@ -306,6 +309,8 @@ class Engine:
         finish = FinishEvent(
             live.request_id, ev.reason, req.prompt_len, ev.generated, ev.loop_steps, tail, ev.error, queue_s
         )
+        if req.score_prompt and ev.generated == 0:  # no token carried the prompt's logprobs
+            finish = replace(finish, prompt_logprobs=tuple(req.prompt_logprobs))
         self._emit(live, finish)
 
     @staticmethod
@@ -383,3 +388,11 @@ class Engine:
     @property
     def sched_stats(self) -> SchedulerStats:
         return self.scheduler.stats
+
+
+def _with_stop_ids(sampling: SamplingParams, stop: set[int]) -> SamplingParams:
+    """``min_tokens`` bans the request's stop ids (its own and, unless ``ignore_eos``, the model's) until then."""
+    proc = sampling.processing
+    if proc is None or proc.min_tokens <= 0:
+        return sampling
+    return replace(sampling, processing=replace(proc, stop_ids=tuple(sorted(stop))))

@@ -23,6 +23,8 @@ class TokenEvent:
     depth: int
     logprobs: TokenLogprobs | None
     time_ns: int = 0  # time.time_ns() when the engine took the stage result that produced it (0: not stamped)
+    # token 0 of a request with ``prompt_logprobs``: those of prompt tokens 1.. (at full depth; token 0 has none)
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +37,7 @@ class FinishEvent:
     text: str = ""  # held-back text released at the end
     error: str | None = None
     queue_s: float = 0.0  # submission to first admission (prefill start); 0 if never admitted
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()  # as ``TokenEvent``'s, when no token was reported before
 
 
 Event = TokenEvent | FinishEvent
@@ -53,9 +56,11 @@ class Completion:
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     total_loop_steps: int = 0
     token_times: list[float] = field(default_factory=list)  # time.perf_counter() when each token was reported
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # prompt tokens 1.. (``prompt_logprobs``)
 
     def record(self, ev: Event) -> bool:
         """Add one event of the request; True at its finish."""
+        self.prompt_logprobs.extend(ev.prompt_logprobs)
         if isinstance(ev, TokenEvent):
             self.token_ids.append(ev.token_id)
             self.depths.append(ev.depth)

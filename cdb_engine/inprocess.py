@@ -7,6 +7,7 @@ is satisfied by construction (asserted). The scheduler thread plans the next op 
 
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 import traceback
@@ -87,9 +88,13 @@ class InProcessExecutor:
             self._results.put(res)
 
 
-def shared_model_factory(model: LoopedLM) -> Callable[[StageSetup], InProcessExecutor]:
-    """An ``executor_factory`` whose executors share ``model``'s weights (many engines, one model in memory)."""
-    return lambda setup: InProcessExecutor(setup, model=model)
+def shared_model_factory(
+    model: LoopedLM, decode_graphs: bool | None = None
+) -> Callable[[StageSetup], InProcessExecutor]:
+    """An ``executor_factory`` whose executors share ``model``'s weights (many engines, one model in memory).
+    ``decode_graphs``: ``StageWorker``'s (None: captured graphs on CUDA)."""
+    workers = functools.partial(StageWorker, decode_graphs=decode_graphs)
+    return lambda setup: InProcessExecutor(setup, model=model, worker_factory=workers)
 
 
 def in_process_executor(config: EngineConfig, setup: StageSetup, model_config: ModelConfig) -> InProcessExecutor:

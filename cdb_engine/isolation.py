@@ -33,7 +33,9 @@ def stand_in(op: StageOp) -> StageOp:
     if isinstance(op, LoopOp):
         return dataclasses.replace(op, rids=(), positions=(), rows=(), steps=())
     if isinstance(op, HeadOp):
-        return dataclasses.replace(op, rids=(), positions=(), rows=(), sample=(), sampling=(), token_index=(), embed=())
+        return dataclasses.replace(
+            op, rids=(), positions=(), rows=(), sample=(), sampling=(), token_index=(), embed=(), score_ids=()
+        )
     raise TypeError(f"not a stage op: {type(op).__name__}")
 
 

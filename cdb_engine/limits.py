@@ -24,7 +24,7 @@ limits that keep one request's cost on the engine thread small:
 | prompt text (chat: all messages) | at most 1 MiB in UTF-8 (``max_prompt_bytes``), valid Unicode, before tokenization |
 | prompt token ids | at most ``max_input_tokens`` ids, each in [0, vocab_size) |
 | chat messages | at most 1024 (``max_messages``) |
-| ``max_tokens`` | >= 1 and prompt + max_tokens <= ``max_total_tokens`` |
+| ``max_tokens`` | >= 0 (0: prefill only; gRPC and chat: >= 1); prompt + max_tokens <= ``max_total_tokens`` |
 | ``temperature`` | 0 (greedy) or in [1e-06, 100] (``min_temperature``, ``max_temperature``) |
 | ``top_p`` | in (0, 1] |
 | ``top_k`` | in [0, 2^31 - 1] (0: no filter; more than the vocabulary keeps it all) |

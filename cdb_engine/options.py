@@ -1,10 +1,10 @@
-"""``EngineConfig`` <-> command-line options: one ``--option`` per field, both directions.
+"""``EngineConfig`` as command-line options: one ``--option`` per field.
 
 Every process of the tree takes the same engine options (``add_engine_args``): each one's help is its field's
 ``metadata["help"]``, its default the value the settings source gives (``CDB_<FIELD>``, the config file, else the
 field's default; ``cdb_engine.config_source``), its choices the field's enum. A ``None`` default is spelt ``auto``
-(the model's own value). The launcher passes a config to a child as the options that reproduce it
-(``engine_config_to_argv``), over whatever the child's environment and config file say.
+(the model's own value). A command lays its options over its source once (``cdb.processes.resolve_command``); a
+launcher hands its children the result as one document, not as options.
 """
 
 from __future__ import annotations
@@ -97,32 +97,3 @@ def add_engine_args(
         else:
             plain = None if kind is str else kind.__name__.upper()  # a string: the option's name (--model MODEL)
             group.add_argument(_flag(name), type=kind, default=value, metavar=plain, help=help_)
-
-
-def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    """``EngineConfig`` from ``add_engine_args`` options (fields without an option keep their defaults)."""
-    values = {name: getattr(args, name) for name in FIELDS if getattr(args, name, None) is not None}
-    return EngineConfig(**values)
-
-
-def engine_config_to_argv(config: EngineConfig, environ: Mapping[str, str] | None = None) -> list[str]:
-    """The options that reproduce ``config`` in a child whose environment is ``environ`` (default: this
-    process's, which a child inherits): every field that differs from its default (the dtype's default depends on
-    the device: compared on that device), and every field that environment or its config file sets, so that the
-    options win over them."""
-    default = EngineConfig()
-    on_device = EngineConfig(device=config.device)  # the dtype's default depends on the device
-    ambient = engine_source(environ).values
-    argv: list[str] = []
-    for name in FIELDS:
-        value = getattr(config, name)
-        base = getattr(on_device if name == "dtype" else default, name)
-        if value == base and name not in ambient:
-            continue
-        if value is None:
-            argv += [_flag(name), AUTO]
-        elif isinstance(value, bool):
-            argv.append(_flag(name) if value else "--no-" + _flag(name)[2:])
-        else:
-            argv += [_flag(name), repr(value) if isinstance(value, float) else str(value)]
-    return argv

@@ -1,9 +1,14 @@
 """``StageWorker``: executes the stage ops of one stage against the model, its paged KV pool and the bank.
 
 The worker owns its stage's KV pool (prelude: Huginn prelude blocks, 1 depth slot; loop: the shared block,
-``kv_layout.n_slots`` slots; head: Huginn coda blocks, 1 slot) and a mirror of every request's block table.
-Hidden states travel only through the bank ``[rows, bank_width]``, read and written in place. Exceptions
-propagate: the caller turns them into error results.
+``kv_layout.n_slots`` slots; head: Huginn coda blocks, 1 slot) and a mirror of every request's block table, also
+resident on the device. Hidden states travel only through the bank ``[rows, bank_width]``, read and written in
+place. Exceptions propagate: the caller turns them into error results.
+
+What an op costs the host: its columns (rows, positions, steps, table lines, sampling) go to the device as one
+packed copy; a decode op (one token per request) then runs as a fixed sequence of kernels for its width with no
+host sync and no Python over its tokens (``DecodeKV``, the batched sampler); its results (exit signals, token ids,
+logprobs) come back as one copy. Prompt chunks (several tokens of one request) take ``PagedKV``.
 """
 
 from __future__ import annotations
@@ -14,11 +19,104 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from cdb_model.attention import PagedKV
+from cdb_engine.decode_graphs import DecodeGraphs
+from cdb_model.attention import DecodeKV, KVAccess, PagedKV
 from cdb_model.base import LoopedLM
-from cdb_model.kv import BlockTables, KVLayout, PagedKVPool
-from cdb_model.sampling import sample
-from cdb_scheduler.plan import HeadOp, LoopHead, LoopOp, PreludeOp, Stage, StageOp, StageResult, TokenLogprobs
+from cdb_model.batched_sampling import Processing, SamplingColumns, logprob_columns, sample_rows, unpack_logprobs
+from cdb_model.kv import DeviceBlockTables, KVLayout, PagedKVPool
+from cdb_model.scoring import score_rows
+from cdb_scheduler.plan import (
+    HeadOp,
+    HistorySeed,
+    LoopHead,
+    LoopOp,
+    PreludeOp,
+    SamplingParams,
+    Stage,
+    StageOp,
+    StageResult,
+    TokenLogprobs,
+)
+
+SCORE_SLICE = 256  # prompt positions projected to logits at once when a prompt is scored
+
+
+class _Outputs:
+    """The result tensors of one op, brought to the host with one copy."""
+
+    def __init__(self) -> None:
+        self.parts: list[Tensor] = []
+        self.sizes: list[int] = []
+
+    def add(self, t: Tensor) -> int:
+        """Queue ``t`` (any shape, exact in float64); returns its slot."""
+        self.parts.append(t.reshape(-1).double())
+        self.sizes.append(t.numel())
+        return len(self.parts) - 1
+
+    def fetch(self) -> list[list[float]]:
+        if not self.parts:
+            return []
+        flat = torch.cat(self.parts).tolist()  # the one device -> host copy of the op
+        out, at = [], 0
+        for n in self.sizes:
+            out.append(flat[at : at + n])
+            at += n
+        return out
+
+
+class _Sampled:
+    """A head's sampled tokens (and logprob columns) as tensors, unpacked after the op's one copy out."""
+
+    def __init__(self, outputs: _Outputs, tokens: Tensor, lp: Tensor | None, cols: SamplingColumns) -> None:
+        self.tokens_slot = outputs.add(tokens)
+        self.lp_slot = outputs.add(lp) if lp is not None else -1
+        self.cols = cols
+
+    def unpack(
+        self, fetched: list[list[float]], params: tuple[SamplingParams, ...]
+    ) -> tuple[tuple[int, ...], tuple[TokenLogprobs | None, ...]]:
+        tokens = tuple(int(t) for t in fetched[self.tokens_slot])
+        if self.lp_slot < 0:
+            return tokens, (None,) * len(tokens)
+        flat, rows = fetched[self.lp_slot], self.cols.logprob_rows
+        width = len(flat) // len(rows)
+        packed = [flat[i * width : (i + 1) * width] for i in range(len(rows))]
+        return tokens, tuple(unpack_logprobs(packed, params, rows, len(tokens)))
+
+
+class _History:
+    """Penalized requests' histories per bank row, on the device: each token's count in the output so far, and
+    whether it is in the prompt. Seeded by the scheduler (``HistorySeed``) the first time this stage samples a
+    request; every token the stage samples for such a row is counted here, on the device, in the same op."""
+
+    def __init__(self, rows: int, vocab: int, device: torch.device) -> None:
+        self.counts = torch.zeros((rows, vocab), dtype=torch.int32, device=device)
+        self.prompt = torch.zeros((rows, vocab), dtype=torch.bool, device=device)
+
+    def seed(self, rows: Sequence[int], seeds: Sequence[HistorySeed]) -> None:
+        """``rows[i]``: the bank row of ``seeds[i]``."""
+        dev = self.counts.device
+        index = torch.tensor(list(rows), dtype=torch.long, device=dev)
+        self.counts.index_fill_(0, index, 0)
+        self.prompt.index_fill_(0, index, False)
+        out_rows = [r for r, s in zip(rows, seeds) for _ in s.output_ids]
+        if out_rows:
+            out_ids = [t for s in seeds for t in s.output_ids]
+            pairs = torch.tensor([out_rows, out_ids], dtype=torch.long, device=dev)
+            self.counts.index_put_((pairs[0], pairs[1]), torch.ones_like(pairs[0], dtype=torch.int32), accumulate=True)
+        prompt_rows = [r for r, s in zip(rows, seeds) for _ in s.prompt_ids]
+        if prompt_rows:
+            pairs = torch.tensor([prompt_rows, [t for s in seeds for t in s.prompt_ids]], dtype=torch.long, device=dev)
+            self.prompt[pairs[0], pairs[1]] = True
+
+    def gather(self, rows: Tensor) -> tuple[Tensor, Tensor]:
+        """Counts ``[N, V]`` and seen-anywhere ``[N, V]`` of bank ``rows``."""
+        counts = self.counts.index_select(0, rows)
+        return counts, self.prompt.index_select(0, rows) | (counts > 0)
+
+    def count(self, rows: Tensor, tokens: Tensor) -> None:
+        self.counts.index_put_((rows, tokens), torch.ones_like(tokens, dtype=torch.int32), accumulate=True)
 
 
 class StageWorker:
@@ -33,9 +131,14 @@ class StageWorker:
         num_blocks: int,
         block_size: int,
         tokens: Tensor | None = None,
+        *,
+        decode_graphs: bool | None = None,
     ) -> None:
         """``tokens`` is the token bank ``[rows]`` (long): the head writes sampled ids there and the prelude reads
-        them for ``token_ids[i] == -1`` (refills without a round trip through the scheduler)."""
+        them for ``token_ids[i] == -1`` (refills without a round trip through the scheduler).
+
+        ``decode_graphs``: run decode loop ops through ``DecodeGraphs`` (captured CUDA graphs per width and context
+        bucket; on a CPU the same padded buffers, run eagerly). None: on CUDA only."""
         c = model.config
         if bank.dim() != 2 or bank.shape[1] != c.bank_width:
             raise ValueError(f"bank must be [rows, {c.bank_width}], got {list(bank.shape)}")
@@ -44,52 +147,92 @@ class StageWorker:
         self.model, self.stage, self.bank, self.kv_layout = model, stage, bank, kv_layout
         self.device = bank.device
         self.tokens = tokens if tokens is not None else torch.zeros(bank.shape[0], dtype=torch.long, device=bank.device)
-        self.tables = BlockTables()
+        use_graphs = (self.device.type == "cuda") if decode_graphs is None else decode_graphs
+        use_graphs = use_graphs and stage is Stage.LOOP
+        # With graphs the tables never grow (capture pins the tensor): a line per bank row, a column per block.
+        self.tables = (
+            DeviceBlockTables(self.device, bank.shape[0] + 1, num_blocks)
+            if use_graphs
+            else DeviceBlockTables(self.device)
+        )
+        self.block_size = block_size
+        # The depth slot of each loop step, looked up on the device.
+        self._slot_of_step = torch.tensor(
+            [kv_layout.slot(s) for s in range(kv_layout.max_depth)], dtype=torch.long, device=self.device
+        )
+        model.fuse_projections()
         layers, slots = {
             Stage.PRELUDE: (c.num_prelude_layers, 1),
             Stage.LOOP: (c.num_loop_layers, kv_layout.n_slots),
             Stage.HEAD: (c.num_coda_layers, 1),
         }[stage]
+        self.history: _History | None = None  # allocated when a penalized request is first sampled here
         self.pool: PagedKVPool | None = None
+        self.graphs: DecodeGraphs | None = None
         if layers > 0:
             self.pool = PagedKVPool(
                 layers,
                 slots,
-                num_blocks,
+                num_blocks + use_graphs,  # with graphs, block ``num_blocks`` is the padding's scratch block
                 block_size,
                 c.num_kv_heads,
                 c.head_dim,
                 dtype=model.dtype,
                 device=model.device,
             )
+        if use_graphs:
+            self.graphs = DecodeGraphs(
+                self.loop_compute,
+                lambda: self.tables.tensor,
+                self.tables.reserve_scratch(num_blocks),
+                bank.shape[0],
+                block_size,
+                self.device,
+                capture=self.device.type == "cuda",
+            )
 
-    def _long(self, xs: Sequence[int]) -> Tensor:
-        return torch.tensor(list(xs), dtype=torch.long, device=self.device)
+    # ----------------------------------------------------------------- columns in
+    def _columns(self, *columns: Sequence[int], floats: Tensor | None = None) -> tuple[list[Tensor], Tensor | None]:
+        """The op's integer columns (any lengths) and an optional float64 table, on the device in ONE host -> device
+        copy (the table's bits ride in the same buffer). Returns one 1-D long tensor per column, and the table."""
+        flat = [v for col in columns for v in col]
+        packed = torch.tensor(flat, dtype=torch.long)
+        if floats is not None:
+            packed = torch.cat((packed, floats.reshape(-1).view(torch.long)))
+        dev = packed.to(self.device, non_blocking=True)
+        cols = list(dev[: len(flat)].split([len(c) for c in columns])) if columns else []
+        table = dev[len(flat) :].view(torch.float64).view(floats.shape) if floats is not None else None
+        return cols, table
 
-    def _kv(self, rids: Sequence[int], positions: Sequence[int], slots: Sequence[int]) -> PagedKV | None:
-        if self.pool is None:
-            return None
-        return PagedKV(self.pool, self.tables, rids, positions, slots)
-
-    def _loop_kv(self, rids: Sequence[int], positions: Sequence[int], slots: Sequence[int]) -> PagedKV:
-        assert self.pool is not None  # the loop stage always has layers
-        return PagedKV(self.pool, self.tables, rids, positions, slots)
+    def _context_length(self, rids: Sequence[int], positions: Sequence[int]) -> int:
+        """The context bucket of decode tokens (whole blocks past the last position), after the one check a device
+        gather cannot make: every position lies inside its request's block table."""
+        bs, tables = self.block_size, self.tables
+        for rid, p in zip(rids, positions):
+            if p >= len(tables.table(rid)) * bs:
+                raise IndexError(
+                    f"position {p} beyond the block table of request {rid} ({len(tables.table(rid))} blocks of {bs})"
+                )
+        return -(-(max(positions) + 1) // bs) * bs
 
     def _read(self, rows: Tensor) -> Tensor:
-        return self.bank.index_select(0, rows).to(self.model.dtype)  # [N, W]
+        x = self.bank.index_select(0, rows)  # [N, W]
+        return x if x.dtype == self.model.dtype else x.to(self.model.dtype)
 
     def _write(self, rows: Tensor, values: Tensor) -> None:
-        self.bank.index_copy_(0, rows, values.to(self.bank.dtype))
+        self.bank.index_copy_(0, rows, values if values.dtype == self.bank.dtype else values.to(self.bank.dtype))
 
+    # ----------------------------------------------------------------- ops
     def execute(self, op: StageOp) -> StageResult:
         """Apply the op's table deltas, run it, return its result with ``compute_s`` (device-synchronised)."""
         if op.stage is not self.stage:
             raise ValueError(f"{op.stage.name} op sent to the {self.stage.name} worker")
         t0 = time.perf_counter()
-        signals: tuple[float, ...] = ()
-        lookahead: tuple[float, ...] = ()
-        token_ids: tuple[int, ...] = ()
-        logprobs: tuple[TokenLogprobs | None, ...] = ()
+        out = _Outputs()
+        signal_slot = lookahead_slot = -1
+        sampled: _Sampled | None = None
+        params: tuple[SamplingParams, ...] = ()
+        prompt_logprobs: tuple[TokenLogprobs, ...] = ()
         with torch.inference_mode():
             self.tables.release(op.released)
             self.tables.apply(op.kv_updates)
@@ -97,77 +240,242 @@ class StageWorker:
                 self._prelude(op)
             elif isinstance(op, LoopOp):
                 if op.head is not None:
-                    token_ids, logprobs = self._fused_head(op.head)
-                signals, lookahead = self._loop(op)
+                    sampled, params = self._fused_head(op.head, out), op.head.sampling
+                signals = self._loop(op)
+                if signals is not None:
+                    signal_slot = out.add(signals[0])
+                    lookahead_slot = out.add(signals[1]) if signals[1] is not None else -1
             else:
-                token_ids, logprobs = self._head(op)
+                sampled, prompt_logprobs = self._head(op, out)
+                params = tuple(p for p, s in zip(op.sampling, op.sample) if s)
+            fetched = out.fetch()
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
+        token_ids: tuple[int, ...] = ()
+        logprobs: tuple[TokenLogprobs | None, ...] = ()
+        if sampled is not None:
+            token_ids, logprobs = sampled.unpack(fetched, params)
         return StageResult(
             stage=self.stage,
             seq=op.seq,
             compute_s=time.perf_counter() - t0,
-            signals=signals,
-            lookahead=lookahead,
+            signals=tuple(fetched[signal_slot]) if signal_slot >= 0 else (),
+            lookahead=tuple(fetched[lookahead_slot]) if lookahead_slot >= 0 else (),
             token_ids=token_ids,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
 
+    def _lines(self, rids: Sequence[int]) -> list[int] | None:
+        """Device table lines when the stage has KV and every token is of a distinct request (a decode op)."""
+        if self.pool is None or len(set(rids)) != len(rids):
+            return None
+        return self.tables.lines(rids)
+
+    def _kv_for(
+        self, rids: Sequence[int], positions: Sequence[int], lines: Tensor | None, pos: Tensor
+    ) -> KVAccess | None:
+        """The prelude's or head's KV (one depth slot): None without layers, ``DecodeKV`` for decode tokens."""
+        if self.pool is None:
+            return None
+        if lines is not None:
+            length = self._context_length(rids, positions)
+            return DecodeKV(self.pool, self.tables.tensor, lines, pos, torch.zeros_like(pos), length)
+        return PagedKV(self.pool, self.tables, rids, positions, [0] * len(rids))
+
+    # Each op is host preparation (columns, checks), then a device part that is a fixed kernel sequence for its
+    # width and context bucket: ``prelude_rows``, ``loop_decode``, ``fused_head``, ``head_rows`` (the fullgraph
+    # test compiles each of them).
     def _prelude(self, op: PreludeOp) -> None:
         if not op.rows:
             return
-        kv = self._kv(op.rids, op.positions, [0] * len(op.rows))
-        rows, ids = self._long(op.rows), self._long(op.token_ids)
-        ids = torch.where(ids < 0, self.tokens.index_select(0, rows).to(ids.device), ids)  # -1: from the token bank
-        out = self.model.prelude(ids, self._long(op.positions), kv, op.init_seeds)
-        self._write(rows, out)
+        lines = self._lines(op.rids)
+        cols, _ = self._columns(op.rows, op.token_ids, op.positions, *([lines] if lines is not None else []))
+        kv = self._kv_for(op.rids, op.positions, cols[3] if lines is not None else None, cols[2])
+        self.prelude_rows(cols, kv, op.init_seeds)
 
-    def _loop(self, op: LoopOp) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    def prelude_rows(self, cols: Sequence[Tensor], kv: KVAccess | None, init_seeds: Sequence[int]) -> None:
+        """``cols`` (``[N]`` each): bank rows, token ids (-1: the token bank's), positions."""
+        rows, ids, pos = cols[0], cols[1], cols[2]
+        ids = torch.where(ids < 0, self.tokens.index_select(0, rows), ids)
+        self._write(rows, self.model.prelude(ids, pos, kv, init_seeds))
+
+    def _loop(self, op: LoopOp) -> tuple[Tensor, Tensor | None] | None:
         assert self.pool is not None
         for c in op.kv_copies:
             self.pool.copy_on_exit(self.tables.table(c.rid), c.position, c.from_slot)
         if not op.rows:
-            return (), ()
-        rows, positions = self._long(op.rows), self._long(op.positions)
-        x = self._read(rows)  # [N, W]
+            return None
         if op.prefill:
+            cols, _ = self._columns(op.rows, op.positions)
+            rows, positions = cols[0], cols[1]
+            x = self._read(rows)
             for s in range(op.num_steps):
-                kv = self._loop_kv(op.rids, op.positions, [self.kv_layout.slot(s)] * len(op.rows))
+                kv = PagedKV(self.pool, self.tables, op.rids, op.positions, [self.kv_layout.slot(s)] * len(op.rows))
                 x, _, _ = self.model.loop_step(x, positions, torch.full_like(positions, s), kv)
             self._write(rows, x)
-            return (), ()
-        kv = self._loop_kv(op.rids, op.positions, [self.kv_layout.slot(s) for s in op.steps])
-        x, signal, look = self.model.loop_step(x, positions, self._long(op.steps), kv)
-        self._write(rows, x)
-        return tuple(signal.tolist()), tuple(look.tolist()) if look is not None else ()
+            return None
+        length = self._context_length(op.rids, op.positions)
+        cols, _ = self._columns(op.rows, op.positions, op.steps, self.tables.lines(op.rids))
+        if self.graphs is not None:
+            rows, x, signal, look = self.graphs.run(torch.stack(cols), len(op.rows), length)
+            self._write(rows, x)
+            return signal, look
+        return self.loop_decode(cols, length)
 
-    def _fused_head(self, h: LoopHead) -> tuple[tuple[int, ...], tuple[TokenLogprobs | None, ...]]:
+    def loop_decode(self, cols: Sequence[Tensor], length: int) -> tuple[Tensor, Tensor | None]:
+        """One loop step of decode tokens. ``cols`` (``[N]`` each): bank rows, positions, steps, table lines; ``length``
+        the context bucket. Returns the exit signals ``[N]`` (and lookahead hazards)."""
+        x, signal, look = self.loop_compute(cols, length)
+        self._write(cols[0], x)
+        return signal, look
+
+    def loop_compute(self, cols: Sequence[Tensor], length: int) -> tuple[Tensor, Tensor, Tensor | None]:
+        """``loop_decode`` without the bank write: the new rows ``[N, W]``, signals, lookahead."""
+        assert self.pool is not None
+        rows, positions, steps, lines = cols[0], cols[1], cols[2], cols[3]
+        kv = DecodeKV(self.pool, self.tables.tensor, lines, positions, self._slot_of_step[steps], length)
+        return self.model.loop_step(self._read(rows), positions, steps, kv)
+
+    def _fused_head(self, h: LoopHead, out: _Outputs) -> _Sampled:
         """A loop op's fused head (Ouro): sample the rows, then embed each successor's input into its row."""
-        rows = self._long(h.rows)
-        hidden = self.model.coda(self._read(rows), self._long(h.positions), None)  # [N, H]
-        tokens, lps = sample(self.model.logits(hidden), list(h.sampling), list(h.token_index))
-        self.tokens.index_copy_(0, rows, torch.tensor(tokens, dtype=torch.long).to(self.tokens.device))
-        embed = [(row, tokens[j] if e == -1 else e) for j, (row, e) in enumerate(zip(h.rows, h.embed_ids)) if e != -2]
-        if embed:
-            self._write(self._long([r for r, _ in embed]), self.model.embed_input(self._long([t for _, t in embed])))
-        return tuple(tokens), tuple(lps)
+        scols = SamplingColumns.build(h.sampling, h.token_index, self.device)
+        ends = -2 in h.embed_ids  # requests that end here have no successor to embed
+        keep = [j for j, e in enumerate(h.embed_ids) if e != -2] if ends else []
+        lp_rows = list(scols.logprob_rows) if len(scols.logprob_rows) < len(h.rows) else []
+        (rows, positions, embed_ids, keep_index, lp_index), table = self._columns(
+            h.rows, h.positions, h.embed_ids, keep, lp_rows, floats=scols.table
+        )
+        self._seed(h.rows, h.history)
+        tokens, lp = self.fused_head(
+            [rows, positions, embed_ids],
+            table,
+            scols.any_sampled,
+            scols.top_n if scols.logprob_rows else -1,
+            keep_index if ends else None,
+            lp_index if lp_rows else None,
+            scols.processing,
+        )
+        return _Sampled(out, tokens, lp, scols)
 
-    def _head(self, op: HeadOp) -> tuple[tuple[int, ...], tuple[TokenLogprobs | None, ...]]:
+    def fused_head(
+        self,
+        cols: Sequence[Tensor],
+        table: Tensor | None,
+        any_sampled: bool,
+        top_n: int,
+        keep: Tensor | None = None,
+        lp_rows: Tensor | None = None,
+        processing: Processing | None = None,
+    ) -> tuple[Tensor, Tensor | None]:
+        """``cols`` (``[N]`` each): bank rows, positions, embed ids (-1 the sampled id, >= 0 that id, -2 none); ``table
+        [4, N]`` the sampling columns. ``keep``: the rows that embed a successor (None: all); ``top_n`` >= 0:
+        logprob columns with that many alternatives for ``lp_rows`` (None: all rows)."""
+        rows, positions, embed_ids = cols[0], cols[1], cols[2]
+        hidden = self.model.coda(self._read(rows), positions, None)  # [N, H]
+        tokens, lp = self._sample_rows(hidden, rows, table, any_sampled, top_n, lp_rows, processing)
+        self.tokens.index_copy_(0, rows, tokens)
+        ids = torch.where(embed_ids == -1, tokens, embed_ids)  # the successor's input: sampled, or recorded
+        if keep is not None:
+            rows, ids = rows[keep], ids[keep]
+        self._write(rows, self.model.embed_input(ids))
+        return tokens, lp
+
+    def _seed(self, bank_rows: Sequence[int], seeds: Sequence[HistorySeed]) -> None:
+        """Seed the histories of ``seeds`` (``seed.index`` into ``bank_rows``, the op's sampled rows)."""
+        if not seeds:
+            return
+        if self.history is None:
+            self.history = _History(self.bank.shape[0], self.model.config.vocab_size, self.device)
+        self.history.seed([bank_rows[s.index] for s in seeds], seeds)
+
+    def _sample_rows(
+        self,
+        hidden: Tensor,
+        rows: Tensor,
+        table: Tensor | None,
+        any_sampled: bool,
+        top_n: int,
+        lp_rows: Tensor | None,
+        processing: Processing | None,
+    ) -> tuple[Tensor, Tensor | None]:
+        """Sample every row of ``hidden [N, H]`` (bank ``rows [N]``); logprobs with ``top_n`` alternatives when
+        ``top_n >= 0``, for ``lp_rows`` (None: all)."""
+        logits = self.model.logits(hidden)  # [N, V] float32
+        x = logits
+        if processing is not None:
+            history = self.history if processing.penalties is not None else None
+            assert history is not None or processing.penalties is None, "a penalized row sampled without a seed"
+            counts, seen = history.gather(rows) if history is not None else (None, None)
+            x = processing.apply(logits, counts, seen)
+        tokens = sample_rows(x, table, any_sampled)  # [N]
+        if processing is not None and processing.penalized_rows and self.history is not None:
+            index = processing.penalized_index
+            self.history.count(rows[index], tokens[index])
+        if top_n < 0:
+            return tokens, None
+        if lp_rows is not None:
+            return tokens, logprob_columns(logits[lp_rows], tokens[lp_rows], top_n)
+        return tokens, logprob_columns(logits, tokens, top_n)
+
+    def _head(self, op: HeadOp, out: _Outputs) -> tuple[_Sampled | None, tuple[TokenLogprobs, ...]]:
+        """Coda, LM head and sampling; with ``score_ids`` (prefill, echo) also the scored prompt tokens' logprobs."""
         if not op.rows:
-            return (), ()
-        rows = self._long(op.rows)
-        kv = self._kv(op.rids, op.positions, [0] * len(op.rows))
-        hidden = self.model.coda(self._read(rows), self._long(op.positions), kv)  # [N, H]
+            return None, ()
+        lines = self._lines(op.rids)
+        cols, _ = self._columns(op.rows, op.positions, *([lines] if lines is not None else []))
+        rows, positions = cols[0], cols[1]
+        kv = self._kv_for(op.rids, op.positions, cols[2] if lines is not None else None, positions)
+        hidden = self.model.coda(self._read(rows), positions, kv)  # [N, H]
+        scored: tuple[TokenLogprobs, ...] = ()
+        if op.score_ids and any(t >= 0 for t in op.score_ids):
+            which = [i for i, t in enumerate(op.score_ids) if t >= 0]
+            parts: list[TokenLogprobs] = []
+            for at in range(0, len(which), SCORE_SLICE):  # logits of a long prompt a slice at a time
+                part = which[at : at + SCORE_SLICE]
+                logits = self.model.logits(hidden[torch.tensor(part, dtype=torch.long, device=self.device)])
+                parts += score_rows(logits, [op.score_ids[i] for i in part], [op.sampling[i].logprobs for i in part])
+            scored = tuple(parts)
         picked = [i for i, s in enumerate(op.sample) if s]
         if not picked:
-            return (), ()
-        logits = self.model.logits(hidden[self._long(picked)])  # [n_sampled, V] float32
-        tokens, lps = sample(logits, [op.sampling[i] for i in picked], [op.token_index[i] for i in picked])
-        sampled_rows = self._long([op.rows[i] for i in picked])
-        self.tokens.index_copy_(0, sampled_rows, torch.tensor(tokens, dtype=torch.long).to(self.tokens.device))
-        if op.embed:  # the successors' prelude, fused: their input embedding into the same rows
-            fused = [j for j, i in enumerate(picked) if op.embed[i]]
-            if fused:
-                ids = self._long([tokens[j] for j in fused])
-                self._write(self._long([op.rows[picked[j]] for j in fused]), self.model.embed_input(ids))
-        return tuple(tokens), tuple(lps)
+            return None, scored
+        params = [op.sampling[i] for i in picked]
+        scols = SamplingColumns.build(params, [op.token_index[i] for i in picked], self.device)
+        fused = [j for j, i in enumerate(picked) if op.embed and op.embed[i]]
+        lp_rows = list(scols.logprob_rows) if len(scols.logprob_rows) < len(picked) else []
+        (index, embed, lp_index), table = self._columns(picked, fused, lp_rows, floats=scols.table)
+        self._seed([op.rows[i] for i in picked], op.history)
+        tokens, lp = self.head_rows(
+            hidden,
+            rows,
+            index if len(picked) < len(op.rows) else None,
+            table,
+            scols.any_sampled,
+            scols.top_n if scols.logprob_rows else -1,
+            embed if fused else None,
+            lp_index if lp_rows else None,
+            scols.processing,
+        )
+        return _Sampled(out, tokens, lp, scols), scored
+
+    def head_rows(
+        self,
+        hidden: Tensor,
+        rows: Tensor,
+        picked: Tensor | None,
+        table: Tensor | None,
+        any_sampled: bool,
+        top_n: int,
+        embed: Tensor | None = None,
+        lp_rows: Tensor | None = None,
+        processing: Processing | None = None,
+    ) -> tuple[Tensor, Tensor | None]:
+        """Sample the ``picked`` rows (None: all) of the coda's ``hidden [N, H]``; write their ids to the token bank
+        and, for ``embed`` (indices among the picked), their successors' input embedding into the rows."""
+        if picked is not None:
+            hidden, rows = hidden[picked], rows[picked]
+        tokens, lp = self._sample_rows(hidden, rows, table, any_sampled, top_n, lp_rows, processing)
+        self.tokens.index_copy_(0, rows, tokens)
+        if embed is not None:
+            self._write(rows[embed], self.model.embed_input(tokens[embed]))
+        return tokens, lp

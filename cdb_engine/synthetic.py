@@ -274,6 +274,8 @@ class SyntheticWorker:
             self._seconds(op.rids, op.positions, 0)  # every token's coda KV is checked
             seconds = self._seconds((), (), sum(op.sample)) if not self.has_kv else self._head_seconds(op)
             result = self._sample(op.rids, op.rows, op.sample, op.sampling, op.token_index)
+            if op.score_ids:
+                result = replace(result, prompt_logprobs=self._scores(op))
         else:
             assert isinstance(op, PreludeOp)
             seconds = self._seconds(op.rids, op.positions, len(op.rows))
@@ -342,6 +344,17 @@ class SyntheticWorker:
         if rows:  # a following prelude op (Huginn) reads the sampled id here, as from a real head
             self.tokens[torch.tensor(rows, dtype=torch.long)] = torch.tensor(ids, dtype=torch.long)
         return StageResult(self.stage, -1, 0.0, token_ids=tuple(ids), logprobs=tuple(lps))
+
+    def _scores(self, op: HeadOp) -> tuple[TokenLogprobs, ...]:
+        """Prompt scoring, modelled: every scored token at the uniform logprob (the sampled tokens' too)."""
+        vocab = self.model.config.vocab_size
+        uniform = -math.log(vocab)
+        out = []
+        for target, s in zip(op.score_ids, op.sampling):
+            if target >= 0:
+                top = tuple((target + k) % vocab for k in range(s.logprobs))
+                out.append(TokenLogprobs(uniform, top, (uniform,) * len(top)))
+        return tuple(out)
 
     def _enqueue(self, seconds: float) -> float:
         """The op's modelled end (perf_counter) on the in-order device stream: it starts when launched or when the

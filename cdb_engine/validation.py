@@ -100,14 +100,15 @@ def validate(
 ) -> list[int]:
     """Token ids of ``prompt``, or ``InvalidRequest`` naming the field and the limit."""
     ids = _prompt_ids(limits, tokenizer, prompt, bounds)
-    if params.max_tokens < 1:
-        raise InvalidRequest("max_tokens", f"must be >= 1, got {params.max_tokens}")
+    if params.max_tokens < 0:
+        raise InvalidRequest("max_tokens", f"must be >= 0 (0: prefill only), got {params.max_tokens}")
     if len(ids) + params.max_tokens > limits.max_total_tokens:
         raise InvalidRequest(
             "max_tokens",
             f"prompt ({len(ids)}) + max_tokens ({params.max_tokens}) exceed max_total_tokens {limits.max_total_tokens}",
         )
     _check_sampling(params, bounds)
+    _check_processing(limits, params)
     _check_stops(limits, params, bounds)
     _check_depths(limits, params, kv_policy)
     _check_resume(limits, params)
@@ -151,6 +152,35 @@ def _check_sampling(params: RequestParams, bounds: RequestBounds) -> None:
         raise InvalidRequest("seed", f"must be in [0, {bounds.max_seed}], got {s.seed}")
     if not 0 <= s.logprobs <= bounds.max_logprobs:
         raise InvalidRequest("logprobs", f"must be in [0, {bounds.max_logprobs}], got {s.logprobs}")
+
+
+MAX_LOGIT_BIAS = 300  # entries per request (OpenAI's limit)
+
+
+def _check_processing(limits: Limits, params: RequestParams) -> None:
+    """Penalties, logit bias and min_tokens, in the ranges OpenAI and vLLM accept."""
+    proc = params.sampling.processing
+    if proc is None:
+        return
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(proc, name)
+        if not (math.isfinite(value) and -2.0 <= value <= 2.0):
+            raise InvalidRequest(name, f"must be in [-2, 2], got {value}")
+    r = proc.repetition_penalty
+    if not (math.isfinite(r) and 0.0 < r <= 10.0):
+        raise InvalidRequest("repetition_penalty", f"must be in (0, 10] (1: off), got {r}")
+    if len(proc.logit_bias) > MAX_LOGIT_BIAS:
+        raise InvalidRequest("logit_bias", f"more than {MAX_LOGIT_BIAS} entries")
+    ids = [t for t, _ in proc.logit_bias]
+    bad = [t for t in ids if not 0 <= t < limits.vocab_size]
+    if bad:
+        raise InvalidRequest("logit_bias", f"unknown token ids {bad[:5]} (vocabulary size {limits.vocab_size})")
+    if len(set(ids)) != len(ids):
+        raise InvalidRequest("logit_bias", "a token id appears twice")
+    if any(not (math.isfinite(b) and -100.0 <= b <= 100.0) for _, b in proc.logit_bias):
+        raise InvalidRequest("logit_bias", "biases must be in [-100, 100]")
+    if not 0 <= proc.min_tokens <= params.max_tokens:
+        raise InvalidRequest("min_tokens", f"must be in [0, max_tokens {params.max_tokens}], got {proc.min_tokens}")
 
 
 def _check_stops(limits: Limits, params: RequestParams, bounds: RequestBounds) -> None:

@@ -6,6 +6,8 @@ then each token attends causally over positions ``0 .. p`` of its OWN request, r
 
 - ``DenseKV`` (reference path): one request, plain growing per-(layer, slot) tensors. Deliberately simple.
 - ``PagedKV`` (engine): many requests over a ``PagedKVPool`` addressed through block tables.
+- ``DecodeKV`` (engine, decode ops): one token per request, everything indexed on the device from the resident
+  block tables (``DeviceBlockTables``) — no per-token host work, no host sync, fixed shapes for a context bucket.
 """
 
 from __future__ import annotations
@@ -108,12 +110,46 @@ class DenseKV:
 
 
 def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
-    """``q [B, h, T, d]``, ``k, v [B, kvh, L, d]``, bool ``mask [B, 1, T, L]`` (True = visible) -> ``[B, h, T, d]``."""
-    rep = q.shape[1] // k.shape[1]
-    if rep > 1:
-        k = k.repeat_interleave(rep, dim=1)  # [B, h, L, d]
-        v = v.repeat_interleave(rep, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0 / math.sqrt(q.shape[-1]))
+    """``q [B, h, T, d]``, ``k, v [B, kvh, L, d]``, bool ``mask [B, 1, T, L]`` (True = visible) -> ``[B, h, T, d]``.
+    Query head i uses kv head ``i // (h / kvh)`` (grouped-query attention, without materialising repeats)."""
+    gqa = q.shape[1] != k.shape[1]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0 / math.sqrt(q.shape[-1]), enable_gqa=gqa)
+
+
+class DecodeKV:
+    """``KVAccess`` for decode tokens: one token per request, each in its own depth slot, over a paged pool.
+
+    ``lines [N]`` are the requests' lines in the device block tables, ``positions [N]`` and ``slots [N]`` the
+    tokens' positions and depth slots (all long, on the pool's device). ``length`` bounds every position + 1
+    (a context bucket chosen on the host: positions beyond a token's own are masked). The flat pool rows of the
+    writes and of every context position are computed once per op, on the device, and reused by every layer.
+    """
+
+    def __init__(
+        self, pool: PagedKVPool, tables: Tensor, lines: Tensor, positions: Tensor, slots: Tensor, length: int
+    ) -> None:
+        self.pool = pool
+        bs, nb = pool.block_size, pool.num_blocks
+        j = torch.arange(length, device=positions.device)  # [L]
+        base = slots * nb  # [N]
+        own = tables.index_select(0, lines)  # [N, columns]
+        ctx_blocks = own[:, : -(-length // bs)].repeat_interleave(bs, dim=1)[:, :length]  # [N, L]
+        self.context_rows = (base[:, None] + ctx_blocks) * bs + (j % bs)[None, :]  # [N, L]
+        write_block = own.gather(1, (positions // bs)[:, None])[:, 0]  # [N]
+        self.write_rows = (base + write_block) * bs + positions % bs  # [N]
+        self.mask = (j[None, :] <= positions[:, None])[:, None, None, :]  # [N, 1, 1, L]
+
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        n, kvh, d = k.shape
+        kp = self.pool.k[layer].view(-1, kvh, d)  # [slots * blocks * block_size, kvh, d]
+        vp = self.pool.v[layer].view(-1, kvh, d)
+        kp.index_copy_(0, self.write_rows, k)
+        vp.index_copy_(0, self.write_rows, v)
+        length = self.context_rows.shape[1]
+        rows = self.context_rows.view(-1)
+        kc = kp.index_select(0, rows).view(n, length, kvh, d).transpose(1, 2)  # [N, kvh, L, d]
+        vc = vp.index_select(0, rows).view(n, length, kvh, d).transpose(1, 2)
+        return _sdpa(q[:, :, None, :], kc, vc, self.mask)[:, :, 0, :]  # [N, h, d]
 
 
 class PagedKV:

@@ -42,6 +42,14 @@ class LoopedLM(nn.Module, ABC):
     def dtype(self) -> torch.dtype:
         return next(self.parameters()).dtype
 
+    def fuse_projections(self) -> None:
+        """For inference: projections that read the same input (Ouro's q/k/v, gate/up) become one matmul each.
+        Parameters keep their names and storage (views into the fused weight); call after loading and placing."""
+        for module in self.modules():
+            fuse = getattr(module, "fuse", None)
+            if fuse is not None and module is not self:
+                fuse()
+
     @property
     def device(self) -> torch.device:
         return next(self.parameters()).device

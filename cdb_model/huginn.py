@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from cdb_model.attention import KVAccess
 from cdb_model.base import LoopedLM, init_states
 from cdb_model.config import ModelConfig
-from cdb_model.layers import HuginnMLP, RMSNorm, compute_dtype, rope_cos_sin, rope_interleaved
+from cdb_model.layers import HuginnMLP, RMSNorm, compute_dtype, pair_rotation, rope_cos_sin, rope_interleaved
 from cdb_scheduler.plan import Stage
 
 
@@ -30,11 +30,12 @@ class HuginnAttention(nn.Module):
         self.proj = nn.Linear(c.q_size, c.hidden_size, bias=False)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv: KVAccess, layer: int) -> Tensor:
-        n = x.shape[0]
-        q, k, v = self.Wqkv(x).view(n, 3, self.heads, self.head_dim).unbind(dim=1)  # [N, h, d] each
-        q = rope_interleaved(q + self.qk_bias[0], cos, sin)  # qk_bias[0]: [1, h, d]
-        k = rope_interleaved(k + self.qk_bias[1], cos, sin)
-        out = kv.attend(layer, q, k, v)  # [N, h, d]
+        """``cos, sin [N, 1, d]`` from ``pair_rotation``."""
+        n, h, d = x.shape[0], self.heads, self.head_dim
+        qkv = self.Wqkv(x).view(n, 3, h, d)
+        qk = (qkv[:, :2] + self.qk_bias[:, 0]).view(n, 2 * h, d)  # the bias BEFORE the rotation; q and k alike
+        qk = rope_interleaved(qk, cos, sin)
+        out = kv.attend(layer, qk[:, :h], qk[:, h:], qkv[:, 2])  # [N, h, d]
         return self.proj(out.reshape(n, self.heads * self.head_dim))  # [N, H]
 
 
@@ -87,7 +88,7 @@ class HuginnLM(LoopedLM):
 
     def _rope(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         c = self.config
-        return rope_cos_sin(positions, c.head_dim, c.rope_theta, dtype)
+        return pair_rotation(*rope_cos_sin(positions, c.head_dim, c.rope_theta, dtype))  # [N, 1, d] each
 
     def embed(self, token_ids: Tensor) -> Tensor:
         """``wte(ids) * sqrt(n_embd)`` ``[N, H]``: the input of the prelude blocks."""

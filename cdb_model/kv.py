@@ -93,6 +93,76 @@ class BlockTables:
         return len(self._tables)
 
 
+class DeviceBlockTables(BlockTables):
+    """The block-table mirror, also resident on the device: ``tensor [capacity, columns]`` (long), one line per
+    request (``line_of``), updated by each op's deltas in one scatter. A decode op then finds every context
+    position's block on the device, with no per-token work on the host. Unused entries hold block 0 (masked out
+    by the reader). Lines and columns grow by doubling (a new tensor: captured graphs are rebuilt)."""
+
+    def __init__(self, device: torch.device | str, capacity: int = 64, columns: int = 16) -> None:
+        super().__init__()
+        self.tensor = torch.zeros((capacity, columns), dtype=torch.long, device=device)
+        self.line_of: dict[int, int] = {}
+        self._free = list(range(capacity - 1, -1, -1))
+
+    def apply(self, updates: Iterable[KVUpdate]) -> None:
+        lines: list[int] = []
+        cols: list[int] = []
+        blocks: list[int] = []
+        for u in updates:
+            table = self._tables.setdefault(u.rid, [])
+            if u.reset:
+                table.clear()
+            start = len(table)
+            table.extend(u.append)
+            line = self.line_of.get(u.rid)
+            if line is None:
+                line = self.line_of[u.rid] = self._take_line()
+            lines.extend([line] * len(u.append))
+            cols.extend(range(start, len(table)))
+            blocks.extend(u.append)
+        if not blocks:
+            return
+        if max(cols) >= self.tensor.shape[1]:
+            self._grow(columns=max(2 * self.tensor.shape[1], max(cols) + 1))
+        index = torch.tensor([lines, cols, blocks], dtype=torch.long).to(self.tensor.device, non_blocking=True)
+        self.tensor.index_put_((index[0], index[1]), index[2])
+
+    def release(self, rids: Iterable[int]) -> None:
+        for rid in rids:
+            self._tables.pop(rid, None)
+            line = self.line_of.pop(rid, None)
+            if line is not None:
+                self._free.append(line)
+
+    def reserve_scratch(self, block: int) -> int:
+        """A line no request gets, all of whose entries are ``block`` (where padded tokens write their KV)."""
+        line = self._take_line()
+        self.tensor[line] = block
+        return line
+
+    def lines(self, rids: Sequence[int]) -> list[int]:
+        """The device lines of ``rids`` (KeyError naming the first request without a table)."""
+        try:
+            line_of = self.line_of
+            return [line_of[r] for r in rids]
+        except KeyError as e:
+            raise KeyError(f"no block table for request {e.args[0]}") from None
+
+    def _take_line(self) -> int:
+        if not self._free:
+            capacity = self.tensor.shape[0]
+            self._grow(capacity=2 * capacity)
+            self._free = list(range(2 * capacity - 1, capacity - 1, -1))
+        return self._free.pop()
+
+    def _grow(self, *, capacity: int | None = None, columns: int | None = None) -> None:
+        old = self.tensor
+        grown = old.new_zeros((capacity or old.shape[0], columns or old.shape[1]))
+        grown[: old.shape[0], : old.shape[1]] = old
+        self.tensor = grown
+
+
 class PagedKVPool:
     """K and V storage ``[layers, n_slots, num_blocks, block_size, kv_heads, head_dim]`` of one stage."""
 

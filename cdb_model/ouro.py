@@ -11,7 +11,7 @@ from torch import Tensor, nn
 from cdb_model.attention import KVAccess
 from cdb_model.base import LoopedLM
 from cdb_model.config import ModelConfig
-from cdb_model.layers import OuroMLP, RMSNorm, rope_cos_sin, rope_split_half
+from cdb_model.layers import OuroMLP, RMSNorm, compute_dtype, fuse_linears, half_rotation, rope_cos_sin, rope_split_half
 from cdb_scheduler.plan import Stage
 
 
@@ -25,14 +25,22 @@ class OuroAttention(nn.Module):
         self.k_proj = nn.Linear(c.hidden_size, c.kv_size, bias=False)
         self.v_proj = nn.Linear(c.hidden_size, c.kv_size, bias=False)
         self.o_proj = nn.Linear(c.q_size, c.hidden_size, bias=False)
+        self._qkv: Tensor | None = None
+
+    def fuse(self) -> None:
+        """Compute q, k and v with one matmul from now on (inference)."""
+        self._qkv = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv: KVAccess, layer: int) -> Tensor:
-        n = x.shape[0]
-        q = self.q_proj(x).view(n, self.heads, self.head_dim)  # [N, h, d]
-        k = self.k_proj(x).view(n, self.kv_heads, self.head_dim)  # [N, kvh, d]
-        v = self.v_proj(x).view(n, self.kv_heads, self.head_dim)  # [N, kvh, d]
-        q, k = rope_split_half(q, cos, sin), rope_split_half(k, cos, sin)
-        out = kv.attend(layer, q, k, v)  # [N, h, d]
+        """``cos, sin [N, 1, d]`` from ``half_rotation``."""
+        n, h, kvh, d = x.shape[0], self.heads, self.kv_heads, self.head_dim
+        if self._qkv is None:
+            qkv = torch.cat((self.q_proj(x), self.k_proj(x), self.v_proj(x)), dim=-1)
+        else:
+            qkv = F.linear(x, self._qkv)  # [N, (h + 2 kvh) d]
+        qk = rope_split_half(qkv[:, : (h + kvh) * d].view(n, h + kvh, d), cos, sin)  # q and k rotate alike
+        v = qkv[:, (h + kvh) * d :].view(n, kvh, d)
+        out = kv.attend(layer, qk[:, :h], qk[:, h:], v)  # [N, h, d]
         return self.o_proj(out.reshape(n, self.heads * self.head_dim))  # [N, H]
 
 
@@ -74,7 +82,7 @@ class OuroBody(nn.Module):
 
 def _hazard(gate: nn.Linear, h: Tensor) -> Tensor:
     """sigmoid(gate(h)) as float32 ``[N]``; the (tiny) gate runs in float32 (float64 for float64 models)."""
-    ct = torch.promote_types(h.dtype, torch.float32)
+    ct = compute_dtype(h.dtype)
     logit = F.linear(h.to(ct), gate.weight.to(ct), gate.bias.to(ct))  # [N, 1]
     return torch.sigmoid(logit).squeeze(-1).float()
 
@@ -102,7 +110,7 @@ class OuroLM(LoopedLM):
         m = self.model
         assert m.layers is not None and m.norm is not None and m.early_exit_gate is not None
         c = self.config
-        cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta, rows.dtype)  # [N, d/2]
+        cos, sin = half_rotation(*rope_cos_sin(positions, c.head_dim, c.rope_theta, rows.dtype))  # [N, 1, d]
         h = rows
         for i, layer in enumerate(m.layers):
             h = layer(h, cos, sin, kv, i)

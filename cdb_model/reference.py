@@ -63,8 +63,10 @@ class _Request:
         """Coda over all rows (Huginn: writes their coda KV) -> final hidden ``[T, H]``."""
         return self.model.coda(rows, self._t(positions), self.coda_kv.access(positions, 0))
 
-    def sample_last(self, hidden: Tensor, params: SamplingParams, token_index: int) -> int:
-        tokens, _ = sample(self.model.logits(hidden[-1:]), [params], [token_index])
+    def sample_last(
+        self, hidden: Tensor, params: SamplingParams, token_index: int, prompt: Sequence[int], output: Sequence[int]
+    ) -> int:
+        tokens, _ = sample(self.model.logits(hidden[-1:]), [params], [token_index], [(prompt, output)])
         return tokens[0]
 
 
@@ -100,7 +102,7 @@ def reference_generate(
             for s in range(policy.max_depth):
                 rows, _, _ = req.step(rows, positions, s)
             hidden = req.coda(rows, positions)
-        token = req.sample_last(hidden, sampling, 0)  # the last prompt position, full depth
+        token = req.sample_last(hidden, sampling, 0, prompt_ids, ())  # the last prompt position, full depth
         out.tokens.append(token)
         out.depths.append(policy.max_depth)
 
@@ -122,7 +124,33 @@ def reference_generate(
                 s += 1
             if kv_layout.copies_on_exit and s + 1 < kv_layout.n_slots:
                 req.loop_kv.copy_position(position, kv_layout.slot(s), range(s + 1, kv_layout.n_slots))
-            token = req.sample_last(req.coda(rows, [position]), sampling, i)
+            token = req.sample_last(req.coda(rows, [position]), sampling, i, prompt_ids, out.tokens)
             out.tokens.append(token)
             out.depths.append(s + 1)
+    return out
+
+
+def reference_prompt_logprobs(
+    model: LoopedLM,
+    prompt_ids: Sequence[int],
+    *,
+    max_depth: int,
+    kv_layout: KVLayout,
+    prefill_chunk_size: int | None = None,
+    init_seed: int = -1,
+) -> list[float]:
+    """The logprob of each prompt token after the first, from the previous position's hidden state after the
+    full-depth prefill (``max_depth`` loop steps, in chunks as the engine prefills), the coda and the LM head: the
+    semantics of the engine's prompt scoring (``RequestParams.prompt_logprobs``)."""
+    req = _Request(model, kv_layout, init_seed)
+    n, chunk = len(prompt_ids), prefill_chunk_size or len(prompt_ids)
+    out: list[float] = []
+    with torch.inference_mode():
+        for start in range(0, n, chunk):
+            positions = list(range(start, min(start + chunk, n)))
+            rows = req.prelude(prompt_ids[start : start + chunk], positions)
+            for s in range(max_depth):
+                rows, _, _ = req.step(rows, positions, s)
+            lp = torch.log_softmax(model.logits(req.coda(rows, positions)).double(), dim=-1)  # [T, V]
+            out += [float(lp[i, prompt_ids[p + 1]]) for i, p in enumerate(positions) if p + 1 < n]
     return out

@@ -2,9 +2,11 @@
 
 Per token: greedy argmax when ``temperature == 0``; otherwise logits / temperature, top-k, top-p (the smallest
 set of most likely tokens whose mass reaches p, at least one), then an inverse-CDF draw with ``u ~ U[0, 1)``
-from a CPU ``torch.Generator`` seeded with ``derive_seed(seed, token_index)``. The math runs on CPU in float64,
-so the same logits give the same token on every device and in every batch. Logprobs are ``log_softmax`` of the
-unmodified logits.
+given by ``seeded_uniform(derive_seed(seed, token_index))`` (integer mixing). The math runs on CPU in float64,
+so the same logits give the same token on every device and in every batch. Before all that, a request's
+``LogitsProcessing`` (logit bias, min_tokens, repetition / frequency / presence penalties over its history). This
+is the oracle of the batched sampler the stages run (``cdb_model.batched_sampling``), one row at a time. Logprobs
+are ``log_softmax`` of the unmodified logits.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from cdb_scheduler.plan import SamplingParams, TokenLogprobs, derive_seed
+from cdb_scheduler.plan import LogitsProcessing, SamplingParams, TokenLogprobs, derive_seed, seeded_uniform
 
 
 def filtered_probs(logits: Tensor, p: SamplingParams) -> tuple[Tensor, Tensor]:
@@ -38,17 +40,42 @@ def filtered_probs(logits: Tensor, p: SamplingParams) -> tuple[Tensor, Tensor]:
 
 
 def draw(probs: Tensor, seed: int) -> int:
-    """Index into ``probs [K]`` by inverse CDF with one uniform draw from ``Generator().manual_seed(seed)``."""
-    u = float(torch.rand((), generator=torch.Generator().manual_seed(seed), dtype=torch.float64))
+    """Index into ``probs [K]`` by inverse CDF with the uniform draw ``seeded_uniform(seed)``."""
+    u = seeded_uniform(seed)
     cdf = torch.cumsum(probs, dim=-1)  # [K]
     idx = int(torch.searchsorted(cdf, torch.tensor([u * float(cdf[-1])], dtype=cdf.dtype), right=True))
     return min(idx, probs.shape[0] - 1)
 
 
+def processed(
+    logits: Tensor, proc: LogitsProcessing, index: int, prompt: Sequence[int], output: Sequence[int]
+) -> Tensor:
+    """``logits [V]`` (float32) after ``proc`` for token ``index``, given the prompt and the ``output`` before it."""
+    x = logits.clone()
+    for token, bias in proc.logit_bias:
+        x[token] += bias
+    if index < proc.min_tokens:
+        x[list(proc.stop_ids)] = float("-inf")
+    if not proc.penalized:
+        return x
+    counts = torch.bincount(torch.tensor(list(output), dtype=torch.long), minlength=x.shape[0]).to(x.dtype)  # [V]
+    seen = counts > 0
+    if proc.repetition_penalty != 1.0:
+        seen_any = seen.clone()
+        seen_any[list(prompt)] = True
+        r = proc.repetition_penalty
+        x = torch.where(seen_any, torch.where(x > 0, x / r, x * r), x)
+    return x - proc.frequency_penalty * counts - proc.presence_penalty * seen.to(x.dtype)
+
+
 def sample(
-    logits: Tensor, params: Sequence[SamplingParams], token_index: Sequence[int]
+    logits: Tensor,
+    params: Sequence[SamplingParams],
+    token_index: Sequence[int],
+    history: Sequence[tuple[Sequence[int], Sequence[int]]] | None = None,
 ) -> tuple[list[int], list[TokenLogprobs | None]]:
-    """Sample one token per row of ``logits [N, V]``; ``params[i]`` and stream index ``token_index[i]``.
+    """Sample one token per row of ``logits [N, V]``; ``params[i]`` and stream index ``token_index[i]``;
+    ``history[i]``: (prompt, output before this token) of the row, needed by penalties.
 
     Returns the token ids and, where ``return_logprob`` or ``logprobs > 0`` is asked, their ``TokenLogprobs``.
     """
@@ -59,10 +86,14 @@ def sample(
     tokens: list[int] = []
     logprobs: list[TokenLogprobs | None] = []
     for i, (p, index) in enumerate(zip(params, token_index, strict=True)):
+        row = cpu[i]
+        if p.processing is not None:
+            prompt, output = history[i] if history is not None else ((), ())
+            row = processed(row, p.processing, index, prompt, output)
         if p.temperature == 0.0:
-            tok = int(greedy[i])
+            tok = int(greedy[i]) if p.processing is None else int(row.argmax())
         else:
-            ids, probs = filtered_probs(cpu[i], p)
+            ids, probs = filtered_probs(row, p)
             tok = int(ids[draw(probs, derive_seed(p.seed, index))])
         tokens.append(tok)
         if p.return_logprob or p.logprobs > 0:

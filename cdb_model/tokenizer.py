@@ -65,12 +65,37 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of a chat (``[{"role": ..., "content": ...}, ...]``) rendered by the model's chat template,
-        ending with the assistant's turn opened when ``add_generation_prompt``. Raises the request error
-        (``InvalidRequest("messages", ...)`` in the engine) when the model has no chat template or the messages
-        are malformed."""
+    def apply_chat_template(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True, chat_template: str | None = None
+    ) -> list[int]:
+        """Token ids of a chat (``[{"role": ..., "content": ...}, ...]``) rendered by the model's chat template
+        (``chat_template``: this Jinja template instead), ending with the assistant's turn opened when
+        ``add_generation_prompt``. Raises the request error (``InvalidRequest("messages", ...)`` in the engine)
+        when there is no chat template or the messages are malformed."""
         ...
+
+
+def render_chat_template(
+    template: str, messages: list[dict[str, str]], add_generation_prompt: bool, special: Mapping[str, str]
+) -> str:
+    """The text of a chat rendered by a Jinja ``template`` as ``transformers`` renders chat templates (a sandbox,
+    ``trim_blocks`` / ``lstrip_blocks``, ``raise_exception``), with ``special`` (``bos_token``, ``eos_token``) in
+    its context; for tokenizers that ``transformers`` does not render for. The request error when the template
+    refuses the messages."""
+    from jinja2 import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = raise_exception
+    try:
+        return env.from_string(template).render(
+            messages=messages, add_generation_prompt=add_generation_prompt, **special
+        )
+    except TemplateError as e:
+        raise request_error("messages", f"the chat template refused them: {e}") from None
 
 
 def check_messages(messages: object) -> list[dict[str, str]]:
@@ -125,11 +150,17 @@ class ByteTokenizer:
                 out.extend(SPECIAL_TOKENS[i].encode())
         return out.decode("utf-8", errors="replace")
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
-        check_messages(messages)
-        raise request_error(
-            "messages", "the served model has no chat template (the byte tokenizer; its folder has no tokenizer files)"
-        )
+    def apply_chat_template(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True, chat_template: str | None = None
+    ) -> list[int]:
+        checked = check_messages(messages)
+        if chat_template is None:
+            raise request_error(
+                "messages",
+                "the served model has no chat template (the byte tokenizer; its folder has no tokenizer files)",
+            )
+        special = {"bos_token": SPECIAL_TOKENS[0], "eos_token": SPECIAL_TOKENS[0]}
+        return self.encode(render_chat_template(chat_template, checked, add_generation_prompt, special))
 
 
 class HFTokenizer:
@@ -182,15 +213,26 @@ class HFTokenizer:
             return str(self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens))
         return str(self._hf.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True, chat_template: str | None = None
+    ) -> list[int]:
         checked = check_messages(messages)
-        if self.chat_template is None:
+        if chat_template is None and self.chat_template is None:
             raise request_error("messages", f"the tokenizer of {self.name} has no chat template")
+        if self._hf is None:  # a tokenizer.json alone: rendered here, the specials' text as they decode
+            assert chat_template is not None
+            eos = self.decode([self.eos_token_id], False) if self.eos_token_id is not None else ""
+            special = {"bos_token": "", "eos_token": eos}
+            return self.encode(render_chat_template(chat_template, checked, add_generation_prompt, special))
         from jinja2 import TemplateError
 
         try:
             ids = self._hf.apply_chat_template(
-                checked, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
+                checked,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=True,
+                return_dict=False,
+                chat_template=chat_template,
             )
         except TemplateError as e:  # the template's own raise_exception(...) or a template bug
             raise request_error("messages", f"the chat template refused them: {e}") from None

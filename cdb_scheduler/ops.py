@@ -12,6 +12,7 @@ from collections.abc import Iterable, Sequence
 from cdb_scheduler.plan import (
     Fence,
     HeadOp,
+    HistorySeed,
     KVCopy,
     KVUpdate,
     LoopHead,
@@ -35,6 +36,7 @@ class OpBuilder:
         self._row_last: list[list[int]] = []  # [row] -> last seq per stage that touched it (-1: none)
         self._sent: list[dict[int, int]] = [{}, {}, {}]  # stage -> request id -> block-table length sent
         self._released: list[list[int]] = [[], [], []]
+        self._seeded: list[dict[int, int]] = [{}, {}, {}]  # stage -> penalized request -> the row its history is in
         self.pending_copies: list[KVCopy] = []
 
     def forget(self, req: Request) -> None:
@@ -42,6 +44,7 @@ class OpBuilder:
         for stage in _STAGES:
             if self._sent[stage].pop(req.rid, None) is not None:
                 self._released[stage].append(req.rid)
+            self._seeded[stage].pop(req.rid, None)
         self.pending_copies = [c for c in self.pending_copies if c.rid != req.rid]
 
     def reset(self) -> None:
@@ -50,6 +53,7 @@ class OpBuilder:
         self._row_last.clear()
         self._sent = [{}, {}, {}]
         self._released = [[], [], []]
+        self._seeded = [{}, {}, {}]
         self.pending_copies.clear()
 
     def _common(
@@ -88,6 +92,27 @@ class OpBuilder:
         released = tuple(self._released[s])
         self._released[s].clear()
         return seq, fences, tuple(updates), released
+
+    def history(
+        self, stage: Stage, reqs: Sequence[Request], rows: Sequence[int], token_index: Sequence[int]
+    ) -> tuple[HistorySeed, ...]:
+        """Seeds for the penalized requests among the sampled ``reqs`` that ``stage`` samples for the first time
+        in that bank row (a prompt's last chunk is sampled in a prefill row, its decode tokens in the request's
+        row; after a preemption everything is new): their prompt (for a repetition penalty) and the tokens
+        before this one."""
+        procs = [r.sampling.processing for r in reqs]
+        if not any(procs):  # the common case, in one C loop
+            return ()
+        seeded = self._seeded[int(stage)]
+        out = []
+        for j, (req, row, index, proc) in enumerate(zip(reqs, rows, token_index, procs)):
+            if proc is None or not proc.penalized or seeded.get(req.rid) == row:
+                continue
+            assert len(req.output) >= index, "a penalized token sampled before the tokens it follows are known"
+            seeded[req.rid] = row
+            prompt = tuple(req.prompt) if proc.repetition_penalty != 1.0 else ()
+            out.append(HistorySeed(j, prompt, tuple(req.output[:index])))
+        return tuple(out)
 
     def prelude(
         self, reqs: Sequence[Request], tokens: Sequence[int], positions: Sequence[int], rows: Sequence[int]
@@ -147,9 +172,14 @@ class OpBuilder:
         sample: Sequence[bool],
         token_index: Sequence[int],
         embed: Sequence[bool] = (),
+        score_ids: Sequence[int] = (),
     ) -> HeadOp:
         seq, fences, updates, released = self._common(Stage.HEAD, rows, reqs)
         sampling: tuple[SamplingParams, ...] = tuple(r.sampling for r in reqs)
+        picked = [j for j, s in enumerate(sample) if s]
+        history = self.history(
+            Stage.HEAD, [reqs[j] for j in picked], [rows[j] for j in picked], [token_index[j] for j in picked]
+        )
         return HeadOp(
             seq,
             fences,
@@ -162,4 +192,6 @@ class OpBuilder:
             sampling,
             tuple(token_index),
             tuple(embed) if any(embed) else (),
+            tuple(score_ids) if any(t >= 0 for t in score_ids) else (),
+            history,
         )

@@ -75,6 +75,39 @@ class SamplingParams:
     seed: int = 0
     logprobs: int = 0  # number of top alternatives to return (0: only the sampled token's logprob if asked)
     return_logprob: bool = False
+    processing: LogitsProcessing | None = None  # penalties, logit bias, min_tokens (None: the logits as they are)
+
+
+@dataclass(frozen=True, slots=True)
+class LogitsProcessing:
+    """What is done to a request's logits before temperature and filters, in this order (vLLM's): ``logit_bias``
+    added; while the token index is below ``min_tokens`` the ``stop_ids`` (end-of-sequence and stop ids) banned;
+    the repetition penalty on every token of the prompt or the output so far (a positive logit divided by it, a
+    negative one multiplied); the frequency penalty times each token's count in the output so far, and the
+    presence penalty once for each token in it, subtracted. Logprobs stay those of the unprocessed logits."""
+
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
+    min_tokens: int = 0
+    stop_ids: tuple[int, ...] = ()  # banned while the token index < min_tokens
+
+    @property
+    def penalized(self) -> bool:
+        """Whether sampling needs the request's history (prompt and output so far)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class HistorySeed:
+    """The history a stage needs the first time it samples a penalized request (and again after a preemption):
+    the prompt (for the repetition penalty; empty without one) and the tokens generated before this sample. The
+    stage counts every later token it samples for that row itself. ``index``: the sampled row it belongs to."""
+
+    index: int
+    prompt_ids: tuple[int, ...]
+    output_ids: tuple[int, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +161,7 @@ class LoopHead:
     sampling: tuple[SamplingParams, ...]
     token_index: tuple[int, ...]
     embed_ids: tuple[int, ...]
+    history: tuple[HistorySeed, ...] = ()  # of penalized rows sampled here for the first time
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,6 +194,10 @@ class HeadOp(OpBase):
     also written to the token bank at its row, where a following PreludeOp picks it up. With ``embed[i]`` (models
     whose prelude is a pure embedding lookup: Ouro), the head also writes the embedding of the sampled id into
     the row: the successor's prelude, fused, so a refill costs no prelude op and no extra hop.
+
+    Prompt scoring (prefill only): a token with ``score_ids[i] >= 0`` is also projected to logits, and the
+    result carries the logprob of id ``score_ids[i]`` (the next prompt token) there, with
+    ``sampling[i].logprobs`` alternatives (``StageResult.prompt_logprobs``). Empty: nothing is scored.
     """
 
     rids: tuple[int, ...]
@@ -169,6 +207,8 @@ class HeadOp(OpBase):
     sampling: tuple[SamplingParams, ...]
     token_index: tuple[int, ...]
     embed: tuple[bool, ...] = ()  # () : no token embeds its successor
+    score_ids: tuple[int, ...] = ()  # () : nothing scored; else per token -1 or the id whose logprob to return
+    history: tuple[HistorySeed, ...] = ()  # of penalized rows sampled here first (index: among the sampled rows)
     stage: Stage = field(default=Stage.HEAD, init=False)
 
 
@@ -190,7 +230,8 @@ class StageResult:
 
     LOOP decode: ``signals[i]`` is the exit signal of token i after its step (Ouro: gate hazard; Huginn: relative
     latent difference), ``lookahead[i]`` the Ouro lookahead-gate hazard when the model has that gate.
-    HEAD, and a loop op's fused ``head``: ``token_ids`` and ``logprobs`` for the sampled tokens, in op order.
+    HEAD, and a loop op's fused ``head``: ``token_ids`` and ``logprobs`` for the sampled tokens, in op order;
+    ``prompt_logprobs`` for the scored tokens of a HEAD op (``HeadOp.score_ids``), in op order.
     ``error`` is set when the stage failed the op; the engine then fails the requests in it.
     """
 
@@ -202,6 +243,7 @@ class StageResult:
     token_ids: tuple[int, ...] = ()
     logprobs: tuple[TokenLogprobs | None, ...] = ()
     error: str | None = None
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -243,3 +285,13 @@ def derive_seed(base: int, index: int) -> int:
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
     return (x ^ (x >> 31)) & 0x7FFFFFFFFFFFFFFF
+
+
+def seeded_uniform(seed: int) -> float:
+    """The uniform draw ``u`` in ``[0, 1)`` of a 63-bit ``seed`` (``derive_seed``): one more splitmix64 round, its top
+    53 bits as a double. Pure integer arithmetic: the host computes it per sampled row, identically for the
+    batched sampler and the float64 oracle, on every device."""
+    x = (seed + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return ((x ^ (x >> 31)) >> 11) * 2.0**-53

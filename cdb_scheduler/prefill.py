@@ -29,6 +29,7 @@ class PrefillFlight:
     reqs: list[Request]
     epochs: list[int]
     final: list[bool]  # the chunk is the request's last: its head samples token 0
+    scored: list[int] = field(default_factory=list)  # prompt positions of the chunk its head scores
     seqs: dict[Stage, int] = field(default_factory=dict)  # stage -> seq of the chain's op still to complete
 
 
@@ -92,28 +93,33 @@ def pick_chunks(
 
 def prefill_chain(cfg: SchedulerConfig, ops: OpBuilder, picked: list[Chunk]) -> tuple[list[StageOp], PrefillFlight]:
     """Prelude over the chunks' tokens, one loop op running all ``max_depth`` steps, head over the positions that
-    need it (every position for Huginn's coda KV; the last prompt position of each final chunk is sampled)."""
+    need it (every position for Huginn's coda KV; the last prompt position of each final chunk, which is sampled
+    unless ``max_tokens`` is 0; with ``score_prompt``, every position but the last, scored against the next)."""
     reqs: list[Request] = []
     positions: list[int] = []
     tokens: list[int] = []
     sample: list[bool] = []
+    last: list[bool] = []
+    scores: list[int] = []
     flight = PrefillFlight([], [], [])
     for req, start, end in picked:
         final = end == req.prompt_len
         flight.reqs.append(req)
         flight.epochs.append(req.epoch)
         flight.final.append(final)
+        flight.scored.append(score_targets(req, start, end, scores))
         req.prefilled = end
         for p in range(start, end):
             reqs.append(req)
             positions.append(p)
             tokens.append(req.prompt[p])
-            sample.append(final and p == end - 1)
+            last.append(final and p == end - 1)
+            sample.append(last[-1] and req.max_tokens > 0)
     rows = list(range(cfg.max_num_seqs, cfg.max_num_seqs + len(tokens)))  # the bank's prefill rows
     pre = ops.prelude(reqs, tokens, positions, rows)
     loop = ops.loop(reqs, positions, rows, [0] * len(rows), prefill=True, num_steps=cfg.max_depth)
     flight.seqs = {Stage.PRELUDE: pre.seq, Stage.LOOP: loop.seq}
-    keep = [i for i, s in enumerate(sample) if s or cfg.head_has_kv]
+    keep = [i for i, s in enumerate(scores) if last[i] or s >= 0 or cfg.head_has_kv]
     if not keep:  # an inner chunk of a model without coda KV: nothing for the head to do
         return [pre, loop], flight
     head = ops.head(
@@ -122,6 +128,22 @@ def prefill_chain(cfg: SchedulerConfig, ops: OpBuilder, picked: list[Chunk]) -> 
         [rows[i] for i in keep],
         [sample[i] for i in keep],
         [0] * len(keep),
+        score_ids=[scores[i] for i in keep],
     )
     flight.seqs[Stage.HEAD] = head.seq
     return [pre, loop, head], flight
+
+
+def score_targets(req: Request, start: int, end: int, out: list[int]) -> int:
+    """Append to ``out`` what the head scores at each position of the chunk ``[start, end)``: the next prompt
+    token's id, or -1 (the last prompt position, a request without ``score_prompt``, or one whose prompt was
+    scored and reported before it was recomputed: it has reported tokens). Returns how many are scored."""
+    score = req.score_prompt and not req.output
+    if score and start == 0:
+        req.prompt_logprobs.clear()  # a prefill begun again after a preemption scores the prompt again
+    n = 0
+    for p in range(start, end):
+        target = req.prompt[p + 1] if score and p + 1 < req.prompt_len else -1
+        out.append(target)
+        n += target >= 0
+    return n

@@ -2,7 +2,9 @@
 
 Lifecycle of a request (numbered; see docs/design.md):
 1. WAITING: queued for prefill (also after preemption, with its generated tokens kept for replay).
-2. RUNNING: resident. Prompt chunks are prefilled at full depth; the last chunk's head samples token 0.
+2. RUNNING: resident. Prompt chunks are prefilled at full depth; the last chunk's head samples token 0
+   (``max_tokens`` 0: samples nothing, the request ends there). With ``score_prompt`` the head also scores every
+   prompt position against the next prompt token, at that full depth (``prompt_logprobs``).
    Each next token k >= 1 is one work item: prelude of token k-1 at position P+k-1, loop steps until its exit,
    head samples token k. When item k goes to the head, item k+1 is queued at once (its input token is read
    from the token bank): at most one item per request is in the loop, and a successor of a request that
@@ -44,6 +46,7 @@ class Request:
     stop_token_ids: frozenset[int] = frozenset()
     init_seed: int = -1  # Huginn initial state: < 0 zero, else seeded per position
     replay_depths: list[int] | None = None  # benchmark replay: depth of generated token k at [k-1]
+    score_prompt: bool = False  # the prefill also scores the prompt: logprob of token p+1 at position p
     arrival: float = 0.0  # time.monotonic() at submission (set by the engine)
     admitted: float = 0.0  # time.monotonic() at first admission to prefill (0: never admitted)
     status: Status = Status.WAITING
@@ -54,6 +57,7 @@ class Request:
     output: list[int] = field(default_factory=list)  # generated tokens (kept across preemption)
     depths: list[int] = field(default_factory=list)  # served depth of each generated token
     emitted: int = 0  # tokens already reported (replay after preemption does not report again)
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # of prompt tokens 1.. (``score_prompt``)
     loop_steps: int = 0  # loop steps run for this request's decode tokens (prefill not counted)
     # resources
     row: int = -1

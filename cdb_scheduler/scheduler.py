@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
+from itertools import islice
 
 from cdb_scheduler.config import Mode, SchedulerConfig
 from cdb_scheduler.exit_policy import FixedDepth
@@ -214,13 +215,16 @@ class Scheduler:
             if follows:
                 self._spawn(req, it.index + 1, known, embedded=True)
         reqs = [it.req for it in items]
+        token_index = tuple(it.index for it in items)
+        rows = tuple(r.row for r in reqs)
         head = LoopHead(
             rids=tuple(r.rid for r in reqs),
             positions=tuple(it.position for it in items),
-            rows=tuple(r.row for r in reqs),
+            rows=rows,
             sampling=tuple(r.sampling for r in reqs),
-            token_index=tuple(it.index for it in items),
+            token_index=token_index,
             embed_ids=tuple(embed_ids),
+            history=self.ops.history(Stage.LOOP, reqs, rows, token_index),
         )
         return head, items
 
@@ -323,11 +327,20 @@ class Scheduler:
             self.residency.fail([r for r, e in zip(pf.reqs, pf.epochs) if r.alive and r.epoch == e], res.error, events)
         elif res.stage is Stage.HEAD:
             sampled = iter(zip(res.token_ids, res.logprobs or [None] * len(res.token_ids)))
-            for req, epoch, final in zip(pf.reqs, pf.epochs, pf.final):
+            scored = iter(res.prompt_logprobs)
+            for req, epoch, final, n_scored in zip(pf.reqs, pf.epochs, pf.final, pf.scored):
+                live = req.alive and req.epoch == epoch
+                scores = list(islice(scored, n_scored))
+                if live:
+                    req.prompt_logprobs.extend(scores)
                 if not final:
                     continue
+                if req.max_tokens == 0:  # prefill only (the prompt scored): nothing is sampled
+                    if live:
+                        events.append(self.residency.finish(req, FinishReason.LENGTH))
+                    continue
                 token, lp = next(sampled)
-                if req.alive and req.epoch == epoch:
+                if live:
                     self._accept(req, 0, token, self.cfg.max_depth, lp, events, replay=bool(req.output))
         if not pf.seqs:
             self._prefill = None

@@ -240,7 +240,13 @@ def evaluate(a: EvalArgs, quick: bool = False, log: Any = None) -> dict[str, Any
 
 def build_parser() -> argparse.ArgumentParser:
     d = EvalArgs()
-    p = argparse.ArgumentParser(prog="cdb eval", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="cdb eval",
+        description=__doc__,
+        formatter_class=argparse.RawTextHelpFormatter,
+        epilog="cdb eval --harness: the evaluation harness (lm_eval) through the server's API over q instead "
+        "(cdb eval --harness --help)",
+    )
     p.add_argument("--model", default=d.model, help=f"shipped name or checkpoint folder (default {d.model})")
     p.add_argument("--heldout", type=Path, default=None, help="text file (documents separated by blank lines)")
     p.add_argument("--windows", type=int, default=d.windows, help="teacher-forced windows, evenly spaced")

@@ -12,11 +12,12 @@ retry policies (``clients.balancing``).
 
 from __future__ import annotations
 
+import json
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar, Literal, TypedDict, overload
+from typing import Any, ClassVar, Literal, TypedDict, overload
 
 import grpc
 from grpc_health.v1 import health_pb2_grpc
@@ -212,6 +213,11 @@ class GenerateOptions(TypedDict, total=False):
     ignore_eos: bool
     request_id: str
     replay_depths: Sequence[int]  # benchmarks: servers started with --allow-replay-depths
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    logit_bias: Mapping[int, float]  # token id -> bias
+    min_tokens: int
 
 
 def build_request(prompt: str | Sequence[int], options: GenerateOptions) -> pb.GenerateRequest:
@@ -233,6 +239,12 @@ def build_request(prompt: str | Sequence[int], options: GenerateOptions) -> pb.G
     s.seed = options.get("seed", 0)
     s.return_logprobs = options.get("logprobs", False) or options.get("top_logprobs", 0) > 0
     s.top_logprobs = options.get("top_logprobs", 0)
+    s.presence_penalty = options.get("presence_penalty", 0.0)
+    s.frequency_penalty = options.get("frequency_penalty", 0.0)
+    if "repetition_penalty" in options:
+        s.repetition_penalty = options["repetition_penalty"]
+    s.logit_bias.update(options.get("logit_bias", {}))
+    s.min_tokens = options.get("min_tokens", 0)
     req.stop_strings.extend(options.get("stop", ()))
     req.stop_token_ids.extend(options.get("stop_token_ids", ()))
     if "exit_threshold" in options:
@@ -433,6 +445,9 @@ class ServerInfo:
     counters: dict[str, int]
     stage_pids: dict[str, int] = field(default_factory=dict)  # the process serving each stage role
     recovery_seconds: tuple[float, ...] = ()  # each healed stage loss: loss -> every stage re-attached
+    config: dict[str, Any] = field(default_factory=dict)  # the server's resolved configuration (engine, settings)
+    config_digest: str = ""  # SHA-256 of that configuration
+    stage_config_digests: dict[str, str] = field(default_factory=dict)  # the same of each stage process
 
     @classmethod
     def from_pb(cls, m: pb.InfoResponse) -> ServerInfo:
@@ -454,4 +469,7 @@ class ServerInfo:
             counters,
             dict(m.stage_pids),
             tuple(m.recovery_seconds),
+            json.loads(m.config_json) if m.config_json else {},
+            m.config_digest,
+            dict(m.stage_config_digests),
         )

@@ -4,7 +4,7 @@
   scheduler (``cdb stage`` / ``cdb scheduler``), waits until each one is ready, returns a handle (``address``,
   ``stop()``).
 - ``start_stages(config)``: only the three stages (benchmarks drive them from an in-process engine).
-- ``serve_forever(config, listen)``: ``serve_all``, then serve until SIGTERM / SIGINT (Ctrl-C) / SIGHUP (a closed
+- ``serve_forever(resolved, listen)``: ``serve_all``, then serve until SIGTERM / SIGINT (Ctrl-C) / SIGHUP (a closed
   terminal), and stop every child (scheduler first, so it drains; then the stages).
 
 Supervision: the handle restarts a child that dies (same command, same address): a restarted stage is re-attached by
@@ -23,8 +23,12 @@ children started anywhere else would die with that thread, cutting a drain short
   the tree with one error line (logger ``cdb.launcher``); ``serve_forever`` then exits 1. So does a scheduler
   that dies while listening on port 0 (a restart would move it).
 
-The stage plane's secret: unless the environment names one (``CDB_STAGE_SECRET_FILE`` / ``CDB_STAGE_SECRET``),
-the tree makes its own in its private work dir (mode 0600) and hands its path to every child.
+Configuration: the tree's ``Resolved`` configuration (its engine config and settings) is written once, as one JSON
+document in the private work dir (mode 0600), and every child gets ``--resolved-config FILE`` beside the options
+of its own place in the tree (role, addresses, ready file): no setting is re-serialised into a child's argv or
+environment, and the child reads neither its ``CDB_*`` variables nor a config file. The stage plane's secret:
+unless the settings name one (``CDB_STAGE_SECRET_FILE`` / ``CDB_STAGE_SECRET``), the tree makes its own in the work
+dir (mode 0600) and the document names it.
 
 Readiness: each child writes its bound address to a ready file (``services.net.write_ready_file``) once it
 serves (the scheduler: once its health is SERVING); the launcher waits for those files and fails fast if a
@@ -56,11 +60,10 @@ from typing import TypeVar
 
 from cdb_engine.config import EngineConfig
 from cdb_engine.limits import describe, resolve_limits
-from cdb_engine.options import engine_config_to_argv
 from cdb_model.loader import load_config
 from cdb_scheduler.plan import Stage
 from services.net import wait_ready_file
-from services.settings import Settings, cpu_map, load_settings
+from services.settings import Resolved, Settings, cpu_map, load_settings
 from services.stage_secret import create_secret_file
 from services.transport.segments import sweep_stale_segments
 
@@ -70,7 +73,6 @@ log = logging.getLogger("cdb.launcher")
 
 
 PARENT_ENV = "CDB_PARENT_PID"
-SECRET_ENV = "CDB_STAGE_SECRET_FILE"
 _SUPERVISE_PERIOD_S = 0.1
 STANDBY_SUFFIX = "-standby"  # the child name of a role's warm standby stage (``CDB_STANDBY_STAGES``)
 _T = TypeVar("_T")
@@ -260,8 +262,6 @@ class ServeHandle:
         cmd = [self.python, *child.argv]
         child_env = dict(os.environ if child.env is None else child.env)
         child_env[PARENT_ENV] = str(os.getpid())
-        if self.settings.stage_secret_file:
-            child_env[SECRET_ENV] = self.settings.stage_secret_file
         try:
             with open(os.path.join(self.workdir, f"{child.name}.log"), "ab") as out:
                 # A session of its own: a terminal's Ctrl-C reaches the launcher only, which stops the children
@@ -395,6 +395,22 @@ def _terminate(procs: list[subprocess.Popen[bytes]], timeout: float) -> None:
             p.wait()
 
 
+def stage_command(role: str, listen: str, ready_file: str, document: str) -> list[str]:
+    """``python ARGV`` of a stage child: its place in the tree, and the tree's configuration ``document``."""
+    place = ["--role", role, "--listen", listen, "--ready-file", ready_file]
+    return ["-m", "cdb", "stage", *place, "--resolved-config", document]
+
+
+def scheduler_command(
+    listen: str, ready_file: str, stages: Mapping[Stage, str], standbys: Mapping[Stage, str], document: str
+) -> list[str]:
+    """``python ARGV`` of the scheduler child: its addresses and its stages', and the tree's ``document``."""
+    place = ["--listen", listen, "--ready-file", ready_file]
+    place += [f"--stage={s.role}={addr}" for s, addr in stages.items()]
+    place += [f"--standby-stage={s.role}={addr}" for s, addr in standbys.items()]
+    return ["-m", "cdb", "scheduler", *place, "--resolved-config", document]
+
+
 def serve_all(
     config: EngineConfig,
     listen: str = "127.0.0.1:50051",
@@ -403,8 +419,10 @@ def serve_all(
     env: Mapping[str, str] | None = None,
     metrics_listen: str | None = None,
 ) -> ServeHandle:
-    """Start three stage servers and the scheduler service; return once all are ready. ``metrics_listen``: the
-    scheduler's ``--metrics-listen`` (None: it reads ``CDB_METRICS_ADDR`` from its environment)."""
+    """Start three stage servers and the scheduler service; return once all are ready. The tree runs with
+    ``config`` and ``settings`` (None: those of ``env``'s ``CDB_*`` variables and config file, ``env`` also being
+    the children's environment; default: this process's); ``metrics_listen``: the scheduler's metrics address over
+    ``settings.metrics_addr``."""
     return _start_tree(config, listen, settings, env, metrics_listen)
 
 
@@ -423,13 +441,17 @@ def _start_tree(
     env: Mapping[str, str] | None,
     metrics_listen: str | None = None,
 ) -> ServeHandle:
-    settings = settings or load_settings(env)  # the environment the children get (None: this process's)
+    settings = settings or load_settings(env)
+    if metrics_listen is not None:
+        settings = dataclasses.replace(settings, metrics_addr=metrics_listen)
     sweep_stale_segments()  # what trees SIGKILLed whole left behind (their owners are gone)
     workdir = tempfile.mkdtemp(prefix="cdb-serve-")
     if not (settings.stage_secret_file or settings.stage_secret):
         secret_file = os.path.join(workdir, "stage.secret")
         create_secret_file(secret_file)
         settings = dataclasses.replace(settings, stage_secret_file=secret_file)
+    document = os.path.join(workdir, "config.json")
+    Resolved(settings, config).write(document)  # what every child runs with (module docstring)
     handle = ServeHandle(workdir, settings)
     try:
         # Unix socket paths are known in advance, so the scheduler starts with the stages and connects as soon
@@ -439,19 +461,12 @@ def _start_tree(
         ready = {n: os.path.join(handle.workdir, f"{n}.ready") for n in (*names.values(), *standby.values())}
         sockets = {n: f"unix://{handle.workdir}/{n}.sock" for n in ready}
         for stage, name in [*names.items(), *standby.items()]:
-            argv = ["-m", "cdb", "stage", "--role", stage.role, "--model", config.model, "--listen", sockets[name]]
-            argv += ["--dtype", config.dtype, "--device", config.device, "--ready-file", ready[name]]
-            if config.synthetic_cost:
-                argv += ["--synthetic-cost", config.synthetic_cost, "--synthetic-depths", config.synthetic_depths]
-            handle.start_child(name, argv, env, ready[name])
+            handle.start_child(name, stage_command(stage.role, sockets[name], ready[name], document), env, ready[name])
         sched_ready = os.path.join(handle.workdir, "scheduler.ready")
         if listen is not None:
-            argv = ["-m", "cdb", "scheduler", "--listen", listen, "--ready-file", sched_ready]
-            argv += [f"--stage={s.role}={sockets[n]}" for s, n in names.items()]
-            argv += [f"--standby-stage={s.role}={sockets[n]}" for s, n in standby.items()]
-            if metrics_listen is not None:
-                argv.append(f"--metrics-listen={metrics_listen}")
-            argv += engine_config_to_argv(config, env)
+            stage_socks = {s: sockets[n] for s, n in names.items()}
+            standby_socks = {s: sockets[n] for s, n in standby.items()}
+            argv = scheduler_command(listen, sched_ready, stage_socks, standby_socks, document)
             handle.start_child("scheduler", argv, env, sched_ready)
         for stage, proc in handle.stages.items():
             timeout = settings.ready_timeout_s
@@ -489,14 +504,12 @@ def wait_for_end(handle: ServeHandle, stop: threading.Event) -> int:
     return 1 if handle.given_up else 0
 
 
-def serve_forever(
-    config: EngineConfig, listen: str = "127.0.0.1:50051", metrics_listen: str | None = None, http: str | None = None
-) -> int:
-    """Run the tree in the foreground until SIGTERM / Ctrl-C / SIGHUP (exit 0), or until the supervisor gives up on
-    a child or cannot restart it (exit 1). ``http``: the address the scheduler serves the HTTP API on (for the
-    banner; the scheduler reads ``CDB_HTTP_ADDR``)."""
+def serve_forever(resolved: Resolved, listen: str = "127.0.0.1:50051") -> int:
+    """Run the tree with ``resolved`` in the foreground until SIGTERM / Ctrl-C / SIGHUP (exit 0), or until the
+    supervisor gives up on a child or cannot restart it (exit 1)."""
+    config, settings = resolved.engine, resolved.settings
     try:
-        handle = serve_all(config, listen, metrics_listen=metrics_listen)
+        handle = serve_all(config, listen, settings=settings)
     except RuntimeError as exc:  # a child failed to start: its log tail follows the first line
         print(f"cdb serve: {exc}", file=sys.stderr)
         return 1
@@ -506,8 +519,8 @@ def serve_forever(
     print(f"  {describe(limits)}", flush=True)
     if config.synthetic_cost:
         print(f"  SYNTHETIC stages: modelled device time {config.synthetic_cost}; tokens mean nothing", flush=True)
-    if http:
-        print(f"OpenAI-compatible HTTP API on http://{http}/v1", flush=True)
-    if metrics_listen:
-        print(f"Prometheus metrics on http://{metrics_listen}/metrics", flush=True)
+    if settings.http_addr:
+        print(f"OpenAI-compatible HTTP API on http://{settings.http_addr}/v1", flush=True)
+    if settings.metrics_addr:
+        print(f"Prometheus metrics on http://{settings.metrics_addr}/metrics", flush=True)
     return wait_for_end(handle, stop)

@@ -7,6 +7,11 @@ without ``CDB_``, in lower case: ``max_num_seqs = 16``), the default below. ``au
 allowed where the default says so. The tables are the fields' own help (``metadata["help"]``):
 ``python -m services.settings`` prints them and a test holds this docstring equal to it.
 
+A process resolves its configuration once, into ``Resolved`` (frozen: ``Settings`` + ``EngineConfig``). The
+launcher hands its children that one record as a JSON document (``--resolved-config FILE``), which they read
+instead of the environment and the config file: every process of a tree runs with the same values, and ``Info``
+shows them (``config_json``) with their digest and each stage's digest.
+
 | variable | default | meaning |
 |---|---|---|
 | ``CDB_CONFIG`` | (unset) | config file (TOML; YAML: .yaml/.yml) of any keys below; ``--config`` overrides it |
@@ -33,6 +38,7 @@ allowed where the default says so. The tables are the fields' own help (``metada
 | ``CDB_STANDBY_STAGES`` | false | a warm standby process per stage role: a lost stage is replaced at once (2x memory) |
 | ``CDB_STAGE_RINGS`` | true | stage ops and replies travel on shared-memory rings (x86-64 Linux); false: on gRPC |
 | ``CDB_STAGE_RING_BYTES`` | 4194304 | capacity of each stage ring (two per stage); the largest op or reply fits |
+| ``CDB_CUDA_GRAPHS`` | true | on CUDA, decode loop ops replay graphs captured per width and context bucket |
 | ``CDB_TLS_CERT`` | (unset) | PEM certificate chain of the public port (with ``CDB_TLS_KEY``: TLS on) |
 | ``CDB_TLS_KEY`` | (unset) | PEM private key of the public port |
 | ``CDB_TLS_CLIENT_CA`` | (unset) | PEM CA bundle: the public port requires client certificates signed by it (mTLS) |
@@ -50,6 +56,7 @@ allowed where the default says so. The tables are the fields' own help (``metada
 | ``CDB_BODY_READ_TIMEOUT_S`` | 30 | HTTP: time for a request's whole body once its headers are in (else 408) |
 | ``CDB_HTTP_ADDR`` | (unset) | ``HOST:PORT`` of the OpenAI HTTP API (``cdb serve``: 127.0.0.1:8000); empty: none |
 | ``CDB_SERVED_MODEL_NAME`` | (unset) | model names the HTTP API accepts, comma-separated; the first is reported |
+| ``CDB_CHAT_TEMPLATE`` | (unset) | HTTP API chat template: a Jinja file or the template; empty: the tokenizer's |
 | ``CDB_MAX_REQUEST_BYTES`` | 4194304 | largest HTTP request body; more: 413 before parsing and the API-key check |
 | ``CDB_STAGE_OP_LOG`` | (unset) | folder where each stage writes its per-op timeline (``cdb bench hostpath``) |
 | ``CDB_RESTART_LIMIT`` | 5 | a child exiting this many times in a row without serving stops the tree (exit 1) |
@@ -103,6 +110,9 @@ scheduler`` and ``cdb demo``; ``cdb stage`` takes ``--model``, ``--dtype`` and `
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -171,6 +181,7 @@ class Settings:
         "stage ops and replies travel on shared-memory rings (x86-64 Linux); false: on gRPC", True
     )
     stage_ring_bytes: int = _help("capacity of each stage ring (two per stage); the largest op or reply fits", 4 << 20)
+    cuda_graphs: bool = _help("on CUDA, decode loop ops replay graphs captured per width and context bucket", True)
     tls_cert: str = _help("PEM certificate chain of the public port (with ``CDB_TLS_KEY``: TLS on)", "")
     tls_key: str = _help("PEM private key of the public port", "")
     tls_client_ca: str = _help("PEM CA bundle: the public port requires client certificates signed by it (mTLS)", "")
@@ -196,6 +207,7 @@ class Settings:
     body_read_timeout_s: float = _help("HTTP: time for a request's whole body once its headers are in (else 408)", 30.0)
     http_addr: str = _help("``HOST:PORT`` of the OpenAI HTTP API (``cdb serve``: 127.0.0.1:8000); empty: none", "")
     served_model_name: str = _help("model names the HTTP API accepts, comma-separated; the first is reported", "")
+    chat_template: str = _help("HTTP API chat template: a Jinja file or the template; empty: the tokenizer's", "")
     max_request_bytes: int = _help("largest HTTP request body; more: 413 before parsing and the API-key check", 4 << 20)
     stage_op_log: str = _help(
         "folder where each stage writes its per-op timeline (``cdb bench hostpath``)",
@@ -343,6 +355,75 @@ def load_settings(environ: Mapping[str, str] | None = None, config_file: str | N
     """The services' settings from ``CDB_*`` variables (default: ``os.environ``) and the config file over the
     defaults; raises SettingsError (also for a bad engine value: the source is validated whole)."""
     return load_configuration(environ, config_file).settings
+
+
+HIDDEN = "(hidden)"  # a secret's value as Info shows it
+
+
+@dataclass(frozen=True, slots=True)
+class Resolved:
+    """The whole configuration a process runs with, resolved once (flags > ``CDB_*`` > config file > defaults).
+
+    ``to_json`` is the document the launcher hands its children (secrets included: written 0600); ``shown`` is
+    what ``Info`` reports (secrets hidden) and ``digest`` its SHA-256, equal across the processes of a tree."""
+
+    settings: Settings
+    engine: EngineConfig
+
+    def _values(self, hide: bool) -> dict[str, dict[str, Any]]:
+        def record(obj: Any) -> dict[str, Any]:
+            out = {}
+            for f in fields(obj):
+                value = getattr(obj, f.name)
+                out[f.name] = HIDDEN if hide and not f.repr and value else value  # repr=False: a secret
+            return out
+
+        return {"engine": record(self.engine), "settings": record(self.settings)}
+
+    def to_json(self) -> str:
+        return json.dumps(self._values(hide=False), sort_keys=True)
+
+    def shown(self) -> str:
+        """The values as JSON (keys sorted, one line), secrets replaced by ``(hidden)``."""
+        return json.dumps(self._values(hide=True), sort_keys=True)
+
+    def digest(self) -> str:
+        """SHA-256 (hex) of ``shown()``."""
+        return hashlib.sha256(self.shown().encode()).hexdigest()
+
+    @classmethod
+    def from_json(cls, text: str, where: str = "the resolved configuration") -> Resolved:
+        """The record of ``to_json``'s document; SettingsError naming ``where`` when it is not one."""
+        try:
+            doc = json.loads(text)
+            if not isinstance(doc, dict) or set(doc) != {"engine", "settings"}:
+                raise ValueError("want an object of 'engine' and 'settings'")
+            return cls(Settings(**doc["settings"]), EngineConfig(**doc["engine"]))
+        except (ValueError, TypeError) as exc:  # JSONDecodeError is a ValueError; TypeError: a key that is no field
+            raise SettingsError(f"{where}: not a resolved configuration ({exc})") from None
+
+    def write(self, path: str) -> None:
+        """Write ``to_json()`` to ``path``, readable by its owner only (it holds the secrets)."""
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(self.to_json())
+
+    @classmethod
+    def read(cls, path: str) -> Resolved:
+        try:
+            with open(path) as f:
+                text = f.read()
+        except OSError as exc:
+            raise SettingsError(f"--resolved-config={path!r}: {exc.strerror or exc}") from None
+        return cls.from_json(text, path)
+
+
+def handed_configuration(path: str) -> Configuration:
+    """The configuration a launcher handed this process (``--resolved-config FILE``, ``Resolved.write``): the
+    whole source under the process's flags; the environment and config files are not read."""
+    resolved = Resolved.read(path)
+    engine = {name: getattr(resolved.engine, name) for name in ENGINE_FIELDS}
+    return Configuration(resolved.settings, engine, dict.fromkeys([*SETTINGS_FIELDS, *ENGINE_FIELDS], path), None)
 
 
 def _default_text(value: Any) -> str:

@@ -47,19 +47,19 @@ def fake_hub_cache(root: Path, repo_id: str = HUB_ID, *, ref: bool = True) -> Pa
 
 @dataclass
 class Launch:
-    """What ``cdb serve`` handed to the launcher: the engine config, the listen addresses it checked, and the
-    environment its children would inherit."""
+    """What ``cdb serve`` handed to the launcher: the resolved configuration (engine config and settings) and the
+    listen addresses it checked."""
 
     calls: list[dict[str, Any]] = field(default_factory=list)
     checked: list[str] = field(default_factory=list)
 
     @property
-    def env(self) -> dict[str, str]:
-        return self.calls[-1]["env"]
+    def settings(self) -> Any:
+        return self.calls[-1]["resolved"].settings
 
     @property
     def config(self) -> Any:
-        return self.calls[-1]["config"]
+        return self.calls[-1]["resolved"].engine
 
 
 @pytest.fixture
@@ -69,8 +69,8 @@ def launch(monkeypatch: pytest.MonkeyPatch) -> Iterator[Launch]:
     monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if not k.startswith(("CDB_", "HF_"))})
     seen = Launch()
 
-    def serve_forever(config: Any, listen: str, metrics_listen: Any, http: str | None = None) -> int:
-        seen.calls.append({"config": config, "listen": listen, "http": http, "env": dict(os.environ)})
+    def serve_forever(resolved: Any, listen: str) -> int:
+        seen.calls.append({"resolved": resolved, "listen": listen})
         return 0
 
     monkeypatch.setattr(serve, "serve_forever", serve_forever)
@@ -131,7 +131,7 @@ def test_cdb_serve_a_hub_id_loads_its_snapshot_and_serves_it_under_the_id(
     os.environ["HF_HUB_CACHE"] = str(tmp_path / "hub")
     assert serve.serve_main([HUB_ID, "--listen", "127.0.0.1:0", "--no-http"]) == 0
     assert launch.config.model == str(snapshot), "every process loads the snapshot folder (checked by the preflight)"
-    assert launch.env["CDB_SERVED_MODEL_NAME"] == HUB_ID, "the API names the model as the user did"
+    assert launch.settings.served_model_name == HUB_ID, "the API names the model as the user did"
     assert f"{HUB_ID} from the local Hugging Face cache, {snapshot}" in capsys.readouterr().out
 
 
@@ -152,10 +152,9 @@ def test_a_hub_id_not_in_the_cache_is_one_line_naming_the_cache_and_starts_nothi
 
 def test_served_model_names_reach_the_scheduler_first_one_first(launch: Launch) -> None:
     assert serve.serve_main(["ouro-tiny", "--served-model-name", "ouro", "tiny", "--no-http"]) == 0
-    assert launch.env["CDB_SERVED_MODEL_NAME"] == "ouro,tiny"
-    del os.environ["CDB_SERVED_MODEL_NAME"]  # as the launch set it for its children
+    assert launch.settings.served_model_name == "ouro,tiny"
     assert serve.serve_main(["ouro-tiny", "--no-http"]) == 0
-    assert launch.env["CDB_SERVED_MODEL_NAME"] == "ouro-tiny", "without the option: the model as named"
+    assert launch.settings.served_model_name == "", "without the option: the APIs report the model as configured"
     with pytest.raises(SystemExit):  # the names travel comma-separated: a comma in one is refused
         serve.serve_main(["ouro-tiny", "--served-model-name", "a,b", "--no-http"])
     assert len(launch.calls) == 2
@@ -167,18 +166,18 @@ def test_served_model_names_reach_the_scheduler_first_one_first(launch: Launch) 
 
 def test_the_http_api_is_on_by_default_on_port_8000_beside_grpc(launch: Launch) -> None:
     assert serve.serve_main(["ouro-tiny", "--listen", "127.0.0.1:50999"]) == 0
-    assert launch.env["CDB_HTTP_ADDR"] == "127.0.0.1:8000" and launch.calls[-1]["http"] == "127.0.0.1:8000"
+    assert launch.settings.http_addr == "127.0.0.1:8000"
     assert launch.checked == ["127.0.0.1:50999", "127.0.0.1:8000"], "both ports checked before anything starts"
 
 
 def test_http_moves_the_api_and_no_http_turns_it_off(launch: Launch) -> None:
     assert serve.serve_main(["ouro-tiny", "--http", "127.0.0.1:8123"]) == 0
-    assert launch.env["CDB_HTTP_ADDR"] == "127.0.0.1:8123"
+    assert launch.settings.http_addr == "127.0.0.1:8123"
     assert serve.serve_main(["ouro-tiny", "--no-http"]) == 0
-    assert launch.env["CDB_HTTP_ADDR"] == "" and launch.calls[-1]["http"] is None
+    assert launch.settings.http_addr == ""
     os.environ["CDB_HTTP_ADDR"] = ""  # configured empty: none, as --no-http
     assert serve.serve_main(["ouro-tiny"]) == 0
-    assert launch.env["CDB_HTTP_ADDR"] == ""
+    assert launch.settings.http_addr == ""
     with pytest.raises(SystemExit):
         serve.serve_main(["ouro-tiny", "--http", "127.0.0.1:8123", "--no-http"])
 
@@ -204,8 +203,8 @@ def test_a_taken_http_port_says_how_to_move_or_drop_it(
 def test_cdb_scheduler_resolves_a_hub_id_and_serves_it_under_the_id_or_the_names_given(
     monkeypatch: pytest.MonkeyPatch, launch: Launch, tmp_path: Path
 ) -> None:
-    """The scheduler as compose and Kubernetes run it (``CDB_MODEL`` a hub id), and as ``cdb serve`` starts it (the
-    snapshot as ``--model``, the names in ``CDB_SERVED_MODEL_NAME``)."""
+    """The scheduler as compose and Kubernetes run it: ``CDB_MODEL`` a hub id, then the snapshot as ``--model`` and
+    the names in ``CDB_SERVED_MODEL_NAME``."""
     import services.scheduler.server
 
     snapshot = fake_hub_cache(tmp_path / "hub")

@@ -27,20 +27,37 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SamplingParameters(_message.Message):
-    __slots__ = ("temperature", "top_k", "top_p", "seed", "return_logprobs", "top_logprobs")
+    __slots__ = ("temperature", "top_k", "top_p", "seed", "return_logprobs", "top_logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens")
+    class LogitBiasEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: float
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[float] = ...) -> None: ...
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     RETURN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
+    MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_k: int
     top_p: float
     seed: int
     return_logprobs: bool
     top_logprobs: int
-    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., return_logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    logit_bias: _containers.ScalarMap[int, float]
+    min_tokens: int
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., return_logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., min_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "text", "token_ids", "max_tokens", "sampling", "stop_token_ids", "stop_strings", "exit_threshold", "ignore_eos", "replay_depths", "batch_tokens", "resume")
@@ -207,7 +224,7 @@ class Counters(_message.Message):
     def __init__(self, waiting: _Optional[int] = ..., running: _Optional[int] = ..., held_rows: _Optional[int] = ..., used_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., loop_steps: _Optional[int] = ..., recoveries: _Optional[int] = ..., recomputed: _Optional[int] = ...) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model", "architecture", "max_depth", "vocab_size", "kv_policy", "mode", "deployment", "limits", "counters", "healthy", "error", "kv_block_size", "dtype", "exit_rule", "exit_threshold", "exit_threshold_source", "early_exit", "exit_summary", "mean_served_depth", "synthetic_cost", "version", "served_model_names", "stage_pids", "recovery_seconds")
+    __slots__ = ("model", "architecture", "max_depth", "vocab_size", "kv_policy", "mode", "deployment", "limits", "counters", "healthy", "error", "kv_block_size", "dtype", "exit_rule", "exit_threshold", "exit_threshold_source", "early_exit", "exit_summary", "mean_served_depth", "synthetic_cost", "version", "served_model_names", "stage_pids", "recovery_seconds", "config_json", "config_digest", "stage_config_digests")
     class StagePidsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -215,6 +232,13 @@ class InfoResponse(_message.Message):
         key: str
         value: int
         def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class StageConfigDigestsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     MAX_DEPTH_FIELD_NUMBER: _ClassVar[int]
@@ -239,6 +263,9 @@ class InfoResponse(_message.Message):
     SERVED_MODEL_NAMES_FIELD_NUMBER: _ClassVar[int]
     STAGE_PIDS_FIELD_NUMBER: _ClassVar[int]
     RECOVERY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    STAGE_CONFIG_DIGESTS_FIELD_NUMBER: _ClassVar[int]
     model: str
     architecture: str
     max_depth: int
@@ -263,4 +290,7 @@ class InfoResponse(_message.Message):
     served_model_names: _containers.RepeatedScalarFieldContainer[str]
     stage_pids: _containers.ScalarMap[str, int]
     recovery_seconds: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., max_depth: _Optional[int] = ..., vocab_size: _Optional[int] = ..., kv_policy: _Optional[str] = ..., mode: _Optional[str] = ..., deployment: _Optional[str] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., counters: _Optional[_Union[Counters, _Mapping]] = ..., healthy: _Optional[bool] = ..., error: _Optional[str] = ..., kv_block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., exit_rule: _Optional[str] = ..., exit_threshold: _Optional[float] = ..., exit_threshold_source: _Optional[str] = ..., early_exit: _Optional[bool] = ..., exit_summary: _Optional[str] = ..., mean_served_depth: _Optional[float] = ..., synthetic_cost: _Optional[str] = ..., version: _Optional[str] = ..., served_model_names: _Optional[_Iterable[str]] = ..., stage_pids: _Optional[_Mapping[str, int]] = ..., recovery_seconds: _Optional[_Iterable[float]] = ...) -> None: ...
+    config_json: str
+    config_digest: str
+    stage_config_digests: _containers.ScalarMap[str, str]
+    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., max_depth: _Optional[int] = ..., vocab_size: _Optional[int] = ..., kv_policy: _Optional[str] = ..., mode: _Optional[str] = ..., deployment: _Optional[str] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., counters: _Optional[_Union[Counters, _Mapping]] = ..., healthy: _Optional[bool] = ..., error: _Optional[str] = ..., kv_block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., exit_rule: _Optional[str] = ..., exit_threshold: _Optional[float] = ..., exit_threshold_source: _Optional[str] = ..., early_exit: _Optional[bool] = ..., exit_summary: _Optional[str] = ..., mean_served_depth: _Optional[float] = ..., synthetic_cost: _Optional[str] = ..., version: _Optional[str] = ..., served_model_names: _Optional[_Iterable[str]] = ..., stage_pids: _Optional[_Mapping[str, int]] = ..., recovery_seconds: _Optional[_Iterable[float]] = ..., config_json: _Optional[str] = ..., config_digest: _Optional[str] = ..., stage_config_digests: _Optional[_Mapping[str, str]] = ...) -> None: ...

@@ -116,20 +116,22 @@ class StageRings(_message.Message):
     def __init__(self, ops: _Optional[str] = ..., replies: _Optional[str] = ...) -> None: ...
 
 class ConfigureResponse(_message.Message):
-    __slots__ = ("role", "model", "architecture", "bank_width", "device", "process")
+    __slots__ = ("role", "model", "architecture", "bank_width", "device", "process", "config_digest")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     BANK_WIDTH_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     PROCESS_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_DIGEST_FIELD_NUMBER: _ClassVar[int]
     role: StageRole
     model: str
     architecture: str
     bank_width: int
     device: str
     process: StageProcess
-    def __init__(self, role: _Optional[_Union[StageRole, str]] = ..., model: _Optional[str] = ..., architecture: _Optional[str] = ..., bank_width: _Optional[int] = ..., device: _Optional[str] = ..., process: _Optional[_Union[StageProcess, _Mapping]] = ...) -> None: ...
+    config_digest: str
+    def __init__(self, role: _Optional[_Union[StageRole, str]] = ..., model: _Optional[str] = ..., architecture: _Optional[str] = ..., bank_width: _Optional[int] = ..., device: _Optional[str] = ..., process: _Optional[_Union[StageProcess, _Mapping]] = ..., config_digest: _Optional[str] = ...) -> None: ...
 
 class StageProcess(_message.Message):
     __slots__ = ("pid", "pid_namespace", "start_ticks")
@@ -204,7 +206,7 @@ class LoopBatch(_message.Message):
     def __init__(self, rids: _Optional[_Iterable[int]] = ..., positions: _Optional[_Iterable[int]] = ..., rows: _Optional[_Iterable[int]] = ..., steps: _Optional[_Iterable[int]] = ..., prefill: _Optional[bool] = ..., num_steps: _Optional[int] = ..., kv_copies: _Optional[_Iterable[_Union[KVCopy, _Mapping]]] = ..., head: _Optional[_Union[HeadBatch, _Mapping]] = ...) -> None: ...
 
 class HeadBatch(_message.Message):
-    __slots__ = ("rids", "positions", "rows", "sample", "token_index", "temperature", "top_k", "top_p", "seed", "logprobs", "return_logprob", "embed", "embed_ids")
+    __slots__ = ("rids", "positions", "rows", "sample", "token_index", "temperature", "top_k", "top_p", "seed", "logprobs", "return_logprob", "embed", "embed_ids", "score_ids", "processing", "history")
     RIDS_FIELD_NUMBER: _ClassVar[int]
     POSITIONS_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
@@ -218,6 +220,9 @@ class HeadBatch(_message.Message):
     RETURN_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     EMBED_FIELD_NUMBER: _ClassVar[int]
     EMBED_IDS_FIELD_NUMBER: _ClassVar[int]
+    SCORE_IDS_FIELD_NUMBER: _ClassVar[int]
+    PROCESSING_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_FIELD_NUMBER: _ClassVar[int]
     rids: _containers.RepeatedScalarFieldContainer[int]
     positions: _containers.RepeatedScalarFieldContainer[int]
     rows: _containers.RepeatedScalarFieldContainer[int]
@@ -231,7 +236,40 @@ class HeadBatch(_message.Message):
     return_logprob: _containers.RepeatedScalarFieldContainer[bool]
     embed: _containers.RepeatedScalarFieldContainer[bool]
     embed_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, rids: _Optional[_Iterable[int]] = ..., positions: _Optional[_Iterable[int]] = ..., rows: _Optional[_Iterable[int]] = ..., sample: _Optional[_Iterable[bool]] = ..., token_index: _Optional[_Iterable[int]] = ..., temperature: _Optional[_Iterable[float]] = ..., top_k: _Optional[_Iterable[int]] = ..., top_p: _Optional[_Iterable[float]] = ..., seed: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[int]] = ..., return_logprob: _Optional[_Iterable[bool]] = ..., embed: _Optional[_Iterable[bool]] = ..., embed_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    score_ids: _containers.RepeatedScalarFieldContainer[int]
+    processing: _containers.RepeatedCompositeFieldContainer[LogitsProcessing]
+    history: _containers.RepeatedCompositeFieldContainer[HistorySeed]
+    def __init__(self, rids: _Optional[_Iterable[int]] = ..., positions: _Optional[_Iterable[int]] = ..., rows: _Optional[_Iterable[int]] = ..., sample: _Optional[_Iterable[bool]] = ..., token_index: _Optional[_Iterable[int]] = ..., temperature: _Optional[_Iterable[float]] = ..., top_k: _Optional[_Iterable[int]] = ..., top_p: _Optional[_Iterable[float]] = ..., seed: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[int]] = ..., return_logprob: _Optional[_Iterable[bool]] = ..., embed: _Optional[_Iterable[bool]] = ..., embed_ids: _Optional[_Iterable[int]] = ..., score_ids: _Optional[_Iterable[int]] = ..., processing: _Optional[_Iterable[_Union[LogitsProcessing, _Mapping]]] = ..., history: _Optional[_Iterable[_Union[HistorySeed, _Mapping]]] = ...) -> None: ...
+
+class LogitsProcessing(_message.Message):
+    __slots__ = ("index", "presence_penalty", "frequency_penalty", "repetition_penalty", "bias_ids", "bias_values", "min_tokens", "stop_ids")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    BIAS_IDS_FIELD_NUMBER: _ClassVar[int]
+    BIAS_VALUES_FIELD_NUMBER: _ClassVar[int]
+    MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STOP_IDS_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    bias_ids: _containers.RepeatedScalarFieldContainer[int]
+    bias_values: _containers.RepeatedScalarFieldContainer[float]
+    min_tokens: int
+    stop_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, index: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., bias_ids: _Optional[_Iterable[int]] = ..., bias_values: _Optional[_Iterable[float]] = ..., min_tokens: _Optional[int] = ..., stop_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class HistorySeed(_message.Message):
+    __slots__ = ("index", "prompt_ids", "output_ids")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_IDS_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    prompt_ids: _containers.RepeatedScalarFieldContainer[int]
+    output_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, index: _Optional[int] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., output_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Ping(_message.Message):
     __slots__ = ()
@@ -283,7 +321,7 @@ class SampledLogprobs(_message.Message):
     def __init__(self, present: _Optional[bool] = ..., logprob: _Optional[float] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class StageReply(_message.Message):
-    __slots__ = ("seq", "stage", "compute_s", "fence_wait_s", "signals", "lookahead", "token_ids", "logprobs", "error", "pong")
+    __slots__ = ("seq", "stage", "compute_s", "fence_wait_s", "signals", "lookahead", "token_ids", "logprobs", "error", "pong", "prompt_logprobs")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
@@ -294,6 +332,7 @@ class StageReply(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     PONG_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     seq: int
     stage: StageRole
     compute_s: float
@@ -304,4 +343,5 @@ class StageReply(_message.Message):
     logprobs: _containers.RepeatedCompositeFieldContainer[SampledLogprobs]
     error: str
     pong: bool
-    def __init__(self, seq: _Optional[int] = ..., stage: _Optional[_Union[StageRole, str]] = ..., compute_s: _Optional[float] = ..., fence_wait_s: _Optional[float] = ..., signals: _Optional[_Iterable[float]] = ..., lookahead: _Optional[_Iterable[float]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[SampledLogprobs, _Mapping]]] = ..., error: _Optional[str] = ..., pong: _Optional[bool] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[SampledLogprobs]
+    def __init__(self, seq: _Optional[int] = ..., stage: _Optional[_Union[StageRole, str]] = ..., compute_s: _Optional[float] = ..., fence_wait_s: _Optional[float] = ..., signals: _Optional[_Iterable[float]] = ..., lookahead: _Optional[_Iterable[float]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[SampledLogprobs, _Mapping]]] = ..., error: _Optional[str] = ..., pong: _Optional[bool] = ..., prompt_logprobs: _Optional[_Iterable[_Union[SampledLogprobs, _Mapping]]] = ...) -> None: ...

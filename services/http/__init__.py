@@ -8,7 +8,8 @@ API keys and TLS are the public port's (``services.scheduler.security``: ``Autho
 | ``schemas`` | request bodies (pydantic) -> the engine's ``RequestParams`` |
 | ``responses`` | engine events -> completion / chat objects and SSE chunks, with the served-depth extension |
 | ``streaming`` | the SSE body of a streamed response, the wait of a non-streamed one (a client gone aborts) |
-| ``calls`` | one request's engine stream: validated, observed, registered with the service (drain covers it) |
+| ``calls`` | one choice's engine stream: validated, observed, registered with the service (drain covers it) |
+| ``chat_template`` | the chat template the API renders with: the tokenizer's, or ``--chat-template`` |
 | ``errors`` | OpenAI-style error bodies and HTTP statuses (classified by ``services.scheduler.errors``) |
 """
 

@@ -6,7 +6,10 @@
   /tokenizer_info`` (vLLM's shapes: a remote tokenizer, e.g. the evaluation harness's, speaks them), ``GET
   /health``, ``GET /version``, ``GET /metrics`` (the scheduler's own Prometheus exposition). The model is served
   under ``CDB_SERVED_MODEL_NAME`` (``cdb serve --served-model-name``): every name is accepted as a request's
-  ``model``, the first is the one reported.
+  ``model``, the first is the one reported. A body may ask for several choices (a completion's list of prompts,
+  ``n``): one engine request each (``calls.Choice``), joined into one response or one SSE stream; ``echo`` begins a
+  completion with its prompt and, with ``logprobs``, the prompt's full-depth logprobs (``max_tokens`` 0: only
+  those). Chats render with the tokenizer's chat template or ``CDB_CHAT_TEMPLATE`` (``chat_template``).
   Requests go through the same engine and the same ``GenerationService`` state as the gRPC API: its drain,
   readiness verdict, metrics and traces cover them too.
 - Request bodies over ``CDB_MAX_REQUEST_BYTES`` get 413 before they are parsed or their API key is checked, and
@@ -44,13 +47,15 @@ from starlette.exceptions import HTTPException
 
 from cdb_engine.config import RequestParams
 from cdb_engine.engine import Engine
+from cdb_engine.errors import InvalidRequest
 from cdb_engine.validation import check_messages_size, check_text_size
 from cdb_model.loader import load_generation_defaults
 from services.http.body_limit import BodyLimit
-from services.http.calls import Call, Prepare
+from services.http.calls import Call, Choice
+from services.http.chat_template import ChatTemplate, read_chat_template
 from services.http.errors import ApiError, api_error, validation_error
 from services.http.protocol import guarded_protocol
-from services.http.responses import ChatRender, CompletionRender, Render
+from services.http.responses import ChatRender, CompletionRender, merged_response
 from services.http.schemas import (
     CHAT_FIELDS,
     FIELDS,
@@ -76,12 +81,16 @@ def create_app(
     *,
     model_names: Sequence[str] = (),
     api_keys: Collection[str] | None = None,
+    chat_template: str | None = None,
 ) -> FastAPI:
     """The API over the started ``engine`` and the public ``service`` (its draining / readiness state, metrics and
     traces). ``model_names``: the names the model is served under, the first reported (default:
     ``settings.served_model_name``, else the engine's ``model``); ``api_keys``: default from
     ``settings`` (``CDB_API_KEYS`` / ``CDB_API_KEYS_FILE``, read as the gRPC port reads them; none: no key needed;
-    ``/health``, ``/version`` and ``/metrics`` never need one)."""
+    ``/health``, ``/version`` and ``/metrics`` never need one); ``chat_template``: the template's path or text that
+    renders chats instead of the tokenizer's (default: ``settings.chat_template``; ``ChatTemplateError`` when it
+    cannot be read or does not compile)."""
+    templates = ChatTemplate(engine.tokenizer, read_chat_template(chat_template or settings.chat_template))
     names = list(model_names) or served_names(settings.served_model_name) or [engine.config.model]
     served = names[0]
     if api_keys is not None:
@@ -132,85 +141,139 @@ def create_app(
 
     async def run(
         request: Request,
-        render: Render,
-        prepare: Prepare,
+        choices: Sequence[Choice],
         *,
         stream: bool,
         fields: Mapping[str, str],
         operation: str,
         max_tokens: int,
+        echo: Callable[[Choice, Call], None] | None = None,
     ) -> Response:
-        """Admit the request (every refusal is an error reply), then stream it or answer once it has finished."""
+        """Admit the request's choices, one engine request each (a refusal of any is the error reply, and ends
+        those admitted before it), then stream them or answer once all have finished. ``echo(choice, call)``:
+        what an admitted choice begins with (its prompt)."""
         headers = request.headers.items()
+        response_id = choices[0].render.id
+        calls: list[Call] = []
+        where = fields
         try:
             caller = share_scope(auth.scope_of(headers), host_key(request.client.host if request.client else ""))
-            call = await Call.open(
-                service,
-                render.id,
-                prepare,
-                operation=operation,
-                max_tokens=max_tokens,
-                headers=headers,
-                caller=caller,
-                streaming=stream,
-            )
+            for choice in choices:
+                where = choice.fields
+                call = await Call.open(
+                    service,
+                    choice.request_id,
+                    choice.prepare,
+                    operation=operation,
+                    max_tokens=max_tokens,
+                    headers=headers,
+                    caller=caller,
+                    streaming=stream,
+                )
+                calls.append(call)
+                if echo is not None:
+                    echo(choice, call)
         except Exception as exc:
-            return api_error(exc, fields).response()
-        reply_headers = {"X-Request-Id": render.id}
+            for call in calls:
+                await call.close()
+            return api_error(exc, where).response()
+        renders = [c.render for c in choices]
+        reply_headers = {"X-Request-Id": response_id}
         if stream:
-            return EventStream(sse_body(call, render, fields), call, headers=reply_headers)
+            return EventStream(sse_body(calls, renders, fields), calls, headers=reply_headers)
         try:
-            await until_done_or_gone(call, render, request)
+            await until_done_or_gone(calls, renders, request)
         except Exception as exc:
             return api_error(exc, fields).response()
-        return JSONResponse(render.response(), headers=reply_headers)
+        return JSONResponse(merged_response(renders), headers=reply_headers)
+
+    def refused(exc: InvalidRequest, fields: Mapping[str, str]) -> JSONResponse:
+        return api_error(exc, fields).response()
 
     @app.post("/v1/completions", dependencies=[Depends(authorized)])
     async def completions(body: CompletionRequest, request: Request) -> Response:
+        """One choice per prompt and sample (``CompletionRequest.choices``); ``echo`` begins each with its prompt
+        (with ``logprobs``: the prompt's, from the prefill at full depth)."""
         check_model(body.model)
-        render = CompletionRender(
-            f"cmpl-{uuid.uuid4().hex}",
-            served,
-            engine.tokenizer,
-            include_usage=body.include_usage,
-            logprobs=body.logprobs is not None,
-        )
+        prompts = body.prompts()
+        try:
+            body.check_choices(len(prompts))
+        except InvalidRequest as exc:
+            return refused(exc, FIELDS)
+        response_id = f"cmpl-{uuid.uuid4().hex}"
+        several = len(prompts) > 1
+        choices = [
+            Choice(
+                CompletionRender(
+                    response_id,
+                    served,
+                    engine.tokenizer,
+                    include_usage=body.include_usage,
+                    logprobs=body.logprobs is not None,
+                    index=index,
+                    sample=sample,
+                ),
+                functools.partial(body.to_engine, generation, prompt, sample),
+                {**FIELDS, "prompt": f"prompt[{index // body.samples}]"} if several else FIELDS,
+                prompt,
+            )
+            for index, prompt, sample in body.choices()
+        ]
+
+        def echo(choice: Choice, call: Call) -> None:
+            prompt = choice.prompt
+            text = prompt if isinstance(prompt, str) else engine.tokenizer.decode(call.prompt_ids)
+            choice.render.echo_prompt(text, call.prompt_ids)
+
         return await run(
             request,
-            render,
-            functools.partial(body.to_engine, generation),
+            choices,
             stream=body.stream,
             fields=FIELDS,
             operation="text_completion",
             max_tokens=body.requested_max_tokens(),
+            echo=echo if body.echo and body.resume is None else None,  # a resumed stream echoed its prompt before
         )
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        """One choice per sample (``n``)."""
         check_model(body.model)
-        render = ChatRender(
-            f"chatcmpl-{uuid.uuid4().hex}",
-            served,
-            engine.tokenizer,
-            include_usage=body.include_usage,
-            logprobs=body.logprobs,
-        )
+        fields = {**CHAT_FIELDS, "max_tokens": body.max_tokens_field}
+        try:
+            body.check_choices()
+        except InvalidRequest as exc:
+            return refused(exc, fields)
+        response_id = f"chatcmpl-{uuid.uuid4().hex}"
 
-        def prepare() -> tuple[str | list[int], RequestParams]:  # on a worker thread (GenerationService.admit)
+        def prepare(sample: int) -> tuple[str | list[int], RequestParams]:  # on a worker thread (admit)
             body.refuse_unsupported()
             chat = body.chat_messages()
             check_messages_size(chat)  # before the template renders them
-            ids = engine.tokenizer.apply_chat_template(chat, add_generation_prompt=True)
+            ids = templates.apply(chat, add_generation_prompt=True)
             requested = body.requested_max_tokens()
             if requested is None:  # the checkpoint's max_new_tokens, else up to the context limit
                 requested = generation.max_new_tokens or max(1, engine.limits.max_total_tokens - len(ids))
-            return ids, body.to_params(requested, generation)
+            return ids, body.to_params(requested, generation, sample)
 
-        fields = {**CHAT_FIELDS, "max_tokens": body.max_tokens_field}
+        choices = [
+            Choice(
+                ChatRender(
+                    response_id,
+                    served,
+                    engine.tokenizer,
+                    include_usage=body.include_usage,
+                    logprobs=body.logprobs,
+                    index=sample,
+                    sample=sample,
+                ),
+                functools.partial(prepare, sample),
+                fields,
+            )
+            for sample in range(body.samples)
+        ]
         max_tokens = body.requested_max_tokens() or engine.limits.max_total_tokens
-        return await run(
-            request, render, prepare, stream=body.stream, fields=fields, operation="chat", max_tokens=max_tokens
-        )
+        return await run(request, choices, stream=body.stream, fields=fields, operation="chat", max_tokens=max_tokens)
 
     @app.get("/v1/models", dependencies=[Depends(authorized)])
     async def models() -> dict[str, Any]:
@@ -227,7 +290,7 @@ def create_app(
         if body.messages is not None:
             chat = [{"role": m.role, "content": m.content or ""} for m in body.messages]
             check_messages_size(chat)
-            return engine.tokenizer.apply_chat_template(chat, add_generation_prompt=body.add_generation_prompt)
+            return templates.apply(chat, add_generation_prompt=body.add_generation_prompt)
         if isinstance(body.prompt, list):
             check_token_ids(body.prompt, "prompt")
             return list(body.prompt)
@@ -272,15 +335,21 @@ def create_app(
 
     @app.get("/tokenizer_info", dependencies=[Depends(authorized)])
     async def tokenizer_info() -> dict[str, Any]:
-        """What a remote tokenizer needs: the class, sizes, special ids and the chat template."""
+        """What a remote tokenizer needs: the class, sizes, special tokens and ids, and the chat template (the
+        harness's remote tokenizer reads ``eos_token``: the stop string it adds, and the prefix of an empty
+        context)."""
         tok = engine.tokenizer
+        eos = tok.eos_token_id
         return {
             "tokenizer_class": type(tok).__name__,
             "vocab_size": engine.limits.vocab_size,
             "model_max_length": engine.limits.max_total_tokens,
-            "eos_token_id": tok.eos_token_id,
+            "eos_token": tok.decode([eos], skip_special_tokens=False) if eos is not None else None,
+            "bos_token": None,  # none given: /tokenize adds what the tokenizer's own configuration says
+            "pad_token": None,
+            "eos_token_id": eos,
             "stop_token_ids": list(tok.stop_token_ids),
-            "chat_template": getattr(tok, "chat_template", None),
+            "chat_template": templates.source,
         }
 
     @app.get("/version")

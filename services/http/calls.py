@@ -7,13 +7,15 @@ response with an error event.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from dataclasses import dataclass
 
 from cdb_engine.config import RequestParams
 from cdb_engine.events import Event, FinishEvent
 from cdb_engine.limits import INT32_MAX
 from cdb_engine.stream import RequestStream
 from services import telemetry
+from services.http.responses import Render
 from services.scheduler.errors import Unauthenticated, status_for
 from services.scheduler.handlers import GenerationService
 from services.scheduler.security import ANONYMOUS_SCOPE
@@ -22,14 +24,35 @@ from services.telemetry.request_observer import ObservedRequest
 Prepare = Callable[[], tuple[str | list[int], RequestParams]]
 
 
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """One choice of a response, one engine request: how it is shaped (``render``, whose ``index`` it is), built
+    (``prepare``), and how the engine's field names of its errors read in this API (``fields``); ``prompt``: a
+    completion's prompt as sent (what ``echo`` gives back when it is text)."""
+
+    render: Render
+    prepare: Prepare
+    fields: Mapping[str, str]
+    prompt: str | list[int] | None = None
+
+    @property
+    def request_id(self) -> str:
+        """The engine's id of the choice's request: the response's id, with ``-INDEX`` after the first choice."""
+        index = self.render.index
+        return self.render.id if index == 0 else f"{self.render.id}-{index}"
+
+
 class Call:
     """The engine stream of one admitted request. ``events()`` yields its events (raising ``StageFailed`` or
     ``ServerDraining`` at a failed or cut finish); ``close()`` aborts it if it is unfinished and unregisters it."""
 
-    def __init__(self, service: GenerationService, request_id: str, stream: RequestStream) -> None:
+    def __init__(
+        self, service: GenerationService, request_id: str, stream: RequestStream, prompt_ids: list[int]
+    ) -> None:
         self.service = service
         self.request_id = request_id
         self.stream = stream
+        self.prompt_ids = prompt_ids  # as validated (what ``echo`` gives back)
         self._closed = False
 
     @classmethod
@@ -67,11 +90,14 @@ class Call:
             caller=lambda: _caller(service, headers),
         )
 
+        prompt_ids: list[int] = []
+
         def open_stream(ids: list[int], params: RequestParams) -> RequestStream:
+            prompt_ids.extend(ids)
             return engine.open_stream(ids, params, request_id, observer=observer)
 
         stream = await service.admit(prepare, open_stream, request_id, observer, caller=caller, streaming=streaming)
-        return cls(service, request_id, stream)
+        return cls(service, request_id, stream, prompt_ids)
 
     async def events(self) -> AsyncIterator[Event]:
         try:

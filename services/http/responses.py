@@ -1,15 +1,19 @@
 """Engine events -> OpenAI response objects: streamed chunks and whole responses, completions and chat.
 
-One ``Render`` per request follows its events (text, served depths, logprobs) and shapes them: ``token(ev)`` /
-``finish(ev)`` give the SSE chunks, ``response()`` the non-streamed body. Each token's served loop depth is an
-extension field of the choice, ``"cdb": {"depths": [...]}`` (plus ``mean_depth`` and ``total_loop_steps`` once
-the request has finished); a streamed token's chunk also carries its id (``"token_ids"``), which a client resumes
-a broken stream with (the request's ``resume`` extension).
+One ``Render`` per engine request (one choice: its ``index``) follows its events (text, served depths, logprobs)
+and shapes them: ``before(ev)`` / ``token(ev)`` / ``finish(ev)`` give the SSE chunks, ``response()`` the
+non-streamed body; ``merged_response`` and ``usage_of`` join the choices of a request with several (a list of
+prompts, ``n`` > 1). Each token's served loop depth is an extension field of the choice, ``"cdb": {"depths":
+[...]}`` (plus ``mean_depth`` and ``total_loop_steps`` once the request has finished); a streamed token's chunk
+also carries its id (``"token_ids"``), which a client resumes a broken stream with (the request's ``resume``
+extension). A completion with ``echo`` starts with its prompt (``echo_prompt``): its text, and with ``logprobs``
+each prompt token's logprob (the first's is null), computed at full depth by the prefill.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from cdb_engine.events import FinishEvent, TokenEvent
@@ -27,23 +31,66 @@ class Render:
     full_object = ""
 
     def __init__(
-        self, response_id: str, model: str, tokenizer: Tokenizer, *, include_usage: bool = False, logprobs: bool = False
+        self,
+        response_id: str,
+        model: str,
+        tokenizer: Tokenizer,
+        *,
+        include_usage: bool = False,
+        logprobs: bool = False,
+        index: int = 0,
+        sample: int = 0,
     ) -> None:
+        """``index``: the choice's index in the response; ``sample``: which of its prompt's ``n`` samples it is
+        (the usage counts a prompt's tokens once, with its sample 0)."""
         self.id, self.model, self.tokenizer = response_id, model, tokenizer
         self.include_usage = include_usage
         self.logprobs = logprobs
+        self.index, self.sample = index, sample
         self.created = int(time.time())
         self.text = ""
         self.depths: list[int] = []
-        self.lp: list[tuple[int, TokenLogprobs]] = []  # (token id, its logprobs), in order
+        self.lp: list[tuple[int, TokenLogprobs | None]] = []  # (token id, its logprobs), in order
         self.offsets: list[int] = []  # text offset of each token
         self.end: FinishEvent | None = None
+        self.echo: tuple[str, list[int]] | None = None  # the prompt to echo (text, ids), until it is sent
 
     # --- shared -------------------------------------------------------------------------------------------------
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
+    def echo_prompt(self, text: str, ids: Sequence[int]) -> None:
+        """Begin the choice with its prompt (``echo``): ``text`` and its token ids, whose logprobs come with the
+        first event (``TokenEvent.prompt_logprobs`` / ``FinishEvent.prompt_logprobs``)."""
+        self.echo = (text, list(ids))
+
+    def _record_echo(self, ev: TokenEvent | FinishEvent) -> None:
+        """The echoed prompt, before the first event: its text, and its tokens' logprobs (the first token's is
+        None: nothing precedes it) at offsets within the prompt text."""
+        assert self.echo is not None and not self.text and not self.lp
+        text, ids = self.echo
+        self.echo = None
+        self.text = text
+        if not self.logprobs:
+            return
+        scores: list[TokenLogprobs | None] = [None, *ev.prompt_logprobs]
+        offset = 0
+        for token_id, lp in zip(ids, scores):
+            self.lp.append((token_id, lp))
+            self.offsets.append(offset)
+            offset += len(self.token_text(token_id))
+
+    def before(self, ev: TokenEvent | FinishEvent) -> list[dict[str, Any]]:
+        """Chunks streamed before the request's first event: the echoed prompt (with its logprobs)."""
+        if self.echo is None:
+            return []
+        self._record_echo(ev)
+        lp = self._logprobs(self.lp, self.offsets) if self.logprobs else None
+        return [self._envelope([self._chunk_choice(self.text, lp, None, {"depths": []})])]
+
     def _record(self, ev: TokenEvent | FinishEvent) -> None:
+        if self.echo is not None:
+            self._record_echo(ev)
         if isinstance(ev, TokenEvent):
             self.offsets.append(len(self.text))
             self.depths.append(ev.depth)
@@ -66,9 +113,7 @@ class Render:
         return out
 
     def usage(self) -> dict[str, int]:
-        assert self.end is not None
-        prompt, completion = self.end.prompt_tokens, self.end.generated_tokens
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        return usage_of([self])
 
     def finish_reason(self) -> str:
         assert self.end is not None
@@ -87,13 +132,14 @@ class Render:
         cdb = {"depths": [ev.depth], "token_ids": [ev.token_id]}  # what a broken stream resumes with
         return self._envelope([self._chunk_choice(ev.text, lp, None, cdb)])
 
-    def finish(self, ev: FinishEvent) -> list[dict[str, Any]]:
-        """The last chunk (held-back text, ``finish_reason``) and, when asked, the usage chunk."""
+    def finish(self, ev: FinishEvent) -> dict[str, Any]:
+        """The choice's last chunk (held-back text, ``finish_reason``)."""
         self._record(ev)
-        chunks = [self._envelope([self._chunk_choice(ev.text, None, self.finish_reason(), self.summary([]))])]
-        if self.include_usage:
-            chunks.append({**self._envelope([], usage=False), "usage": self.usage()})
-        return chunks
+        return self._envelope([self._chunk_choice(ev.text, None, self.finish_reason(), self.summary([]))])
+
+    def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]:
+        """The chunk after every choice's last, when usage is asked (``stream_options.include_usage``)."""
+        return {**self._envelope([], usage=False), "usage": usage}
 
     def first(self) -> list[dict[str, Any]]:
         """Chunks streamed before the first token (chat: the role)."""
@@ -118,8 +164,28 @@ class Render:
     def _full_choice(self, logprobs: dict[str, Any] | None) -> dict[str, Any]:
         raise NotImplementedError
 
-    def _logprobs(self, entries: list[tuple[int, TokenLogprobs]], offsets: list[int]) -> dict[str, Any]:
+    def _logprobs(self, entries: list[tuple[int, TokenLogprobs | None]], offsets: list[int]) -> dict[str, Any]:
         raise NotImplementedError
+
+
+def usage_of(renders: Sequence[Render]) -> dict[str, int]:
+    """The usage of a response whose choices these are (finished): each prompt's tokens once (with its sample 0),
+    every choice's generated tokens."""
+    prompt = completion = 0
+    for r in renders:
+        assert r.end is not None
+        prompt += r.end.prompt_tokens if r.sample == 0 else 0
+        completion += r.end.generated_tokens
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def merged_response(renders: Sequence[Render]) -> dict[str, Any]:
+    """The non-streamed body of a response with these choices (finished), in index order."""
+    out = renders[0].response()
+    if len(renders) > 1:
+        out["choices"] = [r.response()["choices"][0] for r in sorted(renders, key=lambda r: r.index)]
+        out["usage"] = usage_of(renders)
+    return out
 
 
 class CompletionRender(Render):
@@ -130,16 +196,20 @@ class CompletionRender(Render):
     def _chunk_choice(
         self, text: str, logprobs: dict[str, Any] | None, finish_reason: str | None, cdb: dict[str, Any]
     ) -> dict[str, Any]:
-        return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason, "cdb": cdb}
+        return {"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason, "cdb": cdb}
 
     def _full_choice(self, logprobs: dict[str, Any] | None) -> dict[str, Any]:
-        return {"index": 0, "text": self.text, "logprobs": logprobs, "finish_reason": self.finish_reason()}
+        return {"index": self.index, "text": self.text, "logprobs": logprobs, "finish_reason": self.finish_reason()}
 
-    def _logprobs(self, entries: list[tuple[int, TokenLogprobs]], offsets: list[int]) -> dict[str, Any]:
+    def _logprobs(self, entries: list[tuple[int, TokenLogprobs | None]], offsets: list[int]) -> dict[str, Any]:
+        """The legacy format; an echoed prompt's first token has null ``token_logprobs`` and ``top_logprobs``."""
         return {
             "tokens": [self.token_text(t) for t, _ in entries],
-            "token_logprobs": [lp.logprob for _, lp in entries],
-            "top_logprobs": [{self.token_text(i): v for i, v in zip(lp.top_ids, lp.top_logprobs)} for _, lp in entries],
+            "token_logprobs": [lp.logprob if lp is not None else None for _, lp in entries],
+            "top_logprobs": [
+                {self.token_text(i): v for i, v in zip(lp.top_ids, lp.top_logprobs)} if lp is not None else None
+                for _, lp in entries
+            ],
             "text_offset": offsets,
         }
 
@@ -159,19 +229,20 @@ class ChatRender(Render):
         self, text: str, logprobs: dict[str, Any] | None, finish_reason: str | None, cdb: dict[str, Any]
     ) -> dict[str, Any]:
         delta = {"content": text} if text or finish_reason is None else {}
-        return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason, "cdb": cdb}
+        return {"index": self.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason, "cdb": cdb}
 
     def _full_choice(self, logprobs: dict[str, Any] | None) -> dict[str, Any]:
         message = {"role": "assistant", "content": self.text}
-        return {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": self.finish_reason()}
+        return {"index": self.index, "message": message, "logprobs": logprobs, "finish_reason": self.finish_reason()}
 
     def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
         text = self.token_text(token_id)
         return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
-    def _logprobs(self, entries: list[tuple[int, TokenLogprobs]], offsets: list[int]) -> dict[str, Any]:
+    def _logprobs(self, entries: list[tuple[int, TokenLogprobs | None]], offsets: list[int]) -> dict[str, Any]:
         content = []
         for token_id, lp in entries:
+            assert lp is not None  # a chat never echoes its prompt
             entry = self._entry(token_id, lp.logprob)
             entry["top_logprobs"] = [self._entry(i, v) for i, v in zip(lp.top_ids, lp.top_logprobs)]
             content.append(entry)

@@ -3,25 +3,43 @@
 Types are checked here (a wrong type is a 400 naming the field); values are checked by the engine
 (``Engine.validate``), whose ``InvalidRequest.field`` names are translated back to this API's field names by
 ``FIELDS`` / ``CHAT_FIELDS``. Fields OpenAI clients send that the engine cannot honour are refused when set to
-anything but their neutral value (``n`` > 1, penalties, ``logit_bias``, tools, ...); unknown extra fields are
-ignored, as OpenAI-compatible servers do.
+anything but their neutral value (penalties, ``logit_bias``, tools, ...); unknown extra fields are ignored, as
+OpenAI-compatible servers do.
+
+One body may ask for several choices: a completion's list of prompts, and ``n`` samples of each. Each choice is
+its own engine request (``choices()``: prompt ``i``'s sample ``j`` is choice ``i * n + j``); sample ``j`` draws
+with the seed ``sample_seed(seed, j)``, so every choice is reproducible alone and whatever else is batched.
 """
 
 from __future__ import annotations
 
 import secrets
+from dataclasses import replace
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
 
-from cdb_engine.config import RequestParams
+from cdb_engine.config import RequestParams, logits_processing
 from cdb_engine.errors import InvalidRequest
 from cdb_model.generation import GenerationDefaults
-from cdb_scheduler.plan import SamplingParams
+from cdb_scheduler.plan import LogitsProcessing, SamplingParams, derive_seed
 
 # The engine's field names -> this API's (a value the engine refuses is reported under the name the caller sent).
-FIELDS = {"stop_strings": "stop", "stop_token_ids": "stop"}
+FIELDS = {"stop_strings": "stop"}
 CHAT_FIELDS = {**FIELDS, "prompt": "messages", "logprobs": "top_logprobs"}
+
+MAX_CHOICES = 256  # choices of one body (prompts x n): each is an engine request, in the caller's share
+
+
+def sample_seed(seed: int, sample: int) -> int:
+    """The seed of sample ``sample`` of a prompt (``n`` > 1): the request's own for sample 0 (an ``n`` = 1 request
+    with that seed gives the same choice), else ``derive_seed(seed, sample)`` (splitmix64, independent)."""
+    return seed if sample == 0 else derive_seed(seed, sample)
+
+
+def _is_ids(v: Any) -> bool:
+    """A non-empty list of token ids."""
+    return isinstance(v, list) and bool(v) and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
 
 
 class StreamOptions(BaseModel):
@@ -53,9 +71,12 @@ class _Common(BaseModel):
     stop: str | list[str] | None = None
     seed: StrictInt | None = None  # omitted: a fresh random seed per request (OpenAI's behaviour)
     max_tokens: StrictInt | None = None
+    stop_token_ids: list[StrictInt] | None = None  # vLLM's extension: ids that end the generation (included)
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string, OpenAI's form) -> bias in [-100, 100]
+    repetition_penalty: float | None = None  # vLLM's extension: > 1 discourages tokens of the prompt and output
+    min_tokens: StrictInt | None = None  # vLLM's extension: no stop id before this many tokens
     user: str | None = None  # accepted and ignored
     # cdb extensions (OpenAI clients pass them with ``extra_body``)
     exit_threshold: float | None = None  # per-request exit threshold of the loop (lower: shallower, faster)
@@ -73,13 +94,22 @@ class _Common(BaseModel):
 
     def refuse_unsupported(self) -> None:
         """``InvalidRequest`` naming the first field set to something the engine cannot do."""
-        if self.n is not None and self.n != 1:
-            raise InvalidRequest("n", f"only n=1 is supported, got {self.n}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise InvalidRequest(name, "penalties are not supported (use 0 or omit it)")
-        if self.logit_bias:
-            raise InvalidRequest("logit_bias", "not supported (omit it)")
+
+    def processing(self) -> LogitsProcessing | None:
+        """Penalties, logit bias and min_tokens (checked by the engine); ``logit_bias`` keys must be token ids."""
+        bias: dict[int, float] = {}
+        for key, value in (self.logit_bias or {}).items():
+            try:
+                bias[int(key)] = value
+            except ValueError:
+                raise InvalidRequest("logit_bias", f"keys must be token ids, got {key!r}") from None
+        return logits_processing(
+            self.presence_penalty or 0.0,
+            self.frequency_penalty or 0.0,
+            1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            bias,
+            self.min_tokens or 0,
+        )
 
     def sampling(self, logprobs: int | None, defaults: GenerationDefaults | None = None) -> SamplingParams:
         """``logprobs``: None for none, else the number of alternatives (0: only the sampled token's). What the
@@ -98,15 +128,36 @@ class _Common(BaseModel):
             seed=secrets.randbits(63) if self.seed is None else self.seed,
             logprobs=logprobs or 0,
             return_logprob=logprobs is not None,
+            processing=self.processing(),
         )
 
+    @property
+    def samples(self) -> int:
+        """``n``: samples per prompt."""
+        return 1 if self.n is None else self.n
+
+    def check_choices(self, prompts: int = 1) -> None:
+        """``InvalidRequest`` for an ``n`` out of range or more than ``MAX_CHOICES`` choices (before any work)."""
+        if self.samples < 1:
+            raise InvalidRequest("n", f"must be >= 1, got {self.n}")
+        if prompts * self.samples > MAX_CHOICES:
+            field = "n" if self.samples > 1 else "prompt"
+            raise InvalidRequest(
+                field, f"{prompts} prompts x n {self.samples} exceed {MAX_CHOICES} choices per request"
+            )
+        if self.resume is not None and prompts * self.samples > 1:
+            raise InvalidRequest("resume", "continues one broken stream: send one prompt and n = 1")
+
     def params(
-        self, max_tokens: int, logprobs: int | None, defaults: GenerationDefaults | None = None
+        self, max_tokens: int, logprobs: int | None, defaults: GenerationDefaults | None = None, sample: int = 0
     ) -> RequestParams:
+        """The engine's parameters of the request's sample ``sample`` (its seed: ``sample_seed``)."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or ())
+        sampling = self.sampling(logprobs, defaults)
         return RequestParams(
             max_tokens=max_tokens,
-            sampling=self.sampling(logprobs, defaults),
+            sampling=replace(sampling, seed=sample_seed(sampling.seed, sample)),
+            stop_token_ids=tuple(self.stop_token_ids or ()),
             stop_strings=tuple(stop),
             exit_threshold=self.exit_threshold,
             ignore_eos=self.ignore_eos,
@@ -122,29 +173,34 @@ class _Common(BaseModel):
 class CompletionRequest(_Common):
     """``POST /v1/completions``."""
 
-    prompt: Any = Field(description="a string, a list of token ids, or a list holding one of those")
+    prompt: Any = Field(description="a string, a list of token ids, or a list of those (one choice each)")
     logprobs: StrictInt | None = None
-    echo: StrictBool = False
+    echo: StrictBool = False  # begin each choice with its prompt (with logprobs: the prompt's, at full depth)
     best_of: StrictInt | None = None
     suffix: str | None = None
 
     @field_validator("prompt", mode="before")
     @classmethod
     def _prompt(cls, v: Any) -> Any:
-        if isinstance(v, list) and len(v) == 1 and isinstance(v[0], str | list):
-            v = v[0]  # a batch of one
-        if isinstance(v, str):
+        if isinstance(v, str) or _is_ids(v):
             return v
-        if isinstance(v, list) and v and all(isinstance(t, int) and not isinstance(t, bool) for t in v):
-            return v
-        if isinstance(v, list) and v and all(isinstance(p, str | list) for p in v):
-            raise ValueError("one prompt per request (send several requests)")
-        raise ValueError("must be a string or a non-empty list of token ids")
+        if isinstance(v, list) and v and all(isinstance(p, str) or _is_ids(p) for p in v):
+            return v  # a list of prompts
+        raise ValueError("must be a string, a non-empty list of token ids, or a non-empty list of those")
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, one or a list of them (each a string or token ids)."""
+        if isinstance(self.prompt, str) or _is_ids(self.prompt):
+            return [self.prompt]
+        return list(self.prompt)
+
+    def choices(self) -> list[tuple[int, str | list[int], int]]:
+        """``(index, prompt, sample)`` of every choice, in index order (``check_choices`` first)."""
+        n = self.samples
+        return [(i * n + j, p, j) for i, p in enumerate(self.prompts()) for j in range(n)]
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
-        if self.echo:
-            raise InvalidRequest("echo", "not supported (omit it)")
         if self.best_of is not None and self.best_of != 1:
             raise InvalidRequest("best_of", f"only best_of=1 is supported, got {self.best_of}")
         if self.suffix:
@@ -153,11 +209,18 @@ class CompletionRequest(_Common):
             raise InvalidRequest("logprobs", f"must be >= 0, got {self.logprobs}")
 
     def requested_max_tokens(self) -> int:
-        return 16 if self.max_tokens is None else self.max_tokens  # OpenAI's default for completions
+        """OpenAI's default for completions: 16; 0 generates nothing (with ``echo``: the prompt, scored)."""
+        return 16 if self.max_tokens is None else self.max_tokens
 
-    def to_engine(self, defaults: GenerationDefaults | None = None) -> tuple[str | list[int], RequestParams]:
+    def to_engine(
+        self, defaults: GenerationDefaults | None = None, prompt: str | list[int] | None = None, sample: int = 0
+    ) -> tuple[str | list[int], RequestParams]:
+        """The engine request of one choice: ``prompt`` (default: the only one) and its sample ``sample``."""
         self.refuse_unsupported()
-        return self.prompt, self.params(self.requested_max_tokens(), self.logprobs, defaults)
+        params = self.params(self.requested_max_tokens(), self.logprobs, defaults, sample)
+        if self.echo and self.logprobs is not None:  # the prefill scores the prompt
+            params = replace(params, prompt_logprobs=True)
+        return self.prompts()[0] if prompt is None else prompt, params
 
 
 class ChatMessage(BaseModel):
@@ -206,6 +269,9 @@ class ChatCompletionRequest(_Common):
             raise InvalidRequest("top_logprobs", "needs logprobs: true")
         if self.top_logprobs is not None and self.top_logprobs < 0:
             raise InvalidRequest("top_logprobs", f"must be >= 0, got {self.top_logprobs}")
+        requested = self.requested_max_tokens()
+        if requested is not None and requested < 1:  # (a completion's 0 scores its prompt; a chat has no echo)
+            raise InvalidRequest("max_tokens", f"must be >= 1, got {requested}")
 
     @property
     def max_tokens_field(self) -> str:
@@ -218,9 +284,9 @@ class ChatCompletionRequest(_Common):
     def chat_messages(self) -> list[dict[str, str]]:
         return [{"role": m.role, "content": m.content or ""} for m in self.messages]
 
-    def to_params(self, max_tokens: int, defaults: GenerationDefaults | None = None) -> RequestParams:
-        """The engine's parameters (after ``refuse_unsupported``)."""
-        return self.params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None, defaults)
+    def to_params(self, max_tokens: int, defaults: GenerationDefaults | None = None, sample: int = 0) -> RequestParams:
+        """The engine's parameters of sample ``sample`` (after ``refuse_unsupported``)."""
+        return self.params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None, defaults, sample)
 
 
 def says_sampling(defaults: GenerationDefaults) -> bool:

@@ -1,23 +1,28 @@
 """How a request's events reach the client: the SSE body of a streamed response, and the wait of a non-streamed
 one. However the response ends (finished, failed, the client gone, the server stopping), the request is closed:
-aborted in the engine if it had not finished, and unregistered from the service."""
+aborted in the engine if it had not finished, and unregistered from the service.
+
+A response with several choices (a list of prompts, ``n`` > 1) has one engine request (``Call``) and one
+``Render`` per choice: its SSE body interleaves their chunks as their events come, and ends, after every
+choice's last chunk, with one usage chunk (when asked) and ``[DONE]``; the first failure ends it (and closes the
+other choices' requests)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from cdb_engine.events import TokenEvent
+from cdb_engine.events import Event, TokenEvent
 from services.http.calls import Call
 from services.http.errors import ApiError, api_error
-from services.http.responses import Render
+from services.http.responses import Render, usage_of
 
 
 def sse_data(obj: Any) -> bytes:
@@ -25,43 +30,81 @@ def sse_data(obj: Any) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
 
-async def sse_body(call: Call, render: Render, fields: Mapping[str, str]) -> AsyncIterator[bytes]:
-    """The SSE body: chunks, then ``[DONE]``; a failure after the headers went out is an ``error`` chunk."""
+async def sse_body(calls: Sequence[Call], renders: Sequence[Render], fields: Mapping[str, str]) -> AsyncIterator[bytes]:
+    """The SSE body of the choices ``renders[k]`` of ``calls[k]``: chunks, then the usage chunk when asked, then
+    ``[DONE]``; a failure after the headers went out is an ``error`` chunk."""
     try:
-        for chunk in render.first():
-            yield sse_data(chunk)
-        async for ev in call.events():
-            if isinstance(ev, TokenEvent):
-                yield sse_data(render.token(ev))
-            else:
-                for chunk in render.finish(ev):
-                    yield sse_data(chunk)
+        for render in renders:
+            for chunk in render.first():
+                yield sse_data(chunk)
+        async for k, ev in _events(calls):
+            render = renders[k]
+            for chunk in render.before(ev):
+                yield sse_data(chunk)
+            yield sse_data(render.token(ev) if isinstance(ev, TokenEvent) else render.finish(ev))
+        if renders[0].include_usage:
+            yield sse_data(renders[0].usage_chunk(usage_of(renders)))
     except Exception as exc:
         yield sse_data(api_error(exc, fields).body())
     yield b"data: [DONE]\n\n"
 
 
-class EventStream(StreamingResponse):
-    """``text/event-stream`` whose request is aborted however the response ends (also if it never started)."""
+async def _events(calls: Sequence[Call]) -> AsyncIterator[tuple[int, Event]]:
+    """``(k, event of calls[k])`` as the events come; one call's events in order. The first failure is raised."""
+    if len(calls) == 1:  # the common case, without a task per call
+        async for ev in calls[0].events():
+            yield 0, ev
+        return
+    merged: asyncio.Queue[tuple[int, Event | BaseException | None]] = asyncio.Queue()
 
-    def __init__(self, body: AsyncIterator[bytes], call: Call, headers: Mapping[str, str]) -> None:
+    async def pump(k: int, call: Call) -> None:
+        try:
+            async for ev in call.events():
+                merged.put_nowait((k, ev))
+        except Exception as exc:
+            merged.put_nowait((k, exc))
+        merged.put_nowait((k, None))
+
+    tasks = [asyncio.ensure_future(pump(k, call)) for k, call in enumerate(calls)]
+    try:
+        left = len(calls)
+        while left:
+            k, item = await merged.get()
+            if item is None:
+                left -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield k, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class EventStream(StreamingResponse):
+    """``text/event-stream`` whose requests are aborted however the response ends (also if it never started)."""
+
+    def __init__(self, body: AsyncIterator[bytes], calls: Sequence[Call], headers: Mapping[str, str]) -> None:
         headers = {**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no proxy buffering
         super().__init__(body, media_type="text/event-stream", headers=headers)
-        self.call = call
+        self.calls = calls
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            await self.call.close()
+            for call in self.calls:
+                await call.close()
 
 
-async def until_done_or_gone(call: Call, render: Render, request: Request) -> None:
-    """Record every event of ``call`` into ``render``; a client that disconnects first aborts the request."""
+async def until_done_or_gone(calls: Sequence[Call], renders: Sequence[Render], request: Request) -> None:
+    """Record every event of ``calls[k]`` into ``renders[k]``; a client that disconnects first aborts the
+    requests."""
 
     async def collect() -> None:
-        async for ev in call.events():
-            render.add(ev)
+        async for k, ev in _events(calls):
+            renders[k].add(ev)
 
     async def gone() -> None:
         while (await request.receive())["type"] != "http.disconnect":
@@ -77,7 +120,8 @@ async def until_done_or_gone(call: Call, render: Render, request: Request) -> No
             done.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await done
-        await call.close()
+        for call in calls:
+            await call.close()
     if done.cancelled():
         raise ApiError(499, "client disconnected")
     done.result()

@@ -21,6 +21,11 @@ _FIELD_PATHS = {
     "top_k": "sampling.top_k",
     "seed": "sampling.seed",
     "logprobs": "sampling.top_logprobs",
+    "presence_penalty": "sampling.presence_penalty",
+    "frequency_penalty": "sampling.frequency_penalty",
+    "repetition_penalty": "sampling.repetition_penalty",
+    "logit_bias": "sampling.logit_bias",
+    "min_tokens": "sampling.min_tokens",
 }
 
 

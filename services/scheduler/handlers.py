@@ -42,7 +42,7 @@ from services.scheduler.decoding import Undecodable, tolerant_deserializer
 from services.scheduler.errors import ServerDraining, StageFailed, UndecodableRequest, mapped_errors, status_for
 from services.scheduler.security import CallerAuth
 from services.scheduler.shares import CallCaps, CallerShares, Share, StallGuard
-from services.settings import Settings, served_names
+from services.settings import Resolved, Settings, served_names
 from services.telemetry.metrics import Metrics
 from services.telemetry.request_observer import ObservedRequest
 from services.transport.executor import GrpcExecutorFactory
@@ -69,6 +69,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         self.engine = engine
         self.factory = factory
         self.settings = settings
+        self.resolved = Resolved(settings, engine.config)  # the configuration Info shows
         self.metrics = metrics or Metrics(engine.config.model, engine.limits.max_depth)
         self.traces = traces  # the executor's observer feeds it; None when tracing is off
         self.deployment = "microservices" if factory is not None else "in_process"
@@ -305,6 +306,9 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         reply = messages.info_to_pb(self.engine, self.deployment, self.settings.max_concurrent_rpcs, problem, executor)
         reply.version = server_version()
         reply.served_model_names.extend(served_names(self.settings.served_model_name) or [self.engine.config.model])
+        reply.config_json, reply.config_digest = self.resolved.shown(), self.resolved.digest()
+        if executor is not None:
+            reply.stage_config_digests.update(executor.stage_config_digests())
         return reply
 
     def abort_all(self) -> None:

@@ -9,8 +9,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from cdb_api.v1 import generation_pb2 as pb
-from cdb_engine.config import RequestParams
+from cdb_engine.config import RequestParams, logits_processing
 from cdb_engine.engine import Engine, FinishEvent, TokenEvent
+from cdb_engine.errors import InvalidRequest
 from cdb_engine.limits import describe
 from cdb_scheduler.plan import SamplingParams, TokenLogprobs
 from cdb_scheduler.request import FinishReason
@@ -32,7 +33,10 @@ def requested_max_tokens(req: pb.GenerateRequest) -> int:
 
 
 def request_to_engine(req: pb.GenerateRequest) -> tuple[str | list[int], RequestParams]:
-    """The prompt (text or ids) and the engine's parameters of a request; values are validated by the engine."""
+    """The prompt (text or ids) and the engine's parameters of a request; values are validated by the engine,
+    but for ``max_tokens`` 0 (the engine's prefill-only request: this API has no prompt logprobs to return)."""
+    if requested_max_tokens(req) == 0:
+        raise InvalidRequest("max_tokens", "must be >= 1, got 0")
     prompt: str | list[int] = list(req.token_ids.ids) if req.WhichOneof("prompt") == "token_ids" else req.text
     s = req.sampling
     sampling = SamplingParams(
@@ -42,6 +46,13 @@ def request_to_engine(req: pb.GenerateRequest) -> tuple[str | list[int], Request
         seed=s.seed,
         logprobs=s.top_logprobs,
         return_logprob=s.return_logprobs,
+        processing=logits_processing(
+            s.presence_penalty,
+            s.frequency_penalty,
+            s.repetition_penalty if s.HasField("repetition_penalty") else 1.0,
+            dict(s.logit_bias),
+            s.min_tokens,
+        ),
     )
     params = RequestParams(
         max_tokens=requested_max_tokens(req),

@@ -182,7 +182,6 @@ def run_scheduler(
     *,
     ready_file: str | None = None,
     settings: Settings | None = None,
-    metrics_listen: str | None = None,
     companion: Companion | None = None,
     standby_addrs: Mapping[Stage, str] | None = None,
 ) -> None:
@@ -191,7 +190,7 @@ def run_scheduler(
     (``companion``: see ``serve``).
 
     Tracing follows the ``OTEL_*`` environment (service ``cdb-scheduler``); metrics are always kept and served
-    on ``metrics_listen`` (default: ``settings.metrics_addr``, i.e. ``CDB_METRICS_ADDR``; empty: no endpoint); the
+    on ``settings.metrics_addr`` (``CDB_METRICS_ADDR``, ``--metrics-listen``; empty: no endpoint); the
     throughput line is logged every ``settings.throughput_log_interval_s``."""
     settings = settings or load_settings()
     telemetry.init_tracing("cdb-scheduler")
@@ -224,9 +223,8 @@ def run_scheduler(
             factory.observer = observer
         engine.start()
         throughput_log = ThroughputLog(metrics, settings.throughput_log_interval_s).start()
-        address = settings.metrics_addr if metrics_listen is None else metrics_listen
-        if address:
-            metrics_server = serve_metrics(metrics, address)
+        if settings.metrics_addr:
+            metrics_server = serve_metrics(metrics, settings.metrics_addr)
             log.info("Prometheus metrics on http://%s:%d/metrics", metrics_server.host, metrics_server.port)
         runner_kw: dict[str, Any] = {}
         if settings.uvloop:

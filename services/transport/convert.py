@@ -7,6 +7,7 @@ stop here: the executor and the stage server see plan objects only.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from operator import attrgetter
 
@@ -14,8 +15,10 @@ from cdb_api.v1 import stage_pb2 as pb
 from cdb_scheduler.plan import (
     Fence,
     HeadOp,
+    HistorySeed,
     KVCopy,
     KVUpdate,
+    LogitsProcessing,
     LoopHead,
     LoopOp,
     PreludeOp,
@@ -28,8 +31,8 @@ from cdb_scheduler.plan import (
 from services.transport.bank import BankSpec, CudaIpcHandle
 
 _MASK64 = (1 << 64) - 1
-_TEMPERATURE, _TOP_K, _TOP_P, _SEED, _LOGPROBS, _RETURN_LOGPROB = (
-    attrgetter(name) for name in ("temperature", "top_k", "top_p", "seed", "logprobs", "return_logprob")
+_TEMPERATURE, _TOP_K, _TOP_P, _SEED, _LOGPROBS, _RETURN_LOGPROB, _PROCESSING = (
+    attrgetter(name) for name in ("temperature", "top_k", "top_p", "seed", "logprobs", "return_logprob", "processing")
 )
 
 _ROLE_TO_PB = {Stage.PRELUDE: pb.STAGE_ROLE_PRELUDE, Stage.LOOP: pb.STAGE_ROLE_LOOP, Stage.HEAD: pb.STAGE_ROLE_HEAD}
@@ -75,11 +78,14 @@ def op_to_pb(op: StageOp, traceparent: str = "", trace_contexts: Mapping[int, st
             h = op.head
             _head_columns(loop.head, h.rids, h.positions, h.rows, h.token_index, h.sampling)
             loop.head.embed_ids.extend(h.embed_ids)
+            _history_to_pb(loop.head, h.history)
     else:
         head = msg.head
         _head_columns(head, op.rids, op.positions, op.rows, op.token_index, op.sampling)
         head.sample.extend(op.sample)
         head.embed.extend(op.embed)
+        head.score_ids.extend(op.score_ids)
+        _history_to_pb(head, op.history)
     return msg
 
 
@@ -101,13 +107,48 @@ def _head_columns(
     head.seed.extend(_MASK64 & seed for seed in map(_SEED, sampling))
     head.logprobs.extend(map(_LOGPROBS, sampling))
     head.return_logprob.extend(map(_RETURN_LOGPROB, sampling))
+    if any(map(_PROCESSING, sampling)):
+        for i, p in enumerate(sampling):
+            if (proc := p.processing) is not None:
+                head.processing.add(
+                    index=i,
+                    presence_penalty=proc.presence_penalty,
+                    frequency_penalty=proc.frequency_penalty,
+                    repetition_penalty=proc.repetition_penalty,
+                    bias_ids=[t for t, _ in proc.logit_bias],
+                    bias_values=[b for _, b in proc.logit_bias],
+                    min_tokens=proc.min_tokens,
+                    stop_ids=proc.stop_ids,
+                )
+
+
+def _history_to_pb(head: pb.HeadBatch, history: Sequence[HistorySeed]) -> None:
+    for seed in history:
+        head.history.add(index=seed.index, prompt_ids=seed.prompt_ids, output_ids=seed.output_ids)
+
+
+def _history_of(h: pb.HeadBatch) -> tuple[HistorySeed, ...]:
+    return tuple(HistorySeed(s.index, tuple(s.prompt_ids), tuple(s.output_ids)) for s in h.history)
 
 
 def _sampling_of(h: pb.HeadBatch) -> tuple[SamplingParams, ...]:
-    return tuple(
+    params = [
         SamplingParams(temperature=t, top_k=k, top_p=p, seed=s, logprobs=n, return_logprob=r)
         for t, k, p, s, n, r in zip(h.temperature, h.top_k, h.top_p, h.seed, h.logprobs, h.return_logprob)
-    )
+    ]
+    for proc in h.processing:
+        params[proc.index] = dataclasses.replace(
+            params[proc.index],
+            processing=LogitsProcessing(
+                presence_penalty=proc.presence_penalty,
+                frequency_penalty=proc.frequency_penalty,
+                repetition_penalty=proc.repetition_penalty,
+                logit_bias=tuple(zip(proc.bias_ids, proc.bias_values, strict=True)),
+                min_tokens=proc.min_tokens,
+                stop_ids=tuple(proc.stop_ids),
+            ),
+        )
+    return tuple(params)
 
 
 def fences_from_pb(msg: pb.StageBatch) -> tuple[Fence, ...]:
@@ -165,6 +206,8 @@ def op_from_pb(msg: pb.StageBatch) -> StageOp:
             sampling=sampling,
             token_index=tuple(h.token_index),
             embed=tuple(h.embed),
+            score_ids=tuple(h.score_ids),
+            history=_history_of(h),
         )
     raise ValueError(f"batch {msg.seq} carries no stage work ({which})")
 
@@ -177,6 +220,7 @@ def _loop_head(h: pb.HeadBatch) -> LoopHead:
         sampling=_sampling_of(h),
         token_index=tuple(h.token_index),
         embed_ids=tuple(h.embed_ids),
+        history=_history_of(h),
     )
 
 
@@ -196,6 +240,8 @@ def result_to_pb(res: StageResult) -> pb.StageReply:
             msg.logprobs.add()
         else:
             msg.logprobs.add(present=True, logprob=lp.logprob, top_ids=lp.top_ids, top_logprobs=lp.top_logprobs)
+    for lp in res.prompt_logprobs:
+        msg.prompt_logprobs.add(present=True, logprob=lp.logprob, top_ids=lp.top_ids, top_logprobs=lp.top_logprobs)
     return msg
 
 
@@ -214,6 +260,9 @@ def result_from_pb(msg: pb.StageReply) -> StageResult:
         token_ids=tuple(msg.token_ids),
         logprobs=logprobs,
         error=msg.error or None,
+        prompt_logprobs=tuple(
+            TokenLogprobs(lp.logprob, tuple(lp.top_ids), tuple(lp.top_logprobs)) for lp in msg.prompt_logprobs
+        ),
     )
 
 

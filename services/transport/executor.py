@@ -154,6 +154,7 @@ class GrpcExecutor:
         self._by_addr: dict[str, grpc.Channel] = {}
         self.watch = HangWatch(self.settings.stage_hang_floor_s, self.settings.stage_hang_factor)
         self._procs: dict[Stage, ProcessId] = {}  # each stage's process, from its last Configure reply
+        self._config_digests: dict[Stage, str] = {}  # each stage process's configuration digest, from the same
         bank_device = setup.device if setup.device.startswith("cuda") else "cpu"
         self.bank = SharedBank.create(setup.bank_rows, setup.bank_width, setup.dtype, bank_device)
         self.tokens = SharedBank.create(setup.bank_rows, 1, "int64", bank_device)
@@ -246,6 +247,7 @@ class GrpcExecutor:
         )
         p = reply.process
         self._procs[stage] = ProcessId(p.pid, p.pid_namespace, p.start_ticks)
+        self._config_digests[stage] = reply.config_digest
 
     # --- Executor protocol -----------------------------------------------------------------------------------
 
@@ -494,6 +496,10 @@ class GrpcExecutor:
     def stage_pids(self) -> dict[str, int]:
         """The process id serving each stage role (from its last ``Configure``)."""
         return {stage.role: proc.pid for stage, proc in list(self._procs.items())}
+
+    def stage_config_digests(self) -> dict[str, str]:
+        """The configuration digest of the process serving each stage role (from its last ``Configure``)."""
+        return {stage.role: digest for stage, digest in list(self._config_digests.items())}
 
     def _attach_one(
         self,

@@ -14,6 +14,7 @@ open (orchestrators probe it without credentials); no reflection is served.
 
 from __future__ import annotations
 
+import functools
 import logging
 import signal
 import threading
@@ -28,6 +29,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from cdb_api.v1 import stage_pb2 as pb
 from cdb_api.v1 import stage_pb2_grpc
 from cdb_engine.setup import torch_dtype
+from cdb_engine.stage_worker import StageWorker
 from cdb_engine.synthetic import SyntheticWorker, synthetic_model
 from cdb_model.config import ModelConfig
 from cdb_model.loader import load_config, load_model
@@ -112,10 +114,12 @@ def run_stage(
     settings: Settings | None = None,
     synthetic_cost: str = "",
     synthetic_depths: str = "",
+    config_digest: str = "",
 ) -> None:
     """Load ``role``'s weights of ``model``, serve until SIGTERM/SIGINT. Writes the bound address to
     ``ready_file`` (atomically) once serving. With ``synthetic_cost`` the stage loads no weights: it models the
-    device time of its ops (``cdb_engine.synthetic``)."""
+    device time of its ops (``cdb_engine.synthetic``). ``config_digest``: of the process's resolved configuration
+    (``Configure`` reports it)."""
     settings = settings or load_settings()
     stage = Stage.from_role(role)
     require_loopback(listen)
@@ -126,12 +130,13 @@ def run_stage(
         observer = telemetry.StageTracer(role) if telemetry.enabled() else None  # off: not even a call per batch
         if synthetic_cost:
             synth = synthetic_model(load_config(model), synthetic_cost, synthetic_depths, device, torch_dtype(dtype))
-            service = StageService(stage, model, dtype, synth, settings, SyntheticWorker, observer)
+            service = StageService(stage, model, dtype, synth, settings, SyntheticWorker, observer, config_digest)
             what = f"SYNTHETIC {role} stage (modelled device time {synth.cost.describe()}; its tokens mean nothing)"
         else:
             stages = stage_weights(stage, load_config(model))
             lm = load_model(model, dtype=torch_dtype(dtype), device=device, stages=stages)
-            service = StageService(stage, model, dtype, lm, settings, observer=observer)
+            worker = functools.partial(StageWorker, decode_graphs=None if settings.cuda_graphs else False)
+            service = StageService(stage, model, dtype, lm, settings, worker, observer, config_digest)
             what = f"{role} stage"
         server, port = build_server(service, listen, secret)
         address = bound_address(listen, port)

@@ -164,8 +164,10 @@ class StageService(stage_pb2_grpc.StageServicer):
         settings: Settings,
         worker_factory: Callable[..., Any] = StageWorker,
         observer: BatchObserver | None = None,
+        config_digest: str = "",
     ) -> None:
         self.worker_factory = worker_factory  # StageWorker's signature; tests pass a fake
+        self.config_digest = config_digest  # of the process's resolved configuration, reported by Configure
         self.observer = observer
         self.stage = stage
         self.model_name = model_name
@@ -222,6 +224,7 @@ class StageService(stage_pb2_grpc.StageServicer):
                 pid_namespace=self._process.namespace,
                 start_ticks=self._process.start_ticks,
             ),
+            config_digest=self.config_digest,
         )
 
     def _attach(self, request: pb.ConfigureRequest, context: grpc.ServicerContext) -> _Session:

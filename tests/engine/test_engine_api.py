@@ -37,7 +37,7 @@ def greedy(n: int, **kw) -> RequestParams:
         ("", greedy(4), "prompt"),
         ([600], greedy(4), "prompt"),
         ("x" * 1100, greedy(4), "prompt"),
-        ("hi", greedy(0), "max_tokens"),
+        ("hi", greedy(-1), "max_tokens"),
         ("hi", greedy(1023), "max_tokens"),
         ("hi", greedy(4, sampling=SamplingParams(temperature=-1.0)), "temperature"),
         ("hi", greedy(4, sampling=SamplingParams(temperature=math.nan)), "temperature"),

@@ -4,7 +4,6 @@ the API documents, and the dtype default on CUDA."""
 
 from __future__ import annotations
 
-import argparse
 import math
 import re
 from dataclasses import replace
@@ -12,15 +11,16 @@ from pathlib import Path
 
 import pytest
 
+from cdb.processes import process_resolution
 from cdb_bench.random_checkpoint import write_random_checkpoint
 from cdb_engine.config import DType, EngineConfig, RequestParams
 from cdb_engine.engine import Engine
 from cdb_engine.errors import InvalidRequest
 from cdb_engine.limits import FAMILY_EXIT_THRESHOLD, ThresholdSource, describe, resolve_limits
-from cdb_engine.options import add_engine_args, engine_config_from_args, engine_config_to_argv
 from cdb_model.loader import load_config
 from cdb_scheduler.exit_policy import ExitRule
 from services.scheduler.messages import info_to_pb
+from services.settings import Resolved, Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 # Released configs shrunk to a CPU test's size; every other field (early_exit_threshold 1.0 for Ouro, no exit field
@@ -93,11 +93,8 @@ def test_the_explicit_switch_turns_exit_off(released: dict[str, str], name: str)
     )
     with pytest.raises(ValueError, match="--no-early-exit contradicts --exit-threshold"):
         limits_of(folder, early_exit=False, exit_threshold=0.3)
-    parser = argparse.ArgumentParser()
-    add_engine_args(parser)
-    cfg = engine_config_from_args(parser.parse_args(["--model", folder, "--no-early-exit"]))
-    assert cfg.early_exit is False and "--no-early-exit" in engine_config_to_argv(cfg)
-    assert engine_config_from_args(parser.parse_args(engine_config_to_argv(cfg))) == cfg
+    cfg = process_resolution("scheduler", ["--model", folder, "--no-early-exit"], {}).engine
+    assert cfg.early_exit is False and _handed(cfg) == cfg
 
 
 def test_served_depths_default_adaptive_and_full_with_the_switch(released: dict[str, str]) -> None:
@@ -171,8 +168,12 @@ def test_dtype_defaults_to_bfloat16_on_cuda_only() -> None:
     assert EngineConfig(device="cuda:1").dtype is DType.BFLOAT16
     explicit = EngineConfig(device="cuda", dtype="float32")
     assert explicit.dtype is DType.FLOAT32
-    parser = argparse.ArgumentParser()
-    add_engine_args(parser)
     for cfg in (explicit, EngineConfig(device="cuda"), EngineConfig(dtype="float64")):
-        assert engine_config_from_args(parser.parse_args(engine_config_to_argv(cfg))) == cfg
-    assert "--dtype" in engine_config_to_argv(explicit) and "--dtype" not in engine_config_to_argv(EngineConfig())
+        assert _handed(cfg) == cfg
+    assert process_resolution("scheduler", ["--device", "cuda"], {}).engine.dtype is DType.BFLOAT16
+    assert process_resolution("scheduler", ["--device", "cuda", "--dtype", "float32"], {}).engine == explicit
+
+
+def _handed(config: EngineConfig) -> EngineConfig:
+    """``config`` as a launcher's child reads it back from the document it was handed."""
+    return Resolved.from_json(Resolved(Settings(), config).to_json()).engine

@@ -243,6 +243,7 @@ def test_tokenize_detokenize_and_tokenizer_info_in_vllms_shapes(api: Served) -> 
     _, info = call("GET", "/tokenizer_info")
     assert info["model_max_length"] == api.engine.limits.max_total_tokens and info["chat_template"]
     assert info["vocab_size"] == api.engine.limits.vocab_size and info["eos_token_id"] == tok.eos_token_id
+    assert tok.encode(info["eos_token"]) == [tok.eos_token_id]  # what the harness's remote tokenizer reads
     for path, body, param in (
         ("/tokenize", {"prompt": PROMPT, "messages": CHAT}, "prompt"),
         ("/tokenize", {}, "prompt"),
@@ -275,25 +276,79 @@ def test_health_and_metrics(api: Served, client: openai.OpenAI) -> None:
 
 
 # --- bad requests ------------------------------------------------------------------------------------------------
+def test_penalties_logit_bias_and_min_tokens_shape_the_completion(api: Served, client: openai.OpenAI) -> None:
+    plain = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0)
+    ids = api.engine.tokenizer.encode(plain.choices[0].text)
+    forced = ids[0] if ids else 5
+    # A large bias makes its token the greedy choice at every step; a frequency penalty then pushes it away.
+    biased = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, logit_bias={str(forced): 100}
+    )
+    assert api.engine.tokenizer.encode(biased.choices[0].text) == [forced] * 6
+    tempered = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, logit_bias={str(forced): 5}, frequency_penalty=2.0
+    )
+    assert tempered.choices[0].text != biased.choices[0].text
+    # min_tokens bans the end ids: banning the greedy first token's id as a stop id changes the first token.
+    stopped = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, extra_body={"stop_token_ids": [forced]}
+    )
+    assert stopped.choices[0].finish_reason == "stop"
+    longer = client.completions.create(
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=4,
+        temperature=0,
+        extra_body={"stop_token_ids": [forced], "min_tokens": 2},
+    )
+    assert forced not in api.engine.tokenizer.encode(longer.choices[0].text)[:2]
+    rep = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, extra_body={"repetition_penalty": 1.5}
+    )
+    assert rep.choices[0].text and rep.usage is not None and rep.usage.completion_tokens == 8
+
+
 @pytest.mark.parametrize(
     ("fields", "param"),
     [
         ({"temperature": -1}, "temperature"),
         ({"temperature": "hot"}, "temperature"),
         ({"top_p": 1.5}, "top_p"),
-        ({"n": 2}, "n"),
+        ({"n": 0}, "n"),
+        ({"n": 1000}, "n"),
+        ({"n": "two"}, "n"),
         ({"max_tokens": "many"}, "max_tokens"),
-        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": -1}, "max_tokens"),
         ({"max_tokens": 100_000}, "max_tokens"),
         ({"seed": "s"}, "seed"),
         ({"stop": [1, 2]}, "stop"),
         ({"stop": [""]}, "stop"),
         ({"logprobs": 50}, "logprobs"),
         ({"stream": "yes"}, "stream"),
-        ({"prompt": ["a", "b"]}, "prompt"),
+        ({"prompt": []}, "prompt"),
+        ({"prompt": [[]]}, "prompt"),
+        ({"prompt": [["a"]]}, "prompt"),
+        ({"prompt": [1, "a"]}, "prompt"),
+        ({"prompt": ["a"] * 300}, "prompt"),
         ({"prompt": {"text": "a"}}, "prompt"),
         ({"prompt": ""}, "prompt"),
-        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"prompt": ["a", ""]}, "prompt[1]"),
+        ({"prompt": ["a", [1, 99999]]}, "prompt[1]"),
+        ({"echo": "yes"}, "echo"),
+        ({"best_of": 2}, "best_of"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids"),
+        ({"stop_token_ids": [99999]}, "stop_token_ids"),
+        ({"stop_token_ids": "7"}, "stop_token_ids"),
+        ({"stop_token_ids": [1.5]}, "stop_token_ids[0]"),
+        ({"echo": True, "logprobs": 21}, "logprobs"),
+        ({"n": 2, "resume": {"token_ids": [5], "depths": [2]}}, "resume"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": -3}, "frequency_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"logit_bias": {"abc": 1}}, "logit_bias"),
+        ({"logit_bias": {"99999": 1}}, "logit_bias"),
+        ({"logit_bias": {"5": 101}}, "logit_bias"),
+        ({"min_tokens": 5}, "min_tokens"),
         ({"exit_threshold": 7}, "exit_threshold"),
     ],
 )
@@ -313,8 +368,11 @@ def test_bad_completion_fields_are_400_naming_the_field(client: openai.OpenAI, f
         ({"top_logprobs": 2}, "top_logprobs"),
         ({"logprobs": True, "top_logprobs": 50}, "top_logprobs"),
         ({"max_completion_tokens": 0}, "max_completion_tokens"),
+        ({"max_completion_tokens": None, "max_tokens": 0}, "max_tokens"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        ({"n": 3}, "n"),
+        ({"n": 0}, "n"),
+        ({"n": 257}, "n"),
+        ({"stop_token_ids": [-3]}, "stop_token_ids"),
     ],
 )
 def test_bad_chat_fields_are_400_naming_the_field(client: openai.OpenAI, fields: dict, param: str) -> None:

@@ -11,7 +11,7 @@ import random
 from collections import deque
 
 from cdb_scheduler.exit_policy import ExitPolicy, Horizon
-from cdb_scheduler.plan import HeadOp, LoopOp, PreludeOp, Stage, StageOp, StageResult
+from cdb_scheduler.plan import HeadOp, LoopOp, PreludeOp, Stage, StageOp, StageResult, TokenLogprobs
 
 VOCAB = 50
 STOP_ID = 7
@@ -29,6 +29,11 @@ def signal(rid: int, position: int, step: int) -> float:
 
 def token(rid: int, position: int) -> int:
     return int(unit(2, rid, position) * VOCAB)
+
+
+def score(rid: int, position: int, target: int) -> TokenLogprobs:
+    """The "logprob" of prompt token ``target`` after ``position`` (prompt scoring)."""
+    return TokenLogprobs(-unit(3, rid, position, target))
 
 
 class FakeExecutor:
@@ -80,7 +85,8 @@ class FakeExecutor:
             return StageResult(Stage.LOOP, op.seq, 0.002, signals=sig)
         assert isinstance(op, HeadOp)
         ids = tuple(token(r, p) for r, p, s in zip(op.rids, op.positions, op.sample) if s)
-        return StageResult(Stage.HEAD, op.seq, 0.001, token_ids=ids)
+        scored = tuple(score(r, p, t) for r, p, t in zip(op.rids, op.positions, op.score_ids) if t >= 0)
+        return StageResult(Stage.HEAD, op.seq, 0.001, token_ids=ids, prompt_logprobs=scored)
 
     def overtakes(self) -> list[tuple[StageOp, StageOp]]:
         """``(later, earlier)`` pairs: the result of ``later`` was delivered while ``earlier``, submitted before it,

@@ -11,7 +11,7 @@ from cdb_scheduler.exit_policy import FixedDepth, Horizon, OuroHazard
 from cdb_scheduler.plan import LoopOp, Stage
 from cdb_scheduler.request import Finished, FinishReason, Request, TokenOut
 from cdb_scheduler.scheduler import Scheduler
-from tests.scheduler.fake import STOP_ID, FakeExecutor, expected
+from tests.scheduler.fake import STOP_ID, FakeExecutor, expected, score
 
 MAX_DEPTH = 4
 
@@ -144,6 +144,25 @@ def test_tiny_kv_pool_forces_preemption_and_results_are_unchanged() -> None:
     events = drive(sched, FakeExecutor(), reqs, arrivals=20)
     assert sched.stats.preemptions > 0
     check_against_expected(reqs, events)
+
+
+@pytest.mark.parametrize("blocks", [256, 24])  # 24: preemptions recompute requests mid-prefill and after it
+def test_scored_prompts_report_each_prompt_logprob_once_and_max_tokens_zero_ends_after_prefill(blocks: int) -> None:
+    rng = random.Random(11)
+    reqs = make_requests(rng, 24, Horizon.ONE_AHEAD)
+    for r in reqs:
+        r.score_prompt = r.rid % 3 != 0
+        r.max_tokens = 0 if r.rid % 4 == 0 else 12
+    sched = Scheduler(config(num_kv_blocks=blocks, kv_margin=0.0))
+    events = drive(sched, FakeExecutor(), reqs, arrivals=24)
+    assert blocks > 24 or sched.stats.preemptions > 0
+    for r in reqs:
+        want = [score(r.rid, p, r.prompt[p + 1]) for p in range(r.prompt_len - 1)] if r.score_prompt else []
+        assert r.prompt_logprobs == want, r.rid
+        if r.max_tokens == 0:
+            assert [(type(e), e.reason) for e in events[r.rid]] == [(Finished, FinishReason.LENGTH)]  # type: ignore[union-attr]
+    check_against_expected([r for r in reqs if r.max_tokens > 0], events)
+    assert sched.rows.num_used == 0 and sched.blocks.num_used == 0, "resources leaked after drain"
 
 
 def test_abort_frees_row_and_blocks_at_once() -> None:

@@ -1,19 +1,23 @@
 """The one settings source: flags > ``CDB_*`` variables > the config file > defaults, for engine and service fields
 alike; a TOML or YAML file feeding ``EngineConfig`` and ``Settings``; one-line errors naming the variable or key;
-the launcher's children running the parent's config; and (slow) a launched tree configured by one file."""
+a launcher's child running the document it was handed; and (slow) ``cdb serve``'s tree, every process reporting the
+one resolved configuration."""
 
 from __future__ import annotations
 
-import argparse
+import hashlib
+import json
 import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from cdb.processes import process_config, scheduler_main, stage_main
+from cdb.processes import process_resolution, scheduler_main, stage_main
 from cdb.serve import serve_parser
 from cdb_engine.config import DType, EngineConfig
-from cdb_engine.options import add_engine_args, engine_config_from_args, engine_config_to_argv
 from cdb_model.kv import KVPolicy
 from cdb_scheduler.config import Mode
 from services.settings import SettingsError, load_configuration, load_settings
@@ -21,6 +25,7 @@ from services.settings import SettingsError, load_configuration, load_settings
 pytestmark = pytest.mark.timeout(60)
 
 STAGE_ARGV = ["--role", "loop", "--listen", "127.0.0.1:0"]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _file(tmp_path: Path, text: str, name: str = "cdb.toml") -> str:
@@ -32,12 +37,16 @@ def _file(tmp_path: Path, text: str, name: str = "cdb.toml") -> str:
 def test_an_engine_field_flag_over_env_over_file_over_default(tmp_path: Path) -> None:
     path = _file(tmp_path, "max_num_seqs = 8\n")
     other = _file(tmp_path, "max_num_seqs = 12\n", "other.toml")
-    assert process_config("scheduler", [], {}).max_num_seqs == 32
-    assert process_config("scheduler", [], {"CDB_CONFIG": path}).max_num_seqs == 8
-    assert process_config("scheduler", ["--config", other], {"CDB_CONFIG": path}).max_num_seqs == 12
+
+    def width(argv: list[str], env: dict[str, str]) -> int:
+        return process_resolution("scheduler", argv, env).engine.max_num_seqs
+
+    assert width([], {}) == 32
+    assert width([], {"CDB_CONFIG": path}) == 8
+    assert width(["--config", other], {"CDB_CONFIG": path}) == 12
     env = {"CDB_CONFIG": path, "CDB_MAX_NUM_SEQS": "16"}
-    assert process_config("scheduler", [], env).max_num_seqs == 16
-    assert process_config("scheduler", ["--max-num-seqs", "24"], env).max_num_seqs == 24
+    assert width([], env) == 16
+    assert width(["--max-num-seqs", "24"], env) == 24
 
 
 def test_a_service_field_flag_over_env_over_file_over_default(tmp_path: Path) -> None:
@@ -90,7 +99,8 @@ def test_a_config_file_feeds_the_engine_config_and_the_settings(tmp_path: Path, 
     settings = conf.settings
     assert (settings.stage_threads, settings.uvloop, settings.metrics_addr) == (2, False, ":9464")
     assert conf.origins["max_num_seqs"].endswith(f"{name}: max_num_seqs")
-    assert process_config("stage", STAGE_ARGV, {"CDB_CONFIG": conf.config_file or ""}).dtype is DType.FLOAT64
+    stage = process_resolution("stage", STAGE_ARGV, {"CDB_CONFIG": conf.config_file or ""})
+    assert stage.engine == want and stage.settings == settings, "a stage resolves every field, not only its flags'"
 
 
 BAD_ENV = [
@@ -151,29 +161,35 @@ def test_the_commands_fail_in_one_line_on_a_bad_source(
 
 
 def test_flags_take_auto_and_refuse_what_is_not_a_choice(capsys: pytest.CaptureFixture[str]) -> None:
-    parser = argparse.ArgumentParser()
-    add_engine_args(parser, {})
-    args = parser.parse_args(["--max-depth", "auto", "--exit-threshold", "0.5", "--dtype", "auto", "--device", "cuda"])
-    assert engine_config_from_args(args) == EngineConfig(exit_threshold=0.5, device="cuda")
-    assert engine_config_from_args(args).dtype is DType.BFLOAT16, "auto resolves on the device"
+    env = {"CDB_MAX_DEPTH": "3", "CDB_EXIT_THRESHOLD": "0.2"}
+    argv = ["--max-depth", "auto", "--exit-threshold", "0.5", "--dtype", "auto", "--device", "cuda"]
+    config = process_resolution("scheduler", argv, env).engine
+    assert config == EngineConfig(exit_threshold=0.5, device="cuda"), "auto given as a flag wins over the variable"
+    assert config.dtype is DType.BFLOAT16, "auto resolves on the device"
     for bad in (["--dtype", "f32"], ["--max-depth", "deep"]):
         with pytest.raises(SystemExit):
-            parser.parse_args(bad)
+            process_resolution("scheduler", bad, {})
     err = capsys.readouterr().err
     assert "invalid choice: 'f32' (choose from 'float32', 'float64', 'bfloat16', 'float16', 'auto')" in err
     assert "invalid int value: 'deep'" in err
 
 
-def test_the_launchers_options_win_over_the_childs_environment(tmp_path: Path) -> None:
-    """A child inherits the environment and the file; the options the launcher passes still give the parent's
-    config, also where the parent's value is the built-in default (a flag over the file) or auto."""
+def test_a_handed_document_is_the_whole_source_under_the_flags(tmp_path: Path) -> None:
+    """A launcher's child reads the document it was handed, not its environment or a config file (it inherits
+    both); its own flags would still win."""
     path = _file(tmp_path, "max_num_seqs = 8\nmax_depth = 2\n")
-    env = {"CDB_CONFIG": path, "CDB_DTYPE": "float64"}
-    parent = EngineConfig(model="ouro-tiny", max_num_seqs=32, dtype="float32")  # e.g. flags over the file and env
-    argv = engine_config_to_argv(parent, env)
-    assert {"--max-num-seqs", "--max-depth", "--dtype"} <= set(argv) and argv[argv.index("--max-depth") + 1] == "auto"
-    assert process_config("scheduler", argv, env) == parent
-    assert engine_config_to_argv(parent, {}) == [], "nothing to override: only what differs from the defaults"
+    env = {"CDB_CONFIG": path, "CDB_DTYPE": "float64", "CDB_DRAIN_TIMEOUT_S": "3"}
+    parent = process_resolution("scheduler", ["--max-num-seqs", "32", "--max-depth", "auto"], env)
+    assert (parent.engine.max_num_seqs, parent.engine.max_depth, parent.settings.drain_timeout_s) == (32, None, 3.0)
+    document = str(tmp_path / "config.json")
+    parent.write(document)
+    for command in ("scheduler", "stage"):
+        argv = [*(STAGE_ARGV if command == "stage" else []), "--resolved-config", document]
+        assert process_resolution(command, argv, {"CDB_MAX_NUM_SEQS": "4", "CDB_CONFIG": path}) == parent
+    flagged = process_resolution("scheduler", ["--resolved-config", document, "--max-num-seqs", "6"], {})
+    assert flagged.engine.max_num_seqs == 6
+    with pytest.raises(SystemExit):  # one source or the other
+        process_resolution("scheduler", ["--resolved-config", document, "--config", path], {})
 
 
 def test_the_source_is_read_once(tmp_path: Path) -> None:
@@ -187,27 +203,57 @@ def test_the_source_is_read_once(tmp_path: Path) -> None:
     assert load_configuration(env).engine["max_num_seqs"] == 9
 
 
-# --- a launched tree ------------------------------------------------------------------------------------------
+# --- a served tree ----------------------------------------------------------------------------------------------
+
+
+def _served_address(proc: subprocess.Popen[str]) -> str:
+    """The address ``cdb serve`` prints once its tree is ready (``cdb serving MODEL on ADDR ...``)."""
+    assert proc.stdout is not None
+    seen = []
+    while line := proc.stdout.readline():
+        seen.append(line)
+        if line.startswith("cdb serving "):
+            return line.split(" on ", 1)[1].split()[0]
+    raise AssertionError(f"cdb serve exited with {proc.wait()} before serving:\n{''.join(seen)}")
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(240)
-def test_a_launched_tree_runs_one_config_from_one_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``cdb serve --config FILE --max-num-seqs 32`` as the launcher runs it: the four children inherit
-    ``CDB_CONFIG`` and get the same effective config (the scheduler's ``Info``; the stages accepted its
-    ``Configure``, so model and dtype agree), the flag's value winning over the file's."""
+@pytest.mark.timeout(300)
+def test_every_process_of_a_served_tree_runs_the_one_resolved_configuration(tmp_path: Path) -> None:
+    """``cdb serve`` with values in every layer, resolved once (flags > ``CDB_*`` > config file > defaults): the
+    scheduler's Info shows them and the engine runs them, and every stage process reports the same digest (each
+    was handed the launcher's document: nothing re-serialised into its argv, its environment not re-read)."""
     from clients.sync_client import Client
-    from tests.services.tree import process_tree
 
-    path = _file(tmp_path, 'model = "ouro-tiny"\ndtype = "float64"\nmax_num_seqs = 5\nmax_waiting = 9\n')
-    monkeypatch.setenv("CDB_CONFIG", path)  # what cdb serve --config FILE does before it starts the tree
-    config = load_configuration().engine_config(max_num_seqs=32)
-    assert (config.dtype, config.max_num_seqs, config.max_waiting) == (DType.FLOAT64, 32, 9)
-    with process_tree(config) as handle, Client(handle.address, timeout=60) as client:
-        info = client.info()
-        assert (info.model, info.dtype) == ("ouro-tiny", "float64")
-        assert (info.limits["max_num_seqs"], info.limits["max_waiting"]) == (32, 9), "the flag over the file"
-        assert client.generate([1, 2, 3], max_tokens=3).finish.finish_reason in ("stop", "length")
-        for proc in handle.processes():
-            environ = Path(f"/proc/{proc.pid}/environ").read_bytes().split(b"\0")
-            assert f"CDB_CONFIG={path}".encode() in environ, "every child reads the same file"
+    text = "max_num_seqs = 5\nnum_kv_blocks = 100\nkv_block_size = 8\nhealth_interval_s = 0.3\ndrain_timeout_s = 5\n"
+    path = _file(tmp_path, text)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CDB_")} | {"OTEL_TRACES_EXPORTER": "none"}
+    env |= {
+        "CDB_MAX_NUM_SEQS": "7",
+        "CDB_NUM_KV_BLOCKS": "300",
+        "CDB_HEALTH_INTERVAL_S": "0.1",
+        "CDB_LOG_LEVEL": "info",
+    }
+    argv = [sys.executable, "-m", "cdb", "serve", "ouro-tiny", "--listen", "127.0.0.1:0", "--no-http"]
+    argv += ["--config", path, "--max-num-seqs", "6", "--log-level", "warning"]
+    proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        with Client(_served_address(proc), timeout=60) as client:
+            info = client.info()
+        cmdlines = {
+            role: Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") for role, pid in info.stage_pids.items()
+        }
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=60)
+    engine, settings = info.config["engine"], info.config["settings"]
+    assert engine["max_num_seqs"] == info.limits["max_num_seqs"] == 6, "the flag over the variable over the file"
+    assert engine["num_kv_blocks"] == 300 and settings["health_interval_s"] == 0.1, "the variable over the file"
+    assert engine["kv_block_size"] == info.kv_block_size == 8 and settings["drain_timeout_s"] == 5, "the file"
+    assert engine["max_head_wait_steps"] == 4 and settings["stall_timeout_s"] == 15, "the defaults"
+    assert settings["log_level"] == "warning" and settings["http_addr"] == "", "service flags (--no-http)"
+    assert info.config_digest == hashlib.sha256(json.dumps(info.config, sort_keys=True).encode()).hexdigest()
+    assert info.stage_config_digests == dict.fromkeys(("prelude", "loop", "head"), info.config_digest)
+    for role, cmdline in cmdlines.items():
+        assert b"--resolved-config" in cmdline, (role, cmdline)
+        assert not any(a.startswith((b"--max-num-seqs", b"--model", b"--config")) for a in cmdline), (role, cmdline)

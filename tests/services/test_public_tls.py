@@ -13,6 +13,7 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -186,30 +187,28 @@ def test_unusable_tls_files_name_the_variable(pki: Pki, tmp_path: Path) -> None:
         )
 
 
-def test_cdb_serve_exports_the_flags_to_the_tree(pki: Pki, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_cdb_serve_hands_the_flags_to_the_tree(pki: Pki, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     from cdb import serve
 
     keys = tmp_path / "keys"
     keys.write_text("serve-key\n")
     keys.chmod(0o600)
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("CDB_")}
-    monkeypatch.setattr(os, "environ", dict(clean))
-    seen: dict[str, str] = {}
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if not k.startswith("CDB_")})
+    seen: list[Settings] = []
 
-    def fake_serve_forever(config: object, listen: str, metrics_listen: object, **_: object) -> int:
-        seen.update(os.environ)  # what the launcher hands to its children (it copies os.environ)
+    def fake_serve_forever(resolved: Any, listen: str) -> int:
+        seen.append(resolved.settings)  # what the launcher hands its children
         return 0
 
     monkeypatch.setattr(serve, "serve_forever", fake_serve_forever)
     monkeypatch.chdir(pki.folder)
     flags = ["--tls-cert", "server.crt", "--tls-key", "server.key", "--tls-client-ca", "ca.crt"]
     assert serve.serve_main([*flags, "--api-keys-file", str(keys), "--listen", "127.0.0.1:0", "--no-http"]) == 0
-    assert seen["CDB_TLS_CERT"] == pki.path("server.crt")  # absolute: a child may run elsewhere
-    assert seen["CDB_TLS_KEY"] == pki.path("server.key")
-    assert seen["CDB_TLS_CLIENT_CA"] == pki.path("ca.crt")
-    assert seen["CDB_API_KEYS_FILE"] == str(keys)
-    monkeypatch.setattr(os, "environ", dict(clean))
-    seen.clear()
+    settings = seen.pop()
+    assert settings.tls_cert == pki.path("server.crt")  # absolute: a child may run elsewhere
+    assert settings.tls_key == pki.path("server.key")
+    assert settings.tls_client_ca == pki.path("ca.crt")
+    assert settings.api_keys_file == str(keys)
     with pytest.raises(SystemExit):  # a key without its certificate is refused before anything starts
         serve.serve_main(["--tls-key", "server.key", "--listen", "127.0.0.1:0"])
     assert not seen

@@ -13,7 +13,7 @@ import grpc
 import pytest
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
-from cdb_engine.config import RequestParams
+from cdb_engine.config import RequestParams, logits_processing
 from cdb_engine.engine import Engine
 from cdb_scheduler.plan import SamplingParams
 from clients.async_client import AsyncClient
@@ -103,6 +103,11 @@ BAD_INPUTS: list[tuple[str, str | list[int], GenerateOptions, tuple[str, ...]]] 
     ("empty stop string", "hi", {"stop": [""]}, ("stop_strings",)),
     ("exit threshold above one", "hi", {"exit_threshold": 1.5}, ("exit_threshold", "(0, 1]")),
     ("exit threshold zero", "hi", {"exit_threshold": 0.0}, ("exit_threshold",)),
+    ("presence penalty too large", "hi", {"presence_penalty": 3.0}, ("sampling.presence_penalty", "[-2, 2]")),
+    ("repetition penalty zero", "hi", {"repetition_penalty": 0.0}, ("sampling.repetition_penalty", "(0, 10]")),
+    ("logit bias unknown id", "hi", {"logit_bias": {9999: 1.0}}, ("sampling.logit_bias", "unknown token ids")),
+    ("logit bias too large", "hi", {"logit_bias": {5: 200.0}}, ("sampling.logit_bias", "[-100, 100]")),
+    ("min_tokens above max_tokens", "hi", {"max_tokens": 3, "min_tokens": 4}, ("sampling.min_tokens",)),
 ]
 
 
@@ -120,6 +125,25 @@ def test_bad_input_is_invalid_argument_naming_the_field(client: Client, case: tu
     assert details.startswith(expected[0] + ":"), details
     for part in expected[1:]:
         assert part in details, details
+
+
+def test_penalties_logit_bias_and_min_tokens_travel_through_grpc(client: Client) -> None:
+    forced = client.generate("hi", max_tokens=5, ignore_eos=True, logit_bias={7: 100.0})
+    assert forced.token_ids == [7] * 5
+    late = client.generate("hi", max_tokens=3, ignore_eos=True, logit_bias={7: 100.0}, stop_token_ids=[7], min_tokens=2)
+    assert late.token_ids[2] == 7 and 7 not in late.token_ids[:2] and late.finish.finish_reason == "stop"
+    options = GenerateOptions(max_tokens=24, ignore_eos=True, frequency_penalty=1.5, repetition_penalty=1.4)
+    proc = logits_processing(frequency_penalty=1.5, repetition_penalty=1.4)
+    with Engine(CONFIG) as local:
+        plain, penalized = local.generate(
+            ["In the beginning"] * 2,
+            [
+                RequestParams(max_tokens=24, ignore_eos=True),
+                RequestParams(max_tokens=24, ignore_eos=True, sampling=SamplingParams(processing=proc)),
+            ],
+        )
+    assert plain.token_ids != penalized.token_ids, "the penalties should change this greedy output"
+    assert client.generate("In the beginning", **options).token_ids == penalized.token_ids
 
 
 def test_duplicate_request_id_and_abort(client: Client) -> None:

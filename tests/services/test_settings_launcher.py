@@ -1,8 +1,12 @@
-"""Settings from ``CDB_*`` variables and the launcher's configuration plumbing (no processes)."""
+"""Settings from ``CDB_*`` variables and the launcher's configuration plumbing: the resolved configuration's
+document, stage addresses, ready files; (slow) children die with their launcher."""
 
 from __future__ import annotations
 
-import argparse
+import hashlib
+import json
+import os
+import stat
 import subprocess
 import sys
 import time
@@ -11,10 +15,9 @@ from pathlib import Path
 import pytest
 
 from cdb_engine.config import EngineConfig
-from cdb_engine.options import add_engine_args, engine_config_from_args, engine_config_to_argv
 from cdb_scheduler.plan import Stage
 from services.net import parse_stage_addrs, wait_ready_file, write_ready_file
-from services.settings import Settings, SettingsError, load_settings
+from services.settings import Resolved, Settings, SettingsError, load_settings
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -49,7 +52,8 @@ def test_bad_settings_name_the_variable(env: dict[str, str], match: str) -> None
         load_settings(env)
 
 
-def test_engine_config_round_trips_through_command_line_options() -> None:
+def test_the_resolved_configuration_round_trips_through_its_document(tmp_path: Path) -> None:
+    """What the launcher hands its children: every field, typed again on the way back (enums, auto = None)."""
     config = EngineConfig(
         model="huginn-tiny",
         dtype="float64",
@@ -58,11 +62,18 @@ def test_engine_config_round_trips_through_command_line_options() -> None:
         exit_threshold=0.25,
         max_input_tokens=100,
         init_seed=3,
+        early_exit=False,
     )
-    parser = argparse.ArgumentParser()
-    add_engine_args(parser)
-    assert engine_config_from_args(parser.parse_args(engine_config_to_argv(config))) == config
-    assert engine_config_from_args(parser.parse_args([])) == EngineConfig()
+    resolved = Resolved(Settings(fence_spin_s=1e-4, stage_secret="s3cret-value", log_level="debug"), config)
+    path = str(tmp_path / "config.json")
+    resolved.write(path)
+    assert Resolved.read(path) == resolved and stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    assert "s3cret-value" not in resolved.shown() and json.loads(resolved.shown())["settings"]["stage_secret"]
+    assert resolved.digest() == hashlib.sha256(resolved.shown().encode()).hexdigest()
+    assert Resolved(Settings(), config).digest() != resolved.digest()
+    for bad in ("{", '{"engine": {}}', '{"engine": {"max_num_seqs": 0}, "settings": {}}'):
+        with pytest.raises(SettingsError, match="not a resolved configuration"):
+            Resolved.from_json(bad)
 
 
 def test_stage_addresses() -> None:

@@ -8,8 +8,11 @@ from cdb_api.v1 import stage_pb2 as pb
 from cdb_scheduler.plan import (
     Fence,
     HeadOp,
+    HistorySeed,
     KVCopy,
     KVUpdate,
+    LogitsProcessing,
+    LoopHead,
     LoopOp,
     PreludeOp,
     SamplingParams,
@@ -78,6 +81,64 @@ OPS: list[StageOp] = [
         ),
         token_index=(0, 17, 3),
     ),
+    HeadOp(  # a prefill head scoring the prompt (echo with prompt logprobs)
+        9,
+        (),
+        (),
+        (),
+        rids=(7, 7, 7),
+        positions=(0, 1, 2),
+        rows=(64, 65, 66),
+        sample=(False, False, True),
+        sampling=(SamplingParams(logprobs=2),) * 3,
+        token_index=(0, 0, 0),
+        score_ids=(511, 0, -1),
+    ),
+    HeadOp(  # logits processing, and the history seed of a penalized request sampled here first
+        10,
+        (),
+        (),
+        (),
+        rids=(7, 9),
+        positions=(4, 2),
+        rows=(0, 1),
+        sample=(True, True),
+        sampling=(
+            SamplingParams(
+                temperature=0.5,
+                processing=LogitsProcessing(
+                    presence_penalty=0.5,
+                    frequency_penalty=-0.25,
+                    repetition_penalty=1.3,
+                    logit_bias=((3, -100.0), (17, 2.5)),
+                    min_tokens=4,
+                    stop_ids=(0, 2),
+                ),
+            ),
+            SamplingParams(processing=LogitsProcessing(logit_bias=((5, 1.0),))),
+        ),
+        token_index=(1, 0),
+        history=(HistorySeed(0, (5, 6, 7), (9,)),),
+    ),
+    LoopOp(
+        11,
+        (),
+        (),
+        (),
+        rids=(7,),
+        positions=(5,),
+        rows=(0,),
+        steps=(0,),
+        head=LoopHead(
+            rids=(7,),
+            positions=(5,),
+            rows=(0,),
+            sampling=(SamplingParams(processing=LogitsProcessing(frequency_penalty=1.0)),),
+            token_index=(2,),
+            embed_ids=(-1,),
+            history=(HistorySeed(0, (), (9, 4)),),
+        ),
+    ),
 ]
 
 
@@ -108,6 +169,14 @@ RESULTS = [
         logprobs=(None, TokenLogprobs(-0.1), TokenLogprobs(-1 / 7, (1, 2), (-0.5, -2 / 3))),
     ),
     StageResult(Stage.LOOP, 9, 0.0, error="boom: shape mismatch"),
+    StageResult(
+        Stage.HEAD,
+        10,
+        1e-3,
+        token_ids=(3,),
+        logprobs=(None,),
+        prompt_logprobs=(TokenLogprobs(-2.5, (4, 9), (-0.25, -1 / 3)), TokenLogprobs(-1e-9)),
+    ),
 ]
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import signal
 from collections.abc import Iterator
 from typing import Any
@@ -204,23 +203,21 @@ def test_log_level_flag(build: Any) -> None:
 
 
 def test_serve_hands_its_log_flags_to_the_tree(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``cdb serve --log-level debug --request-log``: the children read both from the environment it hands them."""
+    """``cdb serve --log-level debug --request-log``: both in the configuration it hands the tree."""
     import cdb.serve
 
-    for var in ("CDB_LOG_LEVEL", "CDB_REQUEST_LOG", "CDB_HTTP_ADDR"):  # serve_main sets them: undone at the end
-        monkeypatch.setenv(var, "")
-    monkeypatch.delenv("CDB_LOG_LEVEL")  # unset while it runs (an empty level is refused)
-    monkeypatch.delenv("CDB_REQUEST_LOG")
-    seen: dict[str, str] = {}
+    for var in ("CDB_LOG_LEVEL", "CDB_REQUEST_LOG"):
+        monkeypatch.delenv(var, raising=False)
+    seen: list[Any] = []
 
-    def serve_forever(*args: Any, **kw: Any) -> int:
-        seen.update(os.environ)
+    def serve_forever(resolved: Any, listen: str) -> int:
+        seen.append(resolved.settings)
         return 0
 
     monkeypatch.setattr(cdb.serve, "serve_forever", serve_forever)
     argv = ["--listen", "127.0.0.1:0", "--model", "ouro-tiny", "--http", "", "--log-level", "debug", "--request-log"]
     assert cdb.serve.serve_main(argv) == 0
-    assert seen["CDB_LOG_LEVEL"] == "debug" and seen["CDB_REQUEST_LOG"] == "true"
+    assert (seen[0].log_level, seen[0].request_log) == ("debug", True)
     assert logging.getLogger().level == logging.DEBUG  # the launcher's own logs too
 
 
