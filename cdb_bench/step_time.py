@@ -6,8 +6,11 @@ presets and of the released Ouro-1.4B / Huginn-0125 shapes, and the fixed share 
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import time
+from concurrent import futures
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -74,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append({"preset": name, "F0": f0, "Fr": fr, "max_depth": c.max_depth, "ms_per_step_32_tokens": ms})
         print(f"{name:14} {f0:>10,} {fr:>10,} {f0 / fr:>6.3f} {c.max_depth:>5}  {ms:.2f}")
     costs = host_costs()
-    fits = {name: step_cost.fit_fixed_cost(name, repeats=args.repeats) for name in args.fit_presets}
+    fits = {name: fit_in_fresh_process(name, args.repeats, args.threads) for name in args.fit_presets}
     for name, f in fits.items():
         print(
             f"{name}: decode loop op = {f['fixed_us']:.0f} us fixed + {f['per_token_us']:.1f} us per token "
@@ -89,6 +92,19 @@ def main(argv: list[str] | None = None) -> int:
         series = {n: ([float(w) for w in f["widths"]], [t / 1e3 for t in f["us_per_op"]]) for n, f in fits.items()}
         outputs.lines(args.out / "fixed_cost.png", "decode loop op time vs width", series, "tokens in the op", "ms")
     return 0
+
+
+def _fit(name: str, repeats: int, threads: int) -> dict[str, Any]:
+    if threads:
+        torch.set_num_threads(threads)
+    return step_cost.fit_fixed_cost(name, repeats=repeats)
+
+
+def fit_in_fresh_process(name: str, repeats: int, threads: int) -> dict[str, Any]:
+    """``fit_fixed_cost`` in a new interpreter: what ran before in this one (other models, their allocations)
+    moves the small ops' times by up to 2x on a CPU."""
+    with futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(_fit, name, repeats, threads).result()
 
 
 def host_costs() -> dict[str, dict[str, object]]:

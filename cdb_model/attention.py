@@ -141,8 +141,7 @@ class DecodeKV:
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         n, kvh, d = k.shape
-        kp = self.pool.k[layer].view(-1, kvh, d)  # [slots * blocks * block_size, kvh, d]
-        vp = self.pool.v[layer].view(-1, kvh, d)
+        kp, vp = self.pool.k_rows[layer], self.pool.v_rows[layer]  # [slots * blocks * block_size, kvh, d]
         kp.index_copy_(0, self.write_rows, k)
         vp.index_copy_(0, self.write_rows, v)
         length = self.context_rows.shape[1]
@@ -233,8 +232,7 @@ class PagedKV:
         kvh, d = k.shape[1], k.shape[2]
         # One layer's pool viewed as rows: a gather of whole [kvh, d] rows is a plain index_select (memcpy),
         # several times faster on CPU than advanced indexing over three index tensors.
-        kp = self.pool.k[layer].view(-1, kvh, d)  # [slots * blocks * block_size, kvh, d]
-        vp = self.pool.v[layer].view(-1, kvh, d)
+        kp, vp = self.pool.k_rows[layer], self.pool.v_rows[layer]  # [slots * blocks * block_size, kvh, d]
         if self._write_rows is None:
             self._write_rows = self._flat(*self._write)
             if self._single is not None:

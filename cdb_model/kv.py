@@ -183,6 +183,10 @@ class PagedKVPool:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.num_layers, self.n_slots = num_layers, n_slots
         self.num_blocks, self.block_size = num_blocks, block_size
+        # Each layer's K and V as rows ``[slots * blocks * block_size, kv_heads, head_dim]`` (views, made once):
+        # attention gathers and writes whole rows with one index op.
+        self.k_rows = [self.k[i].view(-1, num_kv_heads, head_dim) for i in range(num_layers)]
+        self.v_rows = [self.v[i].view(-1, num_kv_heads, head_dim) for i in range(num_layers)]
 
     @property
     def device(self) -> torch.device:
