@@ -35,7 +35,7 @@ stubs-check: install
 	$(BIN)/python -m cdb_api.build --check
 
 pytest: install
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=15
 
 test: lint typecheck stubs-check pytest
 
