@@ -36,7 +36,7 @@ def width_buckets(max_width: int) -> tuple[int, ...]:
 @dataclass
 class _Graph:
     cols: Tensor  # [4, width] long: rows, positions, steps, table lines
-    outputs: tuple[Tensor, Tensor, Tensor | None]  # rows out [width, W], signals [width], lookahead
+    outputs: tuple[Tensor, Tensor, Tensor | None] | None  # rows out [width, W], signals [width], lookahead
     graph: Any  # torch.cuda.CUDAGraph, or None when running eagerly
     tables: Tensor  # the block-table tensor it was captured over
 
@@ -83,8 +83,8 @@ class DecodeGraphs:
     def _build(self, width: int, length: int) -> _Graph:
         cols = self._padding(width)
         tables = self.tables()
-        if not self.capture:
-            return _Graph(cols, self.compute(list(cols), length), None, tables)
+        if not self.capture:  # the same static, padded buffers, computed at each run
+            return _Graph(cols, None, None, tables)
         # Warm up on a side stream (allocations, lazy inits), then capture; all-padding inputs touch only scratch.
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -108,7 +108,7 @@ class DecodeGraphs:
         g.cols[:, :width].copy_(cols)
         if width < key[0]:
             g.cols[:, width:].copy_(self._padding(key[0] - width))
-        if g.graph is not None:
+        if g.graph is not None and g.outputs is not None:
             g.graph.replay()
             x, signal, look = g.outputs
         else:

@@ -24,7 +24,6 @@ from cdb_model.attention import DecodeKV, KVAccess, PagedKV
 from cdb_model.base import LoopedLM
 from cdb_model.batched_sampling import Processing, SamplingColumns, logprob_columns, sample_rows, unpack_logprobs
 from cdb_model.kv import DeviceBlockTables, KVLayout, PagedKVPool
-from cdb_model.scoring import score_rows
 from cdb_scheduler.plan import (
     HeadOp,
     HistorySeed,
@@ -433,8 +432,11 @@ class StageWorker:
             parts: list[TokenLogprobs] = []
             for at in range(0, len(which), SCORE_SLICE):  # logits of a long prompt a slice at a time
                 part = which[at : at + SCORE_SLICE]
-                logits = self.model.logits(hidden[torch.tensor(part, dtype=torch.long, device=self.device)])
-                parts += score_rows(logits, [op.score_ids[i] for i in part], [op.sampling[i].logprobs for i in part])
+                index, targets = self._columns(part, [op.score_ids[i] for i in part])[0]
+                params = [op.sampling[i] for i in part]
+                top_n = max(p.logprobs for p in params)
+                packed = logprob_columns(self.model.logits(hidden[index]), targets, top_n).tolist()
+                parts += [lp for lp in unpack_logprobs(packed, params, range(len(part)), len(part)) if lp is not None]
             scored = tuple(parts)
         picked = [i for i, s in enumerate(op.sample) if s]
         if not picked:
