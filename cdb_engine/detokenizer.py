@@ -15,8 +15,9 @@ class Detokenizer:
 
     Each ``push`` decodes only a short window: the ids since the last emitted boundary (``read``) plus those of
     the chunk before it (``prefix``), which gives tokenizers whose decoding depends on the previous token (a
-    leading space, a byte fallback) their context. ``text`` holds the stable text so far; ``sent`` counts the
-    characters of it already handed out.
+    leading space, a byte fallback) their context; the context's decoded length is kept (``context``), so a push
+    decodes once. ``text`` holds the stable text so far (without stop strings: only what is not handed out yet);
+    ``sent`` counts the characters of it already handed out.
     """
 
     tokenizer: Tokenizer
@@ -26,22 +27,27 @@ class Detokenizer:
     sent: int = 0
     prefix: int = 0  # ids[prefix:read] decode to the context chunk before the pending ids
     read: int = 0  # ids[read:] are not yet part of ``text``
+    context: int = 0  # len(decode(ids[prefix:read])): fixed until the boundary moves, so decoded once per move
 
     def push(self, token_id: int) -> tuple[str, bool]:
         """Add a token; returns (new text, whether a stop string was hit — the text stops before it)."""
-        self.ids.append(token_id)
-        context = self.tokenizer.decode(self.ids[self.prefix : self.read])
-        window = self.tokenizer.decode(self.ids[self.prefix :])
-        if len(window) > len(context) and not window.endswith(_INCOMPLETE):
-            self.text += window[len(context) :]
-            self.prefix, self.read = self.read, len(self.ids)
+        ids = self.ids
+        ids.append(token_id)
+        window = self.tokenizer.decode(ids[self.prefix :])
+        if len(window) > self.context and not window.endswith(_INCOMPLETE):
+            self.text += window[self.context :]
+            self.prefix, self.read = self.read, len(ids)
+            self.context = len(self.tokenizer.decode(ids[self.prefix : self.read])) if self.prefix < self.read else 0
+        if not self.stop_strings:  # nothing to hold back or search: all new stable text goes out, none is kept
+            delta, self.text, self.sent = self.text[self.sent :], "", 0
+            return delta, False
         return self._release(final=False)
 
     def flush(self) -> str:
         """Text held back at the end of the stream."""
-        context = self.tokenizer.decode(self.ids[self.prefix : self.read])
-        self.text += self.tokenizer.decode(self.ids[self.prefix :])[len(context) :]
+        self.text += self.tokenizer.decode(self.ids[self.prefix :])[self.context :]
         self.prefix = self.read = len(self.ids)
+        self.context = 0
         return self._release(final=True)[0]
 
     def _release(self, *, final: bool) -> tuple[str, bool]:

@@ -14,7 +14,7 @@ from cdb_scheduler.plan import TokenLogprobs
 from cdb_scheduler.request import FinishReason
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class TokenEvent:
     request_id: str
     index: int
@@ -27,7 +27,7 @@ class TokenEvent:
     prompt_logprobs: tuple[TokenLogprobs, ...] = ()
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class FinishEvent:
     request_id: str
     finish_reason: FinishReason

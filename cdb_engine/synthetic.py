@@ -35,8 +35,10 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -177,13 +179,34 @@ class SyntheticDepths:
 
     def draw(self, rid: int, position: int, max_depth: int) -> int:
         """The depth of token ``(rid, position)``: ``lo + Binomial(hi - lo, p)`` with the configured mean."""
+        return int(self.draw_many(np.array([rid], np.uint64), np.array([position], np.uint64), max_depth)[0])
+
+    def draw_many(self, rids: np.ndarray, positions: np.ndarray, max_depth: int) -> np.ndarray:
+        """``draw`` over arrays (uint64): the same integers, in a few vector operations per op."""
         lo = min(self.min, max_depth)
         n = max_depth - lo
         if n == 0:
-            return lo
+            return np.full(len(rids), lo, np.int64)
         p = min(1.0, max(0.0, (self.mean - lo) / n))
-        base = derive_seed(rid, position)
-        return lo + sum(derive_seed(base, j) < p * 2**63 for j in range(n))
+        below = np.uint64(min(math.ceil(p * 2**63), 2**64 - 1))  # integer x < p * 2**63  <=>  x < ceil(p * 2**63)
+        base = _splitmix(rids, positions)
+        hits = np.zeros(len(rids), np.int64)
+        for j in range(n):
+            hits += _splitmix(base, np.uint64(j)) < below
+        return hits + lo
+
+
+_M64 = [np.uint64(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB, 0x7FFFFFFFFFFFFFFF)]
+
+
+def _splitmix(base: np.ndarray, index: np.ndarray | np.uint64) -> np.ndarray:
+    """``derive_seed`` over uint64 arrays (products wrap modulo 2**64, as its masks do)."""
+    a, b, c, low63 = _M64
+    with np.errstate(over="ignore"):
+        x = base * a + index * b + c
+        x = (x ^ (x >> np.uint64(30))) * b
+        x = (x ^ (x >> np.uint64(27))) * c
+    return (x ^ (x >> np.uint64(31))) & low63
 
 
 @dataclass(slots=True)
@@ -204,16 +227,20 @@ _HIGH = 0.999999  # an Ouro hazard that crosses any threshold q < 1 (q = 1.0 sti
 
 @dataclass(frozen=True, slots=True)
 class _Pending:
-    """A launched synthetic op: calling it waits for its modelled end (``ready_at``, perf_counter) and gives its
-    result; the stage may take its next op off the wire until then."""
+    """A launched synthetic op: calling it computes what the device would (exit signals, sampled tokens: the
+    ``device`` call) while the op's modelled time runs, waits for its modelled end (``ready_at``, perf_counter)
+    and gives its result; the stage may take its next op off the wire until then."""
 
     worker: SyntheticWorker
-    result: StageResult
+    device: Callable[[], StageResult]
+    seq: int
+    seconds: float
     ready_at: float
 
     def __call__(self) -> StageResult:
+        result = self.device()
         self.worker._wait_until(self.ready_at)
-        return self.result
+        return replace(result, seq=self.seq, compute_s=self.seconds)
 
 
 class SyntheticWorker:
@@ -239,7 +266,6 @@ class SyntheticWorker:
         self.tables = BlockTables()
         self.has_kv = (c.num_prelude_layers, c.num_loop_layers, c.num_coda_layers)[stage] > 0
         self._stops = frozenset(c.stop_token_ids)
-        self._depths: dict[int, dict[int, int]] = {}  # rid -> position -> drawn depth, while in the loop
         self._free_at = 0.0  # when the modelled device stream is done with the previous op (perf_counter)
         self._slack = threading.local()
 
@@ -255,31 +281,40 @@ class SyntheticWorker:
             raise ValueError(f"{op.stage.name} op sent to the {self.stage.name} worker")
         self.tables.release(op.released)
         self.tables.apply(op.kv_updates)
-        for rid in op.released:
-            self._depths.pop(rid, None)
-        result = StageResult(self.stage, op.seq, 0.0)
+        # Host work here (tables, checks, the op's modelled time); what the device computes (signals, tokens) is
+        # modelled by the ``device`` call, which runs inside the op's modelled time, as a GPU's kernels would.
+        device: Callable[[], StageResult] = self._nothing
         if isinstance(op, LoopOp):
             for c in op.kv_copies:
                 self._check(c.rid, c.position)
             seconds = self._seconds(op.rids, op.positions, len(op.rows)) * (op.num_steps if op.prefill else 1)
-            if not op.prefill and op.rows:
-                result = self._signals(op)
             if op.head is not None:  # fused head: the head's modelled time, in this op
-                h = op.head
-                seconds += self.model.cost.head.seconds(len(h.rows), 0)
-                take = (True,) * len(h.rows)
-                sampled = self._sample(h.rids, h.rows, take, h.sampling, h.token_index)
-                result = replace(result, token_ids=sampled.token_ids, logprobs=sampled.logprobs)
+                seconds += self.model.cost.head.seconds(len(op.head.rows), 0)
+            if op.head is not None or (not op.prefill and op.rows):
+                device = partial(self._loop_results, op)
         elif isinstance(op, HeadOp):
             self._seconds(op.rids, op.positions, 0)  # every token's coda KV is checked
             seconds = self._seconds((), (), sum(op.sample)) if not self.has_kv else self._head_seconds(op)
-            result = self._sample(op.rids, op.rows, op.sample, op.sampling, op.token_index)
-            if op.score_ids:
-                result = replace(result, prompt_logprobs=self._scores(op))
+            device = partial(self._head_results, op)
         else:
             assert isinstance(op, PreludeOp)
             seconds = self._seconds(op.rids, op.positions, len(op.rows))
-        return _Pending(self, replace(result, seq=op.seq, compute_s=seconds), self._enqueue(seconds))
+        return _Pending(self, device, op.seq, seconds, self._enqueue(seconds))
+
+    def _nothing(self) -> StageResult:
+        return StageResult(self.stage, -1, 0.0)
+
+    def _loop_results(self, op: LoopOp) -> StageResult:
+        result = self._signals(op) if not op.prefill and op.rows else self._nothing()
+        if op.head is not None:
+            h = op.head
+            sampled = self._sample(h.rids, h.rows, (True,) * len(h.rows), h.sampling, h.token_index)
+            result = replace(result, token_ids=sampled.token_ids, logprobs=sampled.logprobs)
+        return result
+
+    def _head_results(self, op: HeadOp) -> StageResult:
+        result = self._sample(op.rids, op.rows, op.sample, op.sampling, op.token_index)
+        return replace(result, prompt_logprobs=self._scores(op)) if op.score_ids else result
 
     def _check(self, rid: int, position: int) -> None:
         if position // self.block_size >= len(self.tables.table(rid)):
@@ -298,21 +333,17 @@ class SyntheticWorker:
         return self.cost.seconds(sum(op.sample), context)
 
     def _signals(self, op: LoopOp) -> StageResult:
+        """Exit signals that make each token leave at its drawn depth (read one step ahead)."""
         m = self.model
-        max_depth, ouro = self.kv_layout.max_depth, m.config.arch == "ouro"
-        signals = []
-        depths = self._depths
-        for rid, pos, step in zip(op.rids, op.positions, op.steps):
-            mine = depths.get(rid)
-            if mine is None:
-                mine = depths[rid] = {}
-            depth = mine.get(pos)
-            if depth is None or step == 0:
-                depth = mine[pos] = m.depths.draw(rid, pos, max_depth)
-            leave = step + 2 >= depth  # the signal is read one step ahead: the token exits at its depth
-            signals.append((_HIGH if leave else 0.0) if ouro else (0.0 if leave else 1.0))
-        look = tuple(signals) if ouro and m.config.has_lookahead_gate else ()
-        return StageResult(self.stage, op.seq, 0.0, signals=tuple(signals), lookahead=look)
+        ouro = m.config.arch == "ouro"
+        depths = m.depths.draw_many(
+            np.array(op.rids, np.uint64), np.array(op.positions, np.uint64), self.kv_layout.max_depth
+        )
+        leave = (np.array(op.steps, np.int64) + 2 >= depths).tolist()
+        on, off = (_HIGH, 0.0) if ouro else (0.0, 1.0)
+        signals = tuple(on if x else off for x in leave)
+        look = signals if ouro and m.config.has_lookahead_gate else ()
+        return StageResult(self.stage, op.seq, 0.0, signals=signals, lookahead=look)
 
     def _sample(
         self,

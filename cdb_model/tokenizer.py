@@ -116,6 +116,10 @@ def check_messages(messages: object) -> list[dict[str, str]]:
     return out
 
 
+_BYTE_PIECES = [b""] * BYTE_OFFSET + [bytes([b]) for b in range(256)]  # the byte tokenizer's ids as bytes
+_PIECES = [t.encode() for t in SPECIAL_TOKENS] + _BYTE_PIECES[BYTE_OFFSET:]  # with the special tokens' text
+
+
 class ByteTokenizer:
     """Byte-level tokenizer: ids 0/1/2 = ``<|endoftext|>``, ``<|im_start|>``, ``<|im_end|>``; byte b -> id b + 3.
 
@@ -142,13 +146,9 @@ class ByteTokenizer:
         return ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        out = bytearray()
-        for i in ids:
-            if BYTE_OFFSET <= i < BYTE_OFFSET + 256:
-                out.append(i - BYTE_OFFSET)
-            elif 0 <= i < BYTE_OFFSET and not skip_special_tokens:
-                out.extend(SPECIAL_TOKENS[i].encode())
-        return out.decode("utf-8", errors="replace")
+        table = _BYTE_PIECES if skip_special_tokens else _PIECES  # id -> its bytes; other ids decode to nothing
+        n = len(table)
+        return b"".join([table[i] if 0 <= i < n else b"" for i in ids]).decode("utf-8", errors="replace")
 
     def apply_chat_template(
         self, messages: list[dict[str, str]], add_generation_prompt: bool = True, chat_template: str | None = None

@@ -128,6 +128,23 @@ class OuroHazard(ExitPolicy):
             return st.cdf + st.next_hazard * st.survival >= self.q
         return st.cdf >= self.q
 
+    def decision(self, st: ExitState, step: int) -> bool | None:
+        # ``ExitPolicy.decision`` -> ``exits_after`` -> ``_stop`` in one frame: it runs for every token in every
+        # loop op, usually twice (at issue, then when the signal it waits for is in).
+        n = step + 1
+        if n >= self.max_depth:
+            return True
+        if n < self.min_depth:
+            return False
+        if self.horizon is Horizon.ONE_AHEAD:
+            if st.observed != step:
+                return None
+            if step == 0:
+                return False
+            hazard = st.next_hazard
+            return (st.cdf + hazard * st.survival if hazard is not None else st.cdf) >= self.q
+        return st.cdf >= self.q if st.observed == n else None
+
 
 class LatentDiff(ExitPolicy):
     """Huginn: exit when ||s_t - s_{t-1}|| / ||s_t|| < q (q = 0: never exit early)."""

@@ -40,7 +40,7 @@ class Stage(enum.IntEnum):
         return tuple(s.role for s in cls)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Fence:
     """Start only after op ``seq`` of ``stage`` has completed (ops of one stage complete in order)."""
 
@@ -48,7 +48,7 @@ class Fence:
     seq: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class KVUpdate:
     """Block-table delta of one request for the receiving stage.
 
@@ -110,7 +110,7 @@ class HistorySeed:
     output_ids: tuple[int, ...]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class KVCopy:
     """Copy-on-exit (KV policy ``last_exited``): copy the loop KV of ``position`` from depth slot ``from_slot``
     into every deeper slot. Executed by the loop stage before the op's compute."""
@@ -215,7 +215,7 @@ class HeadOp(OpBase):
 StageOp = PreludeOp | LoopOp | HeadOp
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class TokenLogprobs:
     """Logprob of the sampled token and the top alternatives (ids and logprobs, best first)."""
 
@@ -224,7 +224,7 @@ class TokenLogprobs:
     top_logprobs: tuple[float, ...] = ()
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class StageResult:
     """Completion of one op. ``compute_s`` is the stage's own compute time for it (wall seconds).
 

@@ -107,7 +107,7 @@ class Item:
         return self.forced_depth > 0
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class TokenOut:
     """A generated token reported to the engine."""
 
@@ -118,7 +118,7 @@ class TokenOut:
     logprobs: TokenLogprobs | None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Finished:
     """A request ended; its resources are already free."""
 

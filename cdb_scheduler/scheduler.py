@@ -176,11 +176,13 @@ class Scheduler:
         head, head_items = self._fused_head() if self.cfg.fuse_loop_head else (None, [])
         ready, width = self.ready, self.cfg.max_num_seqs
         items: list[Item] = []
-        while ready and len(items) < width:
+        take = min(width, len(ready))
+        while take and ready:
             it = ready.popleft()
             req = it.req
             if req.epoch == it.epoch and req.status is not _FINISHED:
                 items.append(it)
+                take -= 1
         assert items or head_items, "ready queue held only stale items"  # schedule() drops them first
         steps = [it.next_step for it in items]
         reqs = [it.req for it in items]
@@ -190,11 +192,20 @@ class Scheduler:
         self._loop[seq] = _LoopFlight(items, steps, head_items)
         self.stats.on_loop_issue(len(items), width)
         cont: list[Item] = []
-        route = self._route
-        for it in items:
-            it.next_step += 1
-            it.pending_since = seq
-            route(it, cont)
+        leave = self._leave
+        for it in items:  # the fate of the step just issued, if the horizon already allows deciding it
+            step = it.next_step
+            it.next_step = step + 1
+            forced = it.forced_depth
+            decision = step + 1 >= forced if forced else it.req.policy.decision(it.exit_state, step)
+            if decision is None:
+                it.pending_since = seq
+            elif decision:
+                it.pending_since = -1
+                leave(it, step)
+            else:
+                it.pending_since = -1
+                cont.append(it)
         ready.extendleft(reversed(cont))
         return op
 
@@ -228,17 +239,9 @@ class Scheduler:
         )
         return head, items
 
-    def _route(self, it: Item, cont: list[Item]) -> None:
-        """Decide the fate of the last issued step of ``it`` if the horizon allows; route it."""
-        step = it.next_step - 1
-        forced = it.forced_depth  # recomputed after preemption: the depth recorded the first time
-        decision = step + 1 >= forced if forced else it.req.policy.decision(it.exit_state, step)
-        if decision is None:
-            return
-        it.pending_since = -1
-        if not decision:
-            cont.append(it)
-            return
+    def _leave(self, it: Item, step: int) -> None:
+        """``it`` exits after ``step``: to the head queue (its KV copied into the deeper slots first, if the policy
+        copies on exit)."""
         it.exited = True
         it.depth = step + 1
         if self.cfg.copy_on_exit and step + 1 < self.cfg.max_depth:
@@ -300,14 +303,21 @@ class Scheduler:
                 policy.observe(it.exit_state, step, signals[i], lookahead[i] if lookahead else None)
         # Fates that waited for these signals: this op's own (same-step), then later ops' (one-ahead).
         cont: list[Item] = []
-        route = self._route
+        leave = self._leave
         for seq in [res.seq, *sorted(self._loop)]:
             fl = flight if seq == res.seq else self._loop[seq]
             for it in fl.items:
                 if it.pending_since == seq:
                     req = it.req
                     if req.epoch == it.epoch and req.status is not _FINISHED:
-                        route(it, cont)
+                        step = it.next_step - 1
+                        decision = req.policy.decision(it.exit_state, step)  # (forced depths never wait)
+                        if decision is not None:
+                            it.pending_since = -1
+                            if decision:
+                                leave(it, step)
+                            else:
+                                cont.append(it)
         self.ready.extendleft(reversed(cont))
 
     def _on_head(self, res: StageResult, events: list[Event]) -> None:

@@ -119,7 +119,7 @@ def test_a_list_of_prompts_gives_one_choice_each_in_order(api: Served) -> None:
         mine, its = choice["logprobs"]["token_logprobs"], alone["choices"][0]["logprobs"]["token_logprobs"]
         n = len(mine) - len(choice["cdb"]["depths"])  # the prompt's: from the prefill (float64 exactness of
         # batched vs alone: tests/engine/test_prompt_logprobs.py; here float32 matmuls over other batch shapes)
-        assert mine[:n] == pytest.approx(its[:n], abs=1e-6), "batching changed a prompt logprob"
+        assert mine[:n] == pytest.approx(its[:n], abs=1e-5), "batching changed a prompt logprob"  # (float32 ulps)
         assert mine[n:] == pytest.approx(its[n:], abs=1e-5)  # generated: float32 decode batches of other widths
         prompt_tokens += alone["usage"]["prompt_tokens"]
     assert out["usage"]["prompt_tokens"] == prompt_tokens

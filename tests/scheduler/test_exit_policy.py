@@ -84,3 +84,26 @@ def test_fixed_and_replayed_depths_need_no_signals() -> None:
 def test_invalid_policies_are_refused(make) -> None:
     with pytest.raises(ValueError):
         make()
+
+
+@pytest.mark.parametrize("horizon", list(Horizon))
+def test_ouro_fast_decision_equals_the_generic_rule(horizon: Horizon) -> None:
+    """``OuroHazard.decision`` (one frame, on every token of every loop op) gives what the generic
+    ``ExitPolicy.decision`` -> ``exits_after`` -> ``_stop`` chain gives, at every step, before and after the
+    signal each decision waits for, with and without a lookahead gate."""
+    rng = random.Random(7)
+    checked = 0
+    for _ in range(300):
+        max_depth = rng.randint(1, 6)
+        policy = OuroHazard(rng.choice([0.2, 0.5, 0.9, 1.0]), max_depth, rng.randint(1, max_depth), horizon)
+        lookahead = rng.random() < 0.5
+        st = policy.new_state()
+        for step in range(max_depth):
+            for _ in range(2):  # before and after this step's signal is observed
+                if horizon is Horizon.ONE_AHEAD and st.observed > step:
+                    break  # a one-ahead decision is never asked once its own step's signal is in
+                assert policy.decision(st, step) == ExitPolicy.decision(policy, st, step)
+                checked += 1
+                if st.observed == step:
+                    policy.observe(st, step, rng.random(), rng.random() if lookahead else None)
+    assert checked > 1000
