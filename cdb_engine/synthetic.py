@@ -227,20 +227,16 @@ _HIGH = 0.999999  # an Ouro hazard that crosses any threshold q < 1 (q = 1.0 sti
 
 @dataclass(frozen=True, slots=True)
 class _Pending:
-    """A launched synthetic op: calling it computes what the device would (exit signals, sampled tokens: the
-    ``device`` call) while the op's modelled time runs, waits for its modelled end (``ready_at``, perf_counter)
-    and gives its result; the stage may take its next op off the wire until then."""
+    """A launched synthetic op: calling it waits for its modelled end (``ready_at``, perf_counter) and gives its
+    result; the stage may take its next op off the wire until then."""
 
     worker: SyntheticWorker
-    device: Callable[[], StageResult]
-    seq: int
-    seconds: float
+    result: StageResult
     ready_at: float
 
     def __call__(self) -> StageResult:
-        result = self.device()
         self.worker._wait_until(self.ready_at)
-        return replace(result, seq=self.seq, compute_s=self.seconds)
+        return self.result
 
 
 class SyntheticWorker:
@@ -281,8 +277,8 @@ class SyntheticWorker:
             raise ValueError(f"{op.stage.name} op sent to the {self.stage.name} worker")
         self.tables.release(op.released)
         self.tables.apply(op.kv_updates)
-        # Host work here (tables, checks, the op's modelled time); what the device computes (signals, tokens) is
-        # modelled by the ``device`` call, which runs inside the op's modelled time, as a GPU's kernels would.
+        # Host work first (tables, checks, the op's modelled time); what the device computes (signals, tokens) is
+        # modelled by the ``device`` call after the op's modelled time has started, inside it.
         device: Callable[[], StageResult] = self._nothing
         if isinstance(op, LoopOp):
             for c in op.kv_copies:
@@ -299,7 +295,9 @@ class SyntheticWorker:
         else:
             assert isinstance(op, PreludeOp)
             seconds = self._seconds(op.rids, op.positions, len(op.rows))
-        return _Pending(self, device, op.seq, seconds, self._enqueue(seconds))
+        ready_at = self._enqueue(seconds)  # the modelled device time runs from here: what the device computes is
+        result = device()  # modelled on the host meanwhile, as a GPU computes while its host goes on
+        return _Pending(self, replace(result, seq=op.seq, compute_s=seconds), ready_at)
 
     def _nothing(self) -> StageResult:
         return StageResult(self.stage, -1, 0.0)

@@ -131,11 +131,24 @@ def _history_of(h: pb.HeadBatch) -> tuple[HistorySeed, ...]:
     return tuple(HistorySeed(s.index, tuple(s.prompt_ids), tuple(s.output_ids)) for s in h.history)
 
 
+_PARAMS: dict[tuple[float, int, float, int, int, bool], SamplingParams] = {}  # the same settings, one object
+_PARAMS_KEPT = 8192  # distinct settings kept (each request has its own seed): emptied when full
+
+
+def _params(key: tuple[float, int, float, int, int, bool]) -> SamplingParams:
+    params = _PARAMS.get(key)
+    if params is None:
+        if len(_PARAMS) >= _PARAMS_KEPT:
+            _PARAMS.clear()
+        t, k, p, s, n, r = key
+        params = _PARAMS[key] = SamplingParams(temperature=t, top_k=k, top_p=p, seed=s, logprobs=n, return_logprob=r)
+    return params
+
+
 def _sampling_of(h: pb.HeadBatch) -> tuple[SamplingParams, ...]:
-    params = [
-        SamplingParams(temperature=t, top_k=k, top_p=p, seed=s, logprobs=n, return_logprob=r)
-        for t, k, p, s, n, r in zip(h.temperature, h.top_k, h.top_p, h.seed, h.logprobs, h.return_logprob)
-    ]
+    # A request's settings arrive with every op that samples it: made into an object once (a frozen dataclass
+    # costs more to build than to look up), not once per op.
+    params = list(map(_params, zip(h.temperature, h.top_k, h.top_p, h.seed, h.logprobs, h.return_logprob)))
     for proc in h.processing:
         params[proc.index] = dataclasses.replace(
             params[proc.index],
