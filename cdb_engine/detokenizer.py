@@ -7,6 +7,9 @@ from dataclasses import dataclass, field
 from cdb_model.tokenizer import Tokenizer
 
 _INCOMPLETE = "\ufffd"  # what a decoder gives for the first bytes of an unfinished UTF-8 sequence
+# Ids held back at most: no UTF-8 sequence spans more (4 bytes, a byte per id at worst); more are ids that decode
+# to nothing or to broken bytes, which waiting cannot mend, and each held id would be decoded again per push.
+_MAX_PENDING = 8
 
 
 @dataclass(slots=True)
@@ -34,7 +37,8 @@ class Detokenizer:
         ids = self.ids
         ids.append(token_id)
         window = self.tokenizer.decode(ids[self.prefix :])
-        if len(window) > self.context and not window.endswith(_INCOMPLETE):
+        settled = len(window) > self.context and not window.endswith(_INCOMPLETE)
+        if settled or len(ids) - self.read >= _MAX_PENDING:
             self.text += window[self.context :]
             self.prefix, self.read = self.read, len(ids)
             self.context = len(self.tokenizer.decode(ids[self.prefix : self.read])) if self.prefix < self.read else 0

@@ -161,16 +161,6 @@ class KVUpdate(_message.Message):
     reset: bool
     def __init__(self, rid: _Optional[int] = ..., append: _Optional[_Iterable[int]] = ..., reset: _Optional[bool] = ...) -> None: ...
 
-class KVCopy(_message.Message):
-    __slots__ = ("rid", "position", "from_slot")
-    RID_FIELD_NUMBER: _ClassVar[int]
-    POSITION_FIELD_NUMBER: _ClassVar[int]
-    FROM_SLOT_FIELD_NUMBER: _ClassVar[int]
-    rid: int
-    position: int
-    from_slot: int
-    def __init__(self, rid: _Optional[int] = ..., position: _Optional[int] = ..., from_slot: _Optional[int] = ...) -> None: ...
-
 class PreludeBatch(_message.Message):
     __slots__ = ("rids", "token_ids", "positions", "rows", "init_seeds")
     RIDS_FIELD_NUMBER: _ClassVar[int]
@@ -186,14 +176,16 @@ class PreludeBatch(_message.Message):
     def __init__(self, rids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., positions: _Optional[_Iterable[int]] = ..., rows: _Optional[_Iterable[int]] = ..., init_seeds: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class LoopBatch(_message.Message):
-    __slots__ = ("rids", "positions", "rows", "steps", "prefill", "num_steps", "kv_copies", "head")
+    __slots__ = ("rids", "positions", "rows", "steps", "prefill", "num_steps", "copy_rids", "copy_positions", "copy_from_slots", "head")
     RIDS_FIELD_NUMBER: _ClassVar[int]
     POSITIONS_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_FIELD_NUMBER: _ClassVar[int]
     NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
-    KV_COPIES_FIELD_NUMBER: _ClassVar[int]
+    COPY_RIDS_FIELD_NUMBER: _ClassVar[int]
+    COPY_POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    COPY_FROM_SLOTS_FIELD_NUMBER: _ClassVar[int]
     HEAD_FIELD_NUMBER: _ClassVar[int]
     rids: _containers.RepeatedScalarFieldContainer[int]
     positions: _containers.RepeatedScalarFieldContainer[int]
@@ -201,9 +193,11 @@ class LoopBatch(_message.Message):
     steps: _containers.RepeatedScalarFieldContainer[int]
     prefill: bool
     num_steps: int
-    kv_copies: _containers.RepeatedCompositeFieldContainer[KVCopy]
+    copy_rids: _containers.RepeatedScalarFieldContainer[int]
+    copy_positions: _containers.RepeatedScalarFieldContainer[int]
+    copy_from_slots: _containers.RepeatedScalarFieldContainer[int]
     head: HeadBatch
-    def __init__(self, rids: _Optional[_Iterable[int]] = ..., positions: _Optional[_Iterable[int]] = ..., rows: _Optional[_Iterable[int]] = ..., steps: _Optional[_Iterable[int]] = ..., prefill: _Optional[bool] = ..., num_steps: _Optional[int] = ..., kv_copies: _Optional[_Iterable[_Union[KVCopy, _Mapping]]] = ..., head: _Optional[_Union[HeadBatch, _Mapping]] = ...) -> None: ...
+    def __init__(self, rids: _Optional[_Iterable[int]] = ..., positions: _Optional[_Iterable[int]] = ..., rows: _Optional[_Iterable[int]] = ..., steps: _Optional[_Iterable[int]] = ..., prefill: _Optional[bool] = ..., num_steps: _Optional[int] = ..., copy_rids: _Optional[_Iterable[int]] = ..., copy_positions: _Optional[_Iterable[int]] = ..., copy_from_slots: _Optional[_Iterable[int]] = ..., head: _Optional[_Union[HeadBatch, _Mapping]] = ...) -> None: ...
 
 class HeadBatch(_message.Message):
     __slots__ = ("rids", "positions", "rows", "sample", "token_index", "temperature", "top_k", "top_p", "seed", "logprobs", "return_logprob", "embed", "embed_ids", "score_ids", "processing", "history")

@@ -73,7 +73,10 @@ def op_to_pb(op: StageOp, traceparent: str = "", trace_contexts: Mapping[int, st
         loop.steps.extend(op.steps)
         loop.prefill = op.prefill
         loop.num_steps = op.num_steps
-        loop.kv_copies.extend(pb.KVCopy(rid=c.rid, position=c.position, from_slot=c.from_slot) for c in op.kv_copies)
+        if op.kv_copies:
+            loop.copy_rids.extend([c.rid for c in op.kv_copies])
+            loop.copy_positions.extend([c.position for c in op.kv_copies])
+            loop.copy_from_slots.extend([c.from_slot for c in op.kv_copies])
         if op.head is not None:
             h = op.head
             _head_columns(loop.head, h.rids, h.positions, h.rows, h.token_index, h.sampling)
@@ -201,7 +204,7 @@ def op_from_pb(msg: pb.StageBatch) -> StageOp:
             steps=tuple(lp.steps),
             prefill=lp.prefill,
             num_steps=lp.num_steps,
-            kv_copies=tuple(KVCopy(c.rid, c.position, c.from_slot) for c in lp.kv_copies),
+            kv_copies=tuple(map(KVCopy, lp.copy_rids, lp.copy_positions, lp.copy_from_slots)),
             head=_loop_head(lp.head) if lp.HasField("head") else None,
         )
     if which == "head":

@@ -6,6 +6,7 @@ import asyncio
 import math
 import random
 import threading
+from collections.abc import Sequence
 from dataclasses import replace
 
 import pytest
@@ -144,6 +145,28 @@ def test_detokenizer_holds_back_a_possible_stop_string_prefix() -> None:
     assert "".join(out) == "abc"
     delta, stopped = d.push(tok.encode("D")[0])
     assert stopped and delta == ""
+
+
+def test_detokenizer_decodes_a_bounded_window_whatever_the_ids() -> None:
+    """Ids that decode to nothing (specials, ids past the byte range) or to broken UTF-8 cannot hold the window
+    open: each push decodes a bounded number of ids, and valid text after them still streams whole."""
+    seen: list[int] = []
+
+    class Counting(ByteTokenizer):
+        def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+            seen.append(len(ids))
+            return super().decode(ids, skip_special_tokens)
+
+    tok = Counting()
+    d = Detokenizer(tok, ())
+    junk = [random.Random(3).choice([0, 1, 300, 400, 0xC3 + 3, 0xF0 + 3]) for _ in range(500)]
+    for i in junk:
+        d.push(i)
+    seen.clear()
+    text = "tail: é and 🙂"
+    out = "".join(d.push(i)[0] for i in tok.encode(text)) + d.flush()
+    assert out.endswith(text)
+    assert max(seen) <= 16
 
 
 def test_abort_right_after_submit_always_finds_the_request(engine: Engine) -> None:
