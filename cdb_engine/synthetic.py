@@ -23,7 +23,8 @@ Exit depths: each decode token's depth is drawn from ``(seed = rid, position)`` 
 Huginn). The loop stage reports the signals that make the family's exit rule, with the default one-ahead
 horizon and any threshold strictly inside its range, exit at that depth (a same-step horizon exits one step
 earlier); replayed depths (``replay_depths``) and full depth ignore them as usual. The head returns token ids
-from a seeded stream of ``(rid, token index)`` that avoids the model's stop ids.
+from a seeded stream of ``(rid, token index)`` that avoids the model's stop ids. Both are computed after the op's
+modelled time has started, inside it: a GPU computes them while its host goes on.
 """
 
 from __future__ import annotations
@@ -35,7 +36,6 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from functools import partial
 from typing import Any
 
 import numpy as np
@@ -278,25 +278,26 @@ class SyntheticWorker:
         self.tables.release(op.released)
         self.tables.apply(op.kv_updates)
         # Host work first (tables, checks, the op's modelled time); what the device computes (signals, tokens) is
-        # modelled by the ``device`` call after the op's modelled time has started, inside it.
-        device: Callable[[], StageResult] = self._nothing
+        # modelled after the op's modelled time has started, inside it, as a GPU computes while its host goes on.
         if isinstance(op, LoopOp):
             for c in op.kv_copies:
                 self._check(c.rid, c.position)
             seconds = self._seconds(op.rids, op.positions, len(op.rows)) * (op.num_steps if op.prefill else 1)
             if op.head is not None:  # fused head: the head's modelled time, in this op
                 seconds += self.model.cost.head.seconds(len(op.head.rows), 0)
-            if op.head is not None or (not op.prefill and op.rows):
-                device = partial(self._loop_results, op)
         elif isinstance(op, HeadOp):
             self._seconds(op.rids, op.positions, 0)  # every token's coda KV is checked
             seconds = self._seconds((), (), sum(op.sample)) if not self.has_kv else self._head_seconds(op)
-            device = partial(self._head_results, op)
         else:
             assert isinstance(op, PreludeOp)
             seconds = self._seconds(op.rids, op.positions, len(op.rows))
-        ready_at = self._enqueue(seconds)  # the modelled device time runs from here: what the device computes is
-        result = device()  # modelled on the host meanwhile, as a GPU computes while its host goes on
+        ready_at = self._enqueue(seconds)
+        if isinstance(op, LoopOp):
+            result = self._loop_results(op)
+        elif isinstance(op, HeadOp):
+            result = self._head_results(op)
+        else:
+            result = self._nothing()
         return _Pending(self, replace(result, seq=op.seq, compute_s=seconds), ready_at)
 
     def _nothing(self) -> StageResult:
