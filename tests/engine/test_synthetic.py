@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import random
 import statistics
 
+import numpy as np
 import pytest
 
 from cdb_engine.config import EngineConfig, RequestParams
@@ -11,7 +13,7 @@ from cdb_engine.engine import Engine
 from cdb_engine.synthetic import SyntheticDepths, parse_cost
 from cdb_model.config import ModelConfig
 from cdb_model.released import OURO_14B
-from cdb_scheduler.plan import Stage
+from cdb_scheduler.plan import Stage, derive_seed
 
 
 def test_an_explicit_spec_costs_what_it_says_and_stages_left_out_cost_nothing() -> None:
@@ -67,3 +69,22 @@ def test_an_engine_on_synthetic_stages_serves_the_drawn_depths_with_live_exit_de
     want = SyntheticDepths.parse(depths, "").mean
     assert statistics.fmean(decode) == pytest.approx(want, abs=0.25), "the exit rule follows the drawn depths"
     assert mean > 0 and loop_compute == pytest.approx(engine.sched_stats.ops[Stage.LOOP] * 50e-6, rel=0.5)
+
+
+@pytest.mark.parametrize("depths", [SyntheticDepths(2.5, 2), SyntheticDepths(6.0, 3), SyntheticDepths(4.0, 1)])
+def test_vectorised_depth_draws_are_the_integer_mixing_draws(depths: SyntheticDepths) -> None:
+    """``draw_many`` (NumPy, per op) gives, token by token, ``MIN + #{j : derive_seed(derive_seed(rid, pos), j) <
+    p * 2**63}``: the draw written with the scheduler's own integer mixing, in Python integers."""
+    rng = random.Random(5)
+    rids = [rng.randrange(1, 10**6) for _ in range(400)]
+    positions = [rng.randrange(0, 8192) for _ in range(400)]
+    for max_depth in (1, 4, 32):
+        lo = min(depths.min, max_depth)
+        n = max_depth - lo
+        p = min(1.0, max(0.0, (depths.mean - lo) / n)) if n else 0.0
+        expected = [
+            lo + sum(derive_seed(derive_seed(r, q), j) < p * 2**63 for j in range(n)) for r, q in zip(rids, positions)
+        ]
+        got = depths.draw_many(np.array(rids, np.uint64), np.array(positions, np.uint64), max_depth)
+        assert got.tolist() == expected
+        assert depths.draw(rids[0], positions[0], max_depth) == expected[0]
