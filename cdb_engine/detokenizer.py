@@ -18,9 +18,9 @@ class Detokenizer:
 
     Each ``push`` decodes only a short window: the ids since the last emitted boundary (``read``) plus those of
     the chunk before it (``prefix``), which gives tokenizers whose decoding depends on the previous token (a
-    leading space, a byte fallback) their context; the context's decoded length is kept (``context``), so a push
-    decodes once. ``text`` holds the stable text so far (without stop strings: only what is not handed out yet);
-    ``sent`` counts the characters of it already handed out.
+    leading space, a byte fallback) their context; the context's decoded length is kept (``context``), so it is
+    decoded again only when the boundary moves. ``text`` holds the stable text so far (without stop strings: only
+    what is not handed out yet); ``sent`` counts the characters of it already handed out.
     """
 
     tokenizer: Tokenizer
