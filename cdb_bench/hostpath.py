@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from cdb_bench import outputs
-from cdb_engine.config import EngineConfig, RequestParams
+from cdb_engine.config import EngineConfig, RequestParams, Speculative
 from cdb_engine.engine import Engine
 from cdb_engine.events import Event, FinishEvent, TokenEvent
 from cdb_engine.synthetic import parse_cost
@@ -297,6 +297,7 @@ def _config(point: Point) -> EngineConfig:
         max_waiting=4 * point.width,
         num_kv_blocks=point.width * (PROMPT_LEN + OUTPUT_LEN[1]) // 16 + 64,
         fuse_loop_head=point.fuse_loop_head,
+        speculative=Speculative.OFF,  # the host path at steady load, where no request would draft anyway
     )
 
 

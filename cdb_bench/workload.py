@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from cdb_engine.config import EngineConfig, RequestParams
+from cdb_engine.config import EngineConfig, RequestParams, Speculative
 from cdb_engine.engine import Engine
 from cdb_scheduler.exit_policy import ExitRule
 from cdb_scheduler.plan import SamplingParams
@@ -85,7 +85,7 @@ def config_and_workload(args: argparse.Namespace, **engine: Any) -> tuple[Engine
         kv_policy=args.kv_policy,
         exit_rule=ExitRule.REPLAY if replay else ExitRule.AUTO,
         num_threads=args.threads,
-        **engine,
+        **({"speculative": Speculative.OFF} | engine),  # the method's own figures (cdb bench serve --speculative)
     )
     probe = Engine(cfg)
     depth = (args.depth_mean, args.depth_min, args.depth_max or probe.limits.max_depth) if replay else None

@@ -25,6 +25,14 @@ class DType(enum.StrEnum):
     FLOAT16 = "float16"
 
 
+class Speculative(enum.StrEnum):
+    """Self-speculative decoding (``cdb_scheduler.speculation``)."""
+
+    AUTO = "auto"  # where the model and KV policy allow it, while rows are free; draft depth adapted per request
+    ON = "on"  # always where allowed (an error where not), at the fixed draft depth, never paused
+    OFF = "off"
+
+
 # ``EngineConfig.dtype``'s default: bfloat16 on a CUDA device, float32 elsewhere (resolved at construction, so a
 # config's dtype is always a ``DType`` afterwards).
 AUTO_DTYPE = cast(DType, "auto")
@@ -35,6 +43,7 @@ _CHOICES: dict[str, type[enum.StrEnum]] = {
     "kv_policy": KVPolicy,
     "horizon": Horizon,
     "exit_rule": ExitRule,
+    "speculative": Speculative,
 }
 
 
@@ -130,6 +139,17 @@ class EngineConfig:
         default=True,
         metadata=_help("Ouro: loop ops sample the exited tokens and run their successors (no head op)"),
     )
+    speculative: Speculative = field(
+        default=Speculative.AUTO,
+        metadata=_help("self-speculative decoding: auto (adaptive, while rows are free), on, off"),
+    )
+    speculative_tokens: int = field(
+        default=4, metadata=_help("tokens of one request running ahead of its oldest unverified one, at most")
+    )
+    speculative_depth: int | None = field(
+        default=None,
+        metadata=_help("loop steps a token runs before its successor is drafted; auto: 1, adaptive"),
+    )
     allow_replay_depths: bool = field(
         default=False,
         metadata=_help("accept per-request replayed depths (benchmarks; implied by exit rule replay)"),
@@ -140,7 +160,7 @@ class EngineConfig:
     )
     synthetic_depths: str = field(
         default="",
-        metadata=_help("synthetic stages' exit depths MEAN:MIN; empty: 2.5:2 for Ouro, 6:3 for Huginn"),
+        metadata=_help("synthetic exit depths MEAN:MIN[:ACCEPT]; empty: 2.5:2 Ouro, 6:3 Huginn"),
     )
 
     def __post_init__(self) -> None:
@@ -155,7 +175,14 @@ class EngineConfig:
                 raise ValueError("synthetic_depths needs synthetic_cost")
             parse_cost(self.synthetic_cost)
             SyntheticDepths.parse(self.synthetic_depths, "ouro")
-        for name in ("max_num_seqs", "num_kv_blocks", "kv_block_size", "max_waiting", "loop_pipeline_depth"):
+        for name in (
+            "max_num_seqs",
+            "num_kv_blocks",
+            "kv_block_size",
+            "max_waiting",
+            "loop_pipeline_depth",
+            "speculative_tokens",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
 
@@ -177,6 +204,7 @@ class RequestParams:
     # The logprob of every prompt token after the first (with ``sampling.logprobs`` alternatives), computed from
     # the prefill's full-depth hidden states; reported with the first token (or the finish, if none is generated)
     prompt_logprobs: bool = False
+    speculative: bool | None = None  # self-speculative decoding for this request (None: the server's choice)
 
 
 def logits_processing(

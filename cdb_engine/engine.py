@@ -201,6 +201,7 @@ class Engine:
             init_seed=self.config.init_seed,
             replay_depths=list(params.replay_depths) if params.replay_depths is not None else None,
             score_prompt=params.prompt_logprobs,
+            speculate=params.speculative,
             arrival=time.monotonic(),
         )
         if params.resume_tokens:  # recomputed at their depths and not reported again, as after a preemption

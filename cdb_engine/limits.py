@@ -41,9 +41,9 @@ from __future__ import annotations
 
 import enum
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from cdb_engine.config import EngineConfig
+from cdb_engine.config import EngineConfig, Speculative
 from cdb_model.config import ModelConfig
 from cdb_model.kv import KVPolicy
 from cdb_model.loader import is_preset
@@ -111,6 +111,7 @@ class Limits:
     threshold_source: ThresholdSource = ThresholdSource.UNUSED
     model_threshold: float = 1.0  # the model's own early_exit_threshold (config.json or preset)
     mode: Mode = Mode.CDB
+    no_speculation: str = ""  # why this engine cannot speculate ("": it can)
 
     @property
     def early_exit(self) -> bool:
@@ -139,8 +140,30 @@ class Limits:
             copy_on_exit=cfg.kv_policy is KVPolicy.LAST_EXITED,
             head_has_kv=mc.num_coda_layers > 0,
             fuse_refill_embed=cfg.fuse_refill_embed and mc.prelude_is_embedding,
-            fuse_loop_head=cfg.fuse_loop_head and mc.prelude_is_embedding and cfg.mode is not Mode.NO_REFILL,
+            fuse_loop_head=self.fused_loop_head(cfg, mc),
+            spec_supported=self.spec_unsupported(cfg, mc) is None,
+            speculate=cfg.speculative is not Speculative.OFF and self.spec_unsupported(cfg, mc) is None,
+            spec_adaptive=cfg.speculative is Speculative.AUTO,
+            spec_max_tokens=cfg.speculative_tokens,
+            spec_depth=min(cfg.speculative_depth or 1, max(1, self.max_depth - 1)),
         )
+
+    @staticmethod
+    def fused_loop_head(cfg: EngineConfig, mc: ModelConfig) -> bool:
+        return cfg.fuse_loop_head and mc.prelude_is_embedding and cfg.mode is not Mode.NO_REFILL
+
+    def spec_unsupported(self, cfg: EngineConfig, mc: ModelConfig) -> str | None:
+        """Why this engine cannot speculate (None: it can)."""
+        if not self.fused_loop_head(cfg, mc):
+            return "self-speculative decoding needs the fused loop head (Ouro, fuse_loop_head, mode cdb or full-depth)"
+        if cfg.kv_policy not in (KVPolicy.LAST_EXITED, KVPolicy.DEPTH_INDEXED):
+            return (
+                f"kv_policy {cfg.kv_policy} reads a predecessor's final KV at every step: nothing can start early "
+                "(use last_exited)"
+            )
+        if self.max_depth < 2:
+            return "self-speculative decoding needs max_depth >= 2"
+        return None
 
 
 def resolve_limits(cfg: EngineConfig, mc: ModelConfig) -> Limits:
@@ -176,6 +199,12 @@ def resolve_limits(cfg: EngineConfig, mc: ModelConfig) -> Limits:
     except ValueError as exc:
         raise ValueError(f"{exc} ({source} threshold of {mc.name})") from None
     _check_kv_policy(cfg, limits)
+    why = limits.spec_unsupported(cfg, mc)
+    if cfg.speculative is Speculative.ON and why is not None:
+        raise ValueError(f"speculative on: {why}")
+    limits = replace(limits, no_speculation=why or "")
+    if cfg.speculative_depth is not None and not 1 <= cfg.speculative_depth < max_depth:
+        raise ValueError(f"speculative_depth must be in [1, max_depth {max_depth}), got {cfg.speculative_depth}")
     return limits
 
 

@@ -337,17 +337,18 @@ class StageWorker:
         return self.model.loop_step(self._read(rows), positions, steps, kv)
 
     def _fused_head(self, h: LoopHead, out: _Outputs) -> _Sampled:
-        """A loop op's fused head (Ouro): sample the rows, then embed each successor's input into its row."""
+        """A loop op's fused head (Ouro): sample the rows, then embed each successor's input into its row (a draft's:
+        into the row of the successor drafted from it, ``LoopHead.embed_rows``)."""
         scols = SamplingColumns.build(h.sampling, h.token_index, self.device)
         ends = -2 in h.embed_ids  # requests that end here have no successor to embed
         keep = [j for j, e in enumerate(h.embed_ids) if e != -2] if ends else []
         lp_rows = list(scols.logprob_rows) if len(scols.logprob_rows) < len(h.rows) else []
-        (rows, positions, embed_ids, keep_index, lp_index), table = self._columns(
-            h.rows, h.positions, h.embed_ids, keep, lp_rows, floats=scols.table
+        (rows, positions, embed_ids, targets, keep_index, lp_index), table = self._columns(
+            h.rows, h.positions, h.embed_ids, h.targets, keep, lp_rows, floats=scols.table
         )
         self._seed(h.rows, h.history)
         tokens, lp = self.fused_head(
-            [rows, positions, embed_ids],
+            [rows, positions, embed_ids, targets],
             table,
             scols.any_sampled,
             scols.top_n if scols.logprob_rows else -1,
@@ -367,17 +368,19 @@ class StageWorker:
         lp_rows: Tensor | None = None,
         processing: Processing | None = None,
     ) -> tuple[Tensor, Tensor | None]:
-        """``cols`` (``[N]`` each): bank rows, positions, embed ids (-1 the sampled id, >= 0 that id, -2 none); ``table
-        [4, N]`` the sampling columns. ``keep``: the rows that embed a successor (None: all); ``top_n`` >= 0:
+        """``cols`` (``[N]`` each): bank rows, positions, embed ids (-1 the sampled id, >= 0 that id, -2 none), and
+        the rows the embeddings (and sampled ids) go to (absent: the rows themselves); ``table [4, N]`` the
+        sampling columns. ``keep``: the rows that embed a successor (None: all); ``top_n`` >= 0:
         logprob columns with that many alternatives for ``lp_rows`` (None: all rows)."""
         rows, positions, embed_ids = cols[0], cols[1], cols[2]
+        targets = cols[3] if len(cols) > 3 else rows
         hidden = self.model.coda(self._read(rows), positions, None)  # [N, H]
         tokens, lp = self._sample_rows(hidden, rows, table, any_sampled, top_n, lp_rows, processing)
-        self.tokens.index_copy_(0, rows, tokens)
+        self.tokens.index_copy_(0, targets, tokens)
         ids = torch.where(embed_ids == -1, tokens, embed_ids)  # the successor's input: sampled, or recorded
         if keep is not None:
-            rows, ids = rows[keep], ids[keep]
-        self._write(rows, self.model.embed_input(ids))
+            targets, ids = targets[keep], ids[keep]
+        self._write(targets, self.model.embed_input(ids))
         return tokens, lp
 
     def _seed(self, bank_rows: Sequence[int], seeds: Sequence[HistorySeed]) -> None:

@@ -23,8 +23,10 @@ Exit depths: each decode token's depth is drawn from ``(seed = rid, position)`` 
 Huginn). The loop stage reports the signals that make the family's exit rule, with the default one-ahead
 horizon and any threshold strictly inside its range, exit at that depth (a same-step horizon exits one step
 earlier); replayed depths (``replay_depths``) and full depth ignore them as usual. The head returns token ids
-from a seeded stream of ``(rid, token index)`` that avoids the model's stop ids. Both are computed after the op's
-modelled time has started, inside it: a GPU computes them while its host goes on.
+from a seeded stream of ``(rid, token index)`` that avoids the model's stop ids; a draft read (self-speculative
+decoding: a row sampled for a successor in another row) ``k`` steps short of the token's drawn depth gives that
+id with probability ``ACCEPT ** k`` (``--synthetic-depths MEAN:MIN:ACCEPT``, default 0.9), another id otherwise.
+Both are computed after the op's modelled time has started, inside it: a GPU computes them while its host goes on.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from cdb_model.kv import BlockTables, KVLayout
 from cdb_model.released import HUGINN_0125, OURO_14B
 from cdb_scheduler.plan import (
     HeadOp,
+    LoopHead,
     LoopOp,
     PreludeOp,
     SamplingParams,
@@ -156,25 +159,34 @@ def parse_cost(spec: str) -> SyntheticCost:
     return SyntheticCost(text, costs[Stage.PRELUDE], costs[Stage.LOOP], costs[Stage.HEAD])
 
 
+DRAFT_AGREEMENT = 0.9  # synthetic drafts: chance that one loop step more leaves a token's sample unchanged
+
+
 @dataclass(frozen=True, slots=True)
 class SyntheticDepths:
     """Drawn exit depths: mean and minimum (the maximum is the tree's max depth)."""
 
     mean: float
     min: int
+    accept: float = DRAFT_AGREEMENT  # a draft read k steps short of the token's depth is right with accept ** k
 
     @classmethod
     def parse(cls, text: str, arch: str) -> SyntheticDepths:
-        """``MEAN:MIN``; empty: the family's default (Ouro 2.5:2, Huginn 6:3)."""
+        """``MEAN:MIN[:ACCEPT]``; empty: the family's default (Ouro 2.5:2, Huginn 6:3)."""
         if not text.strip():
             return cls(2.5, 2) if arch == "ouro" else cls(6.0, 3)
-        mean, sep, low = text.partition(":")
+        mean, sep, rest = text.partition(":")
+        low, sep2, accept = rest.partition(":")
         try:
-            depths = cls(float(mean), int(low) if sep else 1)
+            depths = cls(float(mean), int(low) if sep else 1, float(accept) if sep2 else DRAFT_AGREEMENT)
         except ValueError:
-            raise ValueError(f"synthetic depths {text!r}: expected MEAN:MIN (a number and an integer)") from None
+            raise ValueError(
+                f"synthetic depths {text!r}: expected MEAN:MIN[:ACCEPT] (a number, an integer, a number)"
+            ) from None
         if not math.isfinite(depths.mean) or depths.min < 1 or depths.mean < depths.min:
             raise ValueError(f"synthetic depths {text!r}: need MIN >= 1 and MEAN >= MIN")
+        if not 0.0 <= depths.accept <= 1.0:
+            raise ValueError(f"synthetic depths {text!r}: need 0 <= ACCEPT <= 1")
         return depths
 
     def draw(self, rid: int, position: int, max_depth: int) -> int:
@@ -263,6 +275,7 @@ class SyntheticWorker:
         self.has_kv = (c.num_prelude_layers, c.num_loop_layers, c.num_coda_layers)[stage] > 0
         self._stops = frozenset(c.stop_token_ids)
         self._free_at = 0.0  # when the modelled device stream is done with the previous op (perf_counter)
+        self._row_depth = np.zeros(bank.shape[0], np.int64)  # loop steps each bank row's state has run
         self._slack = threading.local()
 
     def execute(self, op: StageOp) -> StageResult:
@@ -304,12 +317,44 @@ class SyntheticWorker:
         return StageResult(self.stage, -1, 0.0)
 
     def _loop_results(self, op: LoopOp) -> StageResult:
-        result = self._signals(op) if not op.prefill and op.rows else self._nothing()
-        if op.head is not None:
+        sampled = None
+        if op.head is not None:  # read at the start of the op, before its steps
             h = op.head
-            sampled = self._sample(h.rids, h.rows, (True,) * len(h.rows), h.sampling, h.token_index)
+            sampled = self._sample(h.rids, h.targets, (True,) * len(h.rows), h.sampling, h.token_index)
+            if h.embed_rows:
+                sampled = replace(sampled, token_ids=self._drafted(h, sampled.token_ids))
+            self._row_depth[list(h.targets)] = 0
+        if op.prefill:
+            self._row_depth[list(op.rows)] = self.kv_layout.max_depth
+        elif op.rows:
+            self._row_depth[list(op.rows)] = np.array(op.steps, np.int64) + 1
+        result = self._signals(op) if not op.prefill and op.rows else self._nothing()
+        if sampled is not None:
             result = replace(result, token_ids=sampled.token_ids, logprobs=sampled.logprobs)
         return result
+
+    def _drafted(self, h: LoopHead, ids: tuple[int, ...]) -> tuple[int, ...]:
+        """Draft reads (a row sampled for a successor in another row) ``k`` loop steps short of the token's drawn
+        depth give its id with probability ``accept ** k`` (a seeded draw of the token and the read depth), another
+        id otherwise; a token's real read, at its depth, always gives its id."""
+        m = self.model
+        reads = self._row_depth[list(h.rows)]
+        drawn = m.depths.draw_many(
+            np.array(h.rids, np.uint64), np.array(h.positions, np.uint64), self.kv_layout.max_depth
+        )
+        out = list(ids)
+        vocab = m.config.vocab_size
+        for i, (row, target) in enumerate(zip(h.rows, h.targets)):
+            short = int(drawn[i]) - int(reads[i])
+            if row == target or short <= 0:
+                continue
+            u = derive_seed(derive_seed(h.rids[i], h.token_index[i]), 1000 + int(reads[i])) / 2.0**63
+            if u >= m.depths.accept**short:
+                token = (out[i] + 1) % vocab
+                while token in self._stops or token == ids[i]:
+                    token = (token + 1) % vocab
+                out[i] = token
+        return tuple(out)
 
     def _head_results(self, op: HeadOp) -> StageResult:
         result = self._sample(op.rids, op.rows, op.sample, op.sampling, op.token_index)

@@ -112,6 +112,8 @@ def validate(
     _check_stops(limits, params, bounds)
     _check_depths(limits, params, kv_policy)
     _check_resume(limits, params)
+    if params.speculative and limits.no_speculation:
+        raise InvalidRequest("speculative", limits.no_speculation)
     return ids
 
 

@@ -34,6 +34,13 @@ class SchedulerConfig:
     head_has_kv: bool = False  # Huginn: the head runs coda blocks over every prompt position (their KV)
     fuse_refill_embed: bool = False  # the head op embeds a successor's input token (Ouro: no prelude op)
     fuse_loop_head: bool = False  # the loop op samples the tokens that left the loop (Ouro: no head op per step)
+    # Self-speculative decoding (``cdb_scheduler.speculation``): a token's successor starts from a draft read at a
+    # shallow depth while the token still loops, and is kept only if the token's real sample equals the draft.
+    spec_supported: bool = False  # the model, KV policy and mode allow it (fused loop head; KV exact per step)
+    speculate: bool = False  # requests speculate unless they say otherwise (needs spec_supported)
+    spec_adaptive: bool = True  # draft depth and pauses follow each request's measured acceptance (auto)
+    spec_max_tokens: int = 4  # tokens of one request running ahead of its oldest unverified one, at most
+    spec_depth: int = 1  # the draft depth a request starts at (loop steps before its token is drafted)
 
     def __post_init__(self) -> None:
         checks = [
@@ -51,6 +58,9 @@ class SchedulerConfig:
             (self.max_head_in_flight >= 1, "max_head_in_flight must be >= 1"),
             (self.max_head_wait_steps >= 1, "max_head_wait_steps must be >= 1"),
             (self.loop_pipeline_depth >= 1, "loop_pipeline_depth must be >= 1"),
+            (self.spec_max_tokens >= 1, "spec_max_tokens must be >= 1"),
+            (1 <= self.spec_depth < self.max_depth or self.max_depth == 1, "spec_depth must be in [1, max_depth)"),
+            (self.spec_supported or not self.speculate, "speculate needs spec_supported"),
         ]
         for ok, message in checks:
             if not ok:

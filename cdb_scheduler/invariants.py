@@ -9,20 +9,23 @@ if TYPE_CHECKING:
 
 
 def check_invariants(sched: Scheduler) -> None:
-    """Ownership invariants (tests call this after every step): one row per running request, blocks owned
-    by exactly the requests holding them, at most one token per request in the loop (queued or running)."""
+    """Ownership invariants (tests call this after every step): one row per running request (and one per token
+    it runs speculatively ahead), blocks owned by exactly the requests holding them, at most one token per request
+    in the loop (queued or running) besides its speculative ones, each in a row of its own."""
     row_owners = sched.rows.owners()
-    assert sorted(row_owners.values()) == sorted(r.rid for r in sched.running.values()), "row ownership"
-    for req in sched.running.values():
-        assert row_owners.get(req.row) == req.rid
+    held_rows = {row: r.rid for r in sched.running.values() for row in (r.row, *r.spec_rows)}
+    assert row_owners == held_rows, "row ownership"
     block_owners = sched.blocks.owners()
     held = {b: r.rid for r in sched.running.values() for b in r.blocks}
     assert block_owners == held, "KV block ownership"
     groups = [sched.ready, sched.refills, sched.stalled, sched.refill.held]
     groups += [[it for it in f.items if not it.exited] for f in sched._loop.values()]
-    count: dict[int, set[int]] = {}
+    count: dict[int, dict[int, int]] = {}
     for group in groups:
         for it in group:
             if it.live:
-                count.setdefault(it.req.rid, set()).add(id(it))
-    assert all(len(v) == 1 for v in count.values()), "more than one token of a request in the loop"
+                count.setdefault(it.req.rid, {})[id(it)] = it.row
+    for rid, rows in count.items():
+        req = sched.running[rid]
+        assert len(rows) <= 1 + len(req.spec_rows), "more than one token of a request in the loop"
+        assert len(set(rows.values())) == len(rows), "two tokens of a request in one row"

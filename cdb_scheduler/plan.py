@@ -153,7 +153,11 @@ class LoopHead:
     each row (``sampling[i]``, stream index ``token_index[i]``), write the id to the token bank, and write the
     successor's input embedding into the row: ``embed_ids[i]`` -1 the sampled id, >= 0 that id (a recomputed
     token's recorded input), -2 none (the request ends). The successors run their step 0 in the same op, so a
-    decode step needs no head op and no hop between stages."""
+    decode step needs no head op and no hop between stages.
+
+    ``embed_rows[i]`` (when given) is the row that receives row i's successor input (and the sampled id in the token
+    bank) instead of row i itself: a draft (self-speculative decoding) reads a token's row at a shallow depth while
+    the token goes on looping there, and its successor starts in a row of its own."""
 
     rids: tuple[int, ...]
     positions: tuple[int, ...]
@@ -162,6 +166,12 @@ class LoopHead:
     token_index: tuple[int, ...]
     embed_ids: tuple[int, ...]
     history: tuple[HistorySeed, ...] = ()  # of penalized rows sampled here for the first time
+    embed_rows: tuple[int, ...] = ()  # () : each row's successor input goes into that row
+
+    @property
+    def targets(self) -> tuple[int, ...]:
+        """The row each sampled row's successor input is written to."""
+        return self.embed_rows or self.rows
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,8 +179,10 @@ class LoopOp(OpBase):
     """Loop steps over bank rows, in place.
 
     Decode (``prefill=False``): every token runs exactly ONE step, its own ``steps[i]`` (0-based); tokens belong
-    to distinct requests. Prefill (``prefill=True``): the tokens are prompt chunks (several tokens per request,
-    consecutive positions), and all of them run steps ``0 .. num_steps-1`` in lockstep, writing the KV of every
+    to distinct requests, or to one request's consecutive tokens running speculatively ahead (each at a step its
+    predecessor has already run, so that it reads only KV written by earlier ops). Prefill (``prefill=True``): the
+    tokens are prompt chunks (several tokens per request, consecutive positions), and all of them run steps
+    ``0 .. num_steps-1`` in lockstep, writing the KV of every
     step. ``kv_copies`` are executed first. The result carries one exit signal per token for decode ops.
     """
 

@@ -8,7 +8,8 @@ Lifecycle of a request (numbered; see docs/design.md):
    Each next token k >= 1 is one work item: prelude of token k-1 at position P+k-1, loop steps until its exit,
    head samples token k. When item k goes to the head, item k+1 is queued at once (its input token is read
    from the token bank): at most one item per request is in the loop, and a successor of a request that
-   turns out to have ended (stop id) is dropped.
+   turns out to have ended (stop id) is dropped. With self-speculative decoding (``cdb_scheduler.speculation``)
+   items drafted from it run ahead, each in a row of its own, until their predecessors are verified.
 3. FINISHED: stop id, length, stop string, abort or error. Row and KV blocks are returned at once.
 """
 
@@ -64,6 +65,10 @@ class Request:
     blocks: list[int] = field(default_factory=list)
     epoch: int = 0  # bumped on preemption: items of an older epoch are stale
     num_preemptions: int = 0
+    # self-speculative decoding (``cdb_scheduler.speculation``)
+    speculate: bool | None = None  # the request's own choice (None: the server's)
+    spec: SpecState | None = None  # set at admission when the request may speculate
+    spec_rows: list[int] = field(default_factory=list)  # rows of its speculative items (``row`` is the oldest's)
 
     @property
     def prompt_len(self) -> int:
@@ -96,6 +101,16 @@ class Item:
     pending_since: int = -1  # loop seq of an issued step whose fate is not yet decided
     exited_at: int = 0  # loop ops issued when it joined the head queue
     embedded: bool = False  # its input's embedding is already in its row (written by the head op that sampled it)
+    embed_id: int = -1  # as it goes to the fused head: its successor's input to embed (``LoopHead.embed_ids``)
+    row: int = -1  # the bank row it runs in (its request's ``row``, or one of its ``spec_rows``)
+    # Speculation: ``pred`` is the unverified predecessor whose sample is this item's input: its draft (``draft``,
+    # -1 until the drafting op returns) or, ``FOLLOWS_REAL``, its real sample (the predecessor is unverified itself);
+    # ``succ`` the item that follows this one that way; ``sampled``: its own real token and logprobs, sampled before
+    # it was verified, reported once it is.
+    pred: Item | None = None
+    succ: Item | None = None
+    draft: int = -1
+    sampled: tuple[int, TokenLogprobs | None] | None = None
 
     @property
     def live(self) -> bool:
@@ -105,6 +120,18 @@ class Item:
     @property
     def replay(self) -> bool:
         return self.forced_depth > 0
+
+
+FOLLOWS_REAL = -3  # ``Item.draft`` of an item whose input is its unverified predecessor's real sample
+
+
+@dataclass(slots=True)
+class SpecState:
+    """A speculating request's draft depth and its measured acceptance (``cdb_scheduler.speculation``)."""
+
+    depth: int  # loop steps a token has run when its successor is drafted from it
+    acceptance: float = 1.0  # moving average of accepted drafts (starts hopeful)
+    paused_until: int = 0  # no drafting before this many generated tokens (acceptance too low to pay)
 
 
 @dataclass(slots=True)

@@ -43,8 +43,9 @@ class Residency:
         self.releases += 1
         self.running.pop(req.rid, None)
         if req.row >= 0:
-            self.rows.free(req.rid, [req.row])
+            self.rows.free(req.rid, [req.row, *req.spec_rows])
             req.row = -1
+            req.spec_rows = []
         if req.blocks:
             self.blocks.free(req.rid, req.blocks)
             req.blocks = []

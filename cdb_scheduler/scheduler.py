@@ -14,6 +14,7 @@ from collections import deque
 from dataclasses import dataclass
 from itertools import islice
 
+from cdb_scheduler import speculation
 from cdb_scheduler.config import Mode, SchedulerConfig
 from cdb_scheduler.exit_policy import FixedDepth
 from cdb_scheduler.invariants import check_invariants
@@ -21,7 +22,7 @@ from cdb_scheduler.ops import OpBuilder
 from cdb_scheduler.plan import KVCopy, LoopHead, Stage, StageOp, StageResult, TokenLogprobs
 from cdb_scheduler.prefill import PrefillFlight, grow_blocks, pick_chunks, prefill_chain
 from cdb_scheduler.refill import refill_policy
-from cdb_scheduler.request import Event, FinishReason, Item, Request, Status, TokenOut
+from cdb_scheduler.request import FOLLOWS_REAL, Event, FinishReason, Item, Request, SpecState, Status, TokenOut
 from cdb_scheduler.residency import Residency
 from cdb_scheduler.stats import SchedulerStats
 
@@ -33,6 +34,7 @@ class _LoopFlight:
     items: list[Item]
     steps: list[int]
     head: list[Item]  # fused head (``LoopHead``): tokens sampled at the start of the op
+    drafts: list[Item]  # then the successors drafted in it (their inputs: the op's next token ids)
 
 
 class Scheduler:
@@ -63,6 +65,12 @@ class Scheduler:
         if self.cfg.mode is Mode.FULL_DEPTH:
             req.policy = FixedDepth(self.cfg.max_depth, self.cfg.max_depth)
             req.replay_depths = None
+        cfg = self.cfg
+        wants = cfg.speculate if req.speculate is None else req.speculate
+        proc = req.sampling.processing
+        # (penalized sampling counts each sampled token on the stage: a draft must not be counted)
+        if wants and cfg.spec_supported and not (proc is not None and proc.penalized):
+            req.spec = SpecState(cfg.spec_depth)
         req.status = Status.WAITING
         self.waiting.append(req)
 
@@ -115,8 +123,10 @@ class Scheduler:
             if (self.ready or (fused and self.head_queue)) and len(self._loop) < self.cfg.loop_pipeline_depth:
                 # One loop op per round: tokens it lets exit go to the head (and their successors to the
                 # prelude) before the next loop op is formed, so that op already includes the refills.
-                ops.append(self._issue_loop())
-                continue
+                op = self._issue_loop()
+                if op is not None:
+                    ops.append(op)
+                    continue
             if not self.ready and not fused:
                 self._issue_heads(ops, flush=True)
                 self._issue_refills(ops)
@@ -149,7 +159,7 @@ class Scheduler:
             follows = [it.index + 1 < it.req.max_tokens for it in items]
             fuse = self.cfg.fuse_refill_embed
             embed = [fuse and f and k < 0 for f, k in zip(follows, known)]
-            rows, positions = [r.row for r in reqs], [it.position for it in items]
+            rows, positions = [it.row for it in items], [it.position for it in items]
             op = self.ops.head(reqs, positions, rows, [True] * len(items), [it.index for it in items], embed)
             self._head[op.seq] = items
             ops.append(op)
@@ -165,31 +175,47 @@ class Scheduler:
         self.refills.clear()
         reqs = [it.req for it in items]
         tokens = [it.input_token for it in items]
-        op = self.ops.prelude(reqs, tokens, [it.position for it in items], [r.row for r in reqs])
+        op = self.ops.prelude(reqs, tokens, [it.position for it in items], [it.row for it in items])
         self._prelude[op.seq] = items
         ops.append(op)
         for it in items:  # the loop op that takes them will fence on this prelude op
             self.refill.place(it, self.ready, self.stats)
 
-    def _issue_loop(self) -> StageOp:
+    def _issue_loop(self) -> StageOp | None:
         # Runs once per loop step over every token in the batch: plain locals, Item.live inlined.
-        head, head_items = self._fused_head() if self.cfg.fuse_loop_head else (None, [])
+        head_items = self._fused_head() if self.cfg.fuse_loop_head else []
         ready, width = self.ready, self.cfg.max_num_seqs
         items: list[Item] = []
+        early: list[Item] = []  # speculative items whose next step would read KV not yet written
         take = min(width, len(ready))
         while take and ready:
             it = ready.popleft()
             req = it.req
             if req.epoch == it.epoch and req.status is not _FINISHED:
+                pred = it.pred
+                if pred is not None:  # speculative: its step reads KV of the tokens before it at that depth
+                    while pred is not None and pred.exited:
+                        pred = pred.pred
+                    if pred is not None and it.next_step >= pred.next_step:
+                        early.append(it)  # the nearest one still looping has not run that step yet
+                        continue
                 items.append(it)
                 take -= 1
-        assert items or head_items, "ready queue held only stale items"  # schedule() drops them first
+        if early:
+            ready.extendleft(reversed(early))
+        drafts = self._draft(items, width) if self.cfg.spec_supported and not self.waiting else []
+        if not items and not head_items:
+            return None
+        head = self._loop_head(head_items, drafts) if head_items or drafts else None
+        if drafts:
+            items.extend(drafts)
         steps = [it.next_step for it in items]
+        positions, rows = [it.position for it in items], [it.row for it in items]
         reqs = [it.req for it in items]
-        positions, rows = [it.position for it in items], [r.row for r in reqs]
-        op = self.ops.loop(reqs, positions, rows, steps, head=head, head_reqs=[it.req for it in head_items])
+        head_reqs = [it.req for it in head_items] + [s.req for s in drafts]
+        op = self.ops.loop(reqs, positions, rows, steps, head=head, head_reqs=head_reqs)
         seq = op.seq
-        self._loop[seq] = _LoopFlight(items, steps, head_items)
+        self._loop[seq] = _LoopFlight(items, steps, head_items, drafts)
         self.stats.on_loop_issue(len(items), width)
         cont: list[Item] = []
         leave = self._leave
@@ -209,35 +235,92 @@ class Scheduler:
         ready.extendleft(reversed(cont))
         return op
 
-    def _fused_head(self) -> tuple[LoopHead | None, list[Item]]:
+    def _fused_head(self) -> list[Item]:
         """Take every exited token into the loop op being formed (``LoopHead``) and queue its successor, whose
         input embedding that op writes into the row before its step 0 (a recomputed token's recorded input is
-        embedded as given)."""
+        embedded as given). A token with a speculative successor gets its real successor's input embedded too,
+        but that successor is queued only if the draft turns out wrong (``_verdict``)."""
         items = [it for it in self.head_queue if it.req.epoch == it.epoch and it.req.status is not _FINISHED]
         self.head_queue.clear()
-        if not items:
-            return None, items
-        embed_ids = []
         for it in items:
             req = it.req
             known = req.output[it.index] if it.index < len(req.output) else -1
-            follows = it.index + 1 < req.max_tokens
-            embed_ids.append(known if follows else -2)
-            if follows:
-                self._spawn(req, it.index + 1, known, embedded=True)
+            it.embed_id = known if it.index + 1 < req.max_tokens else -2
+            if it.embed_id != -2 and it.succ is None:
+                succ = self._spawn(req, it.index + 1, known, embedded=True, row=it.row)
+                if it.pred is not None:  # ``it`` is unverified: so is what follows its real token
+                    succ.pred, succ.draft, it.succ = it, FOLLOWS_REAL, succ
+        return items
+
+    def _loop_head(self, items: list[Item], drafts: list[Item]) -> LoopHead:
+        """The fused head of a loop op: the exited ``items`` (each sampled into its own row), then the draft reads
+        (each drafted token's row sampled, its successor's input embedded into the successor's row)."""
         reqs = [it.req for it in items]
-        token_index = tuple(it.index for it in items)
-        rows = tuple(r.row for r in reqs)
-        head = LoopHead(
+        rows = [it.row for it in items]
+        token_index = [it.index for it in items]
+        history = self.ops.history(Stage.LOOP, reqs, rows, token_index)
+        sampling = [r.sampling for r in reqs]
+        positions = [it.position for it in items]
+        embed_ids = [it.embed_id for it in items]
+        targets: tuple[int, ...] = ()
+        if drafts:
+            targets = (*rows, *(s.row for s in drafts))
+            for s in drafts:
+                x = s.pred
+                assert x is not None
+                reqs.append(x.req)
+                rows.append(x.row)
+                token_index.append(x.index)
+                sampling.append(speculation.draft_sampling(x.req.sampling))
+                positions.append(x.position)
+                embed_ids.append(-1)
+        return LoopHead(
             rids=tuple(r.rid for r in reqs),
-            positions=tuple(it.position for it in items),
-            rows=rows,
-            sampling=tuple(r.sampling for r in reqs),
-            token_index=token_index,
+            positions=tuple(positions),
+            rows=tuple(rows),
+            sampling=tuple(sampling),
+            token_index=tuple(token_index),
             embed_ids=tuple(embed_ids),
-            history=self.ops.history(Stage.LOOP, reqs, rows, token_index),
+            history=history,
+            embed_rows=targets,
         )
-        return head, items
+
+    def _draft(self, items: list[Item], width: int) -> list[Item]:
+        """Speculative successors of the tokens in ``items`` that reach their request's draft depth in this op
+        (while rows and width are free: no request waits for admission). Each runs its step 0 in this op."""
+        drafts: list[Item] = []
+        room = min(width - len(items), self.rows.num_free)
+        for x in items:
+            if room <= 0:
+                break
+            req = x.req
+            state = req.spec
+            if (
+                state is None
+                or x.next_step != state.depth
+                or x.succ is not None
+                or x.forced_depth
+                or x.index + 1 >= req.max_tokens
+                or len(req.spec_rows) >= self.cfg.spec_max_tokens
+                or len(req.output) < state.paused_until
+            ):
+                continue
+            position = x.position + 1
+            if position >= len(req.blocks) * self.cfg.kv_block_size and not grow_blocks(
+                self.cfg, self.blocks, req, position + 1, margin=True
+            ):
+                continue
+            got = self.rows.allocate(req.rid)
+            assert got is not None
+            s = self._new_item(req, x.index + 1, -1)
+            s.row, s.pred, s.embedded = got[0], x, True
+            req.spec_rows.append(s.row)
+            x.succ = s
+            drafts.append(s)
+            self.stats.spec_draft_depth_sum += state.depth
+            room -= 1
+        self.stats.spec_drafts += len(drafts)
+        return drafts
 
     def _leave(self, it: Item, step: int) -> None:
         """``it`` exits after ``step``: to the head queue (its KV copied into the deeper slots first, if the policy
@@ -290,11 +373,19 @@ class Scheduler:
             self.residency.fail(failed.values(), res.error, events)
             return
         accept, logprobs, token_ids = self._accept, res.logprobs, res.token_ids
+        if flight.drafts:
+            for s, token in zip(flight.drafts, token_ids[len(flight.head) :]):
+                s.draft = token
         for i, it in enumerate(flight.head):  # the fused head's tokens, sampled before the op's step
             req = it.req
             if req.epoch == it.epoch and req.status is not _FINISHED:
                 lp = logprobs[i] if logprobs else None
+                if it.pred is not None:  # unverified: reported once the tokens before it are (``_verdict``)
+                    it.sampled = (token_ids[i], lp)
+                    continue
                 accept(req, it.index, token_ids[i], it.depth, lp, events, replay=it.forced_depth > 0)
+                if it.succ is not None:
+                    self._verify(it, token_ids[i], events)
         signals, lookahead = res.signals, res.lookahead
         for i, (it, step) in enumerate(zip(flight.items, flight.steps)):
             req = it.req
@@ -386,15 +477,73 @@ class Scheduler:
         if index == 0:  # decode successors were spawned when their predecessor went to the head
             self._spawn(req, 1, token)
 
-    def _spawn(self, req: Request, index: int, input_token: int, *, embedded: bool = False) -> None:
-        """Queue the item of generated token ``index`` (its input is token ``index - 1``)."""
+    def _verify(self, x: Item, token: int, events: list[Event]) -> None:
+        """``x`` was just reported with ``token``: verify what follows it, and report, in order, every token after
+        it that was sampled early and is now verified."""
+        req = x.req
+        while (s := x.succ) is not None and req.status is not _FINISHED:
+            if not self._verdict(x, s, token) or s.sampled is None:
+                return
+            (token, lp), s.sampled = s.sampled, None
+            self._accept(req, s.index, token, s.depth, lp, events, replay=False)
+            x = s
+
+    def _verdict(self, x: Item, s: Item, token: int) -> bool:
+        """``x``'s real token is ``token``; ``s`` was drafted from it (or follows its real sample). Keep ``s`` (and
+        what follows it) if its input was right, else drop them all and start ``x``'s successor from ``token``, in
+        ``x``'s row. Returns whether ``s`` was kept."""
+        req = x.req
+        x.succ = None
+        follows = s.draft == FOLLOWS_REAL
+        matched = follows or token == s.draft
+        if matched:
+            if s.row != x.row:  # x's row is free; s's becomes the request's
+                self.rows.free(req.rid, [req.row])
+                req.row = s.row
+                req.spec_rows.remove(s.row)
+            s.pred = None
+            if not follows:
+                self.stats.spec_accepted += 1
+        else:
+            dropped: list[Item] = []
+            it: Item | None = s
+            while it is not None:
+                dropped.append(it)
+                it.epoch = -1  # stale everywhere it is queued or in flight
+                it.succ, it = None, it.succ
+            rows = sorted({d.row for d in dropped})
+            self.rows.free(req.rid, rows)
+            req.spec_rows = [r for r in req.spec_rows if r not in rows]
+            first = s.position  # their KV copies not yet issued would overwrite the fallback's
+            self.ops.pending_copies = [c for c in self.ops.pending_copies if c.rid != req.rid or c.position < first]
+            self.residency.releases += 1  # queues hold stale items now
+            self.stats.spec_rejected += 1
+            self.stats.spec_wasted_steps += sum(d.next_step for d in dropped)
+            self._spawn(req, x.index + 1, -1, embedded=True, row=x.row)  # the head embedded ``token`` there
+        state = req.spec
+        if state is not None and not follows:
+            cfg = self.cfg
+            speculation.observe(
+                req, state, matched, base_depth=cfg.spec_depth, max_depth=cfg.max_depth, adaptive=cfg.spec_adaptive
+            )
+        return matched
+
+    def _new_item(self, req: Request, index: int, input_token: int, row: int = -1) -> Item:
         it = Item(req, req.epoch, index, req.prompt_len + index - 1, input_token, req.policy.new_state())
-        it.embedded = embedded
+        it.row = row if row >= 0 else req.row
         if index < len(req.output):
             it.forced_depth = req.depths[index]  # recomputing after preemption: the recorded depth
         elif req.replay_depths is not None:
             it.exit_state.target_depth = req.replay_depths[min(index - 1, len(req.replay_depths) - 1)]
+        return it
+
+    def _spawn(self, req: Request, index: int, input_token: int, *, embedded: bool = False, row: int = -1) -> Item:
+        """Queue the item of generated token ``index`` (its input is token ``index - 1``), in ``row`` (default: the
+        request's)."""
+        it = self._new_item(req, index, input_token, row)
+        it.embedded = embedded
         self._place_successor(it)
+        return it
 
     def _place_successor(self, it: Item) -> None:
         req = it.req  # (the common case, a position inside the blocks it has, without a call)

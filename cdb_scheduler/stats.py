@@ -21,6 +21,17 @@ class SchedulerStats:
     ops: list[int] = field(default_factory=lambda: [0, 0, 0])  # results consumed, per stage
     loop_decode_compute_s: float = 0.0  # the loop stage's compute in decode ops (prefill loop ops excluded)
     sched_cpu_s: float = 0.0  # scheduler thread CPU time in schedule() and on_result()
+    spec_drafts: int = 0  # successors started from a draft (self-speculative decoding)
+    spec_accepted: int = 0  # drafts verified equal to the real token (their work kept)
+    spec_rejected: int = 0  # drafts that differed (their work dropped)
+    spec_wasted_steps: int = 0  # loop steps run by dropped speculative items
+    spec_draft_depth_sum: int = 0  # sum of the depths the drafts were read at
+
+    @property
+    def spec_acceptance(self) -> float:
+        """Accepted drafts over verified ones (0 before any)."""
+        n = self.spec_accepted + self.spec_rejected
+        return self.spec_accepted / n if n else 0.0
 
     def on_loop_issue(self, batch: int, width: int) -> None:
         self.loop_steps += 1

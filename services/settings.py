@@ -102,9 +102,12 @@ scheduler`` and ``cdb demo``; ``cdb stage`` takes ``--model``, ``--dtype`` and `
 | ``CDB_NUM_THREADS`` | auto | torch intra-op threads of the in-process executor; auto: torch's default |
 | ``CDB_FUSE_REFILL_EMBED`` | true | Ouro: the head op embeds a refill's input token (no prelude op per step) |
 | ``CDB_FUSE_LOOP_HEAD`` | true | Ouro: loop ops sample the exited tokens and run their successors (no head op) |
+| ``CDB_SPECULATIVE`` | auto | self-speculative decoding: auto (adaptive, while rows are free), on, off |
+| ``CDB_SPECULATIVE_TOKENS`` | 4 | tokens of one request running ahead of its oldest unverified one, at most |
+| ``CDB_SPECULATIVE_DEPTH`` | auto | loop steps a token runs before its successor is drafted; auto: 1, adaptive |
 | ``CDB_ALLOW_REPLAY_DEPTHS`` | false | accept per-request replayed depths (benchmarks; implied by exit rule replay) |
 | ``CDB_SYNTHETIC_COST`` | (unset) | synthetic stages, modelled device time: loop=A:B:C,head=.. (µs) or h200:ouro-1.4b |
-| ``CDB_SYNTHETIC_DEPTHS`` | (unset) | synthetic stages' exit depths MEAN:MIN; empty: 2.5:2 for Ouro, 6:3 for Huginn |
+| ``CDB_SYNTHETIC_DEPTHS`` | (unset) | synthetic exit depths MEAN:MIN[:ACCEPT]; empty: 2.5:2 Ouro, 6:3 Huginn |
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x63\x64\x62_api/v1/generation.proto\x12\x06\x63\x64\x62.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"\x85\x03\n\x12SamplingParameters\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x00\x88\x01\x01\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x17\n\x0freturn_logprobs\x18\x05 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x06 \x01(\x05\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x01\x12\x1f\n\x12repetition_penalty\x18\t \x01(\x01H\x01\x88\x01\x01\x12=\n\nlogit_bias\x18\n \x03(\x0b\x32).cdb.v1.SamplingParameters.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x0b \x01(\x05\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x08\n\x06_top_pB\x15\n\x13_repetition_penalty\"\x80\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12%\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x10.cdb.v1.TokenIdsH\x00\x12\x17\n\nmax_tokens\x18\x04 \x01(\x05H\x01\x88\x01\x01\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.cdb.v1.SamplingParameters\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x03\x12\x14\n\x0cstop_strings\x18\x07 \x03(\t\x12\x1b\n\x0e\x65xit_threshold\x18\x08 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x15\n\rreplay_depths\x18\n \x03(\x05\x12\x14\n\x0c\x62\x61tch_tokens\x18\x0b \x01(\x08\x12#\n\x06resume\x18\x0c \x01(\x0b\x32\x13.cdb.v1.ResumeStateB\x08\n\x06promptB\r\n\x0b_max_tokensB\x11\n\x0f_exit_threshold\"0\n\x0bResumeState\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x0e\n\x06\x64\x65pths\x18\x02 \x03(\x05\"G\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x01\x12\x0f\n\x07top_ids\x18\x02 \x03(\x03\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x01\"q\n\x05Token\x12\n\n\x02id\x18\x01 \x01(\x03\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\r\n\x05\x64\x65pth\x18\x03 \x01(\x05\x12\'\n\x08logprobs\x18\x04 \x01(\x0b\x32\x15.cdb.v1.TokenLogprobs\x12\x16\n\x0etime_unix_nano\x18\x05 \x01(\x03\"+\n\nTokenBatch\x12\x1d\n\x06tokens\x18\x01 \x03(\x0b\x32\r.cdb.v1.Token\"R\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x18\n\x10generated_tokens\x18\x02 \x01(\x05\x12\x18\n\x10total_loop_steps\x18\x03 \x01(\x03\"i\n\x06\x46inish\x12$\n\x06reason\x18\x01 \x01(\x0e\x32\x14.cdb.v1.FinishReason\x12\x1c\n\x05usage\x18\x02 \x01(\x0b\x32\r.cdb.v1.Usage\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x0c\n\x04text\x18\x04 \x01(\t\"\x9d\x01\n\x16GenerateStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1e\n\x05token\x18\x02 \x01(\x0b\x32\r.cdb.v1.TokenH\x00\x12 \n\x06\x66inish\x18\x03 \x01(\x0b\x32\x0e.cdb.v1.FinishH\x00\x12$\n\x06tokens\x18\x04 \x01(\x0b\x32\x12.cdb.v1.TokenBatchH\x00\x42\x07\n\x05\x65vent\"s\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x1d\n\x06tokens\x18\x03 \x03(\x0b\x32\r.cdb.v1.Token\x12\x1e\n\x06\x66inish\x18\x04 \x01(\x0b\x32\x0e.cdb.v1.Finish\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\r\n\x0bInfoRequest\"\x99\x01\n\x06Limits\x12\x18\n\x10max_input_tokens\x18\x01 \x01(\x05\x12\x18\n\x10max_total_tokens\x18\x02 \x01(\x05\x12\x14\n\x0cmax_num_seqs\x18\x03 \x01(\x05\x12\x13\n\x0bmax_waiting\x18\x04 \x01(\x05\x12\x13\n\x0bmax_running\x18\x05 \x01(\x05\x12\x1b\n\x13max_concurrent_rpcs\x18\x06 \x01(\x05\"\xac\x01\n\x08\x43ounters\x12\x0f\n\x07waiting\x18\x01 \x01(\x05\x12\x0f\n\x07running\x18\x02 \x01(\x05\x12\x11\n\theld_rows\x18\x03 \x01(\x05\x12\x16\n\x0eused_kv_blocks\x18\x04 \x01(\x05\x12\x17\n\x0ftotal_kv_blocks\x18\x05 \x01(\x05\x12\x12\n\nloop_steps\x18\x06 \x01(\x03\x12\x12\n\nrecoveries\x18\x07 \x01(\x05\x12\x12\n\nrecomputed\x18\x08 \x01(\x05\"\xa5\x06\n\x0cInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x11\n\tmax_depth\x18\x03 \x01(\x05\x12\x12\n\nvocab_size\x18\x04 \x01(\x05\x12\x11\n\tkv_policy\x18\x05 \x01(\t\x12\x0c\n\x04mode\x18\x06 \x01(\t\x12\x12\n\ndeployment\x18\x07 \x01(\t\x12\x1e\n\x06limits\x18\x08 \x01(\x0b\x32\x0e.cdb.v1.Limits\x12\"\n\x08\x63ounters\x18\t \x01(\x0b\x32\x10.cdb.v1.Counters\x12\x0f\n\x07healthy\x18\n \x01(\x08\x12\r\n\x05\x65rror\x18\x0b \x01(\t\x12\x15\n\rkv_block_size\x18\x0c \x01(\x05\x12\r\n\x05\x64type\x18\r \x01(\t\x12\x11\n\texit_rule\x18\x0e \x01(\t\x12\x16\n\x0e\x65xit_threshold\x18\x0f \x01(\x01\x12\x1d\n\x15\x65xit_threshold_source\x18\x10 \x01(\t\x12\x12\n\nearly_exit\x18\x11 \x01(\x08\x12\x14\n\x0c\x65xit_summary\x18\x12 \x01(\t\x12\x19\n\x11mean_served_depth\x18\x13 \x01(\x01\x12\x16\n\x0esynthetic_cost\x18\x14 \x01(\t\x12\x0f\n\x07version\x18\x15 \x01(\t\x12\x1a\n\x12served_model_names\x18\x16 \x03(\t\x12\x37\n\nstage_pids\x18\x17 \x03(\x0b\x32#.cdb.v1.InfoResponse.StagePidsEntry\x12\x18\n\x10recovery_seconds\x18\x18 \x03(\x01\x12\x13\n\x0b\x63onfig_json\x18\x19 \x01(\t\x12\x15\n\rconfig_digest\x18\x1a \x01(\t\x12J\n\x14stage_config_digests\x18\x1b \x03(\x0b\x32,.cdb.v1.InfoResponse.StageConfigDigestsEntry\x1a\x30\n\x0eStagePidsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x1a\x39\n\x17StageConfigDigestsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01*\x95\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x32\x81\x02\n\nGeneration\x12K\n\x0eGenerateStream\x12\x17.cdb.v1.GenerateRequest\x1a\x1e.cdb.v1.GenerateStreamResponse0\x01\x12=\n\x08Generate\x12\x17.cdb.v1.GenerateRequest\x1a\x18.cdb.v1.GenerateResponse\x12\x34\n\x05\x41\x62ort\x12\x14.cdb.v1.AbortRequest\x1a\x15.cdb.v1.AbortResponse\x12\x31\n\x04Info\x12\x13.cdb.v1.InfoRequest\x1a\x14.cdb.v1.InfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x63\x64\x62_api/v1/generation.proto\x12\x06\x63\x64\x62.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"\x85\x03\n\x12SamplingParameters\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x00\x88\x01\x01\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x17\n\x0freturn_logprobs\x18\x05 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x06 \x01(\x05\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x01\x12\x1f\n\x12repetition_penalty\x18\t \x01(\x01H\x01\x88\x01\x01\x12=\n\nlogit_bias\x18\n \x03(\x0b\x32).cdb.v1.SamplingParameters.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x0b \x01(\x05\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x08\n\x06_top_pB\x15\n\x13_repetition_penalty\"\xaa\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12%\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x10.cdb.v1.TokenIdsH\x00\x12\x17\n\nmax_tokens\x18\x04 \x01(\x05H\x01\x88\x01\x01\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.cdb.v1.SamplingParameters\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x03\x12\x14\n\x0cstop_strings\x18\x07 \x03(\t\x12\x1b\n\x0e\x65xit_threshold\x18\x08 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x15\n\rreplay_depths\x18\n \x03(\x05\x12\x14\n\x0c\x62\x61tch_tokens\x18\x0b \x01(\x08\x12#\n\x06resume\x18\x0c \x01(\x0b\x32\x13.cdb.v1.ResumeState\x12\x18\n\x0bspeculative\x18\r \x01(\x08H\x03\x88\x01\x01\x42\x08\n\x06promptB\r\n\x0b_max_tokensB\x11\n\x0f_exit_thresholdB\x0e\n\x0c_speculative\"0\n\x0bResumeState\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x0e\n\x06\x64\x65pths\x18\x02 \x03(\x05\"G\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x01\x12\x0f\n\x07top_ids\x18\x02 \x03(\x03\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x01\"q\n\x05Token\x12\n\n\x02id\x18\x01 \x01(\x03\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\r\n\x05\x64\x65pth\x18\x03 \x01(\x05\x12\'\n\x08logprobs\x18\x04 \x01(\x0b\x32\x15.cdb.v1.TokenLogprobs\x12\x16\n\x0etime_unix_nano\x18\x05 \x01(\x03\"+\n\nTokenBatch\x12\x1d\n\x06tokens\x18\x01 \x03(\x0b\x32\r.cdb.v1.Token\"R\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x18\n\x10generated_tokens\x18\x02 \x01(\x05\x12\x18\n\x10total_loop_steps\x18\x03 \x01(\x03\"i\n\x06\x46inish\x12$\n\x06reason\x18\x01 \x01(\x0e\x32\x14.cdb.v1.FinishReason\x12\x1c\n\x05usage\x18\x02 \x01(\x0b\x32\r.cdb.v1.Usage\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x0c\n\x04text\x18\x04 \x01(\t\"\x9d\x01\n\x16GenerateStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1e\n\x05token\x18\x02 \x01(\x0b\x32\r.cdb.v1.TokenH\x00\x12 \n\x06\x66inish\x18\x03 \x01(\x0b\x32\x0e.cdb.v1.FinishH\x00\x12$\n\x06tokens\x18\x04 \x01(\x0b\x32\x12.cdb.v1.TokenBatchH\x00\x42\x07\n\x05\x65vent\"s\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x1d\n\x06tokens\x18\x03 \x03(\x0b\x32\r.cdb.v1.Token\x12\x1e\n\x06\x66inish\x18\x04 \x01(\x0b\x32\x0e.cdb.v1.Finish\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\r\n\x0bInfoRequest\"\x99\x01\n\x06Limits\x12\x18\n\x10max_input_tokens\x18\x01 \x01(\x05\x12\x18\n\x10max_total_tokens\x18\x02 \x01(\x05\x12\x14\n\x0cmax_num_seqs\x18\x03 \x01(\x05\x12\x13\n\x0bmax_waiting\x18\x04 \x01(\x05\x12\x13\n\x0bmax_running\x18\x05 \x01(\x05\x12\x1b\n\x13max_concurrent_rpcs\x18\x06 \x01(\x05\"\xac\x01\n\x08\x43ounters\x12\x0f\n\x07waiting\x18\x01 \x01(\x05\x12\x0f\n\x07running\x18\x02 \x01(\x05\x12\x11\n\theld_rows\x18\x03 \x01(\x05\x12\x16\n\x0eused_kv_blocks\x18\x04 \x01(\x05\x12\x17\n\x0ftotal_kv_blocks\x18\x05 \x01(\x05\x12\x12\n\nloop_steps\x18\x06 \x01(\x03\x12\x12\n\nrecoveries\x18\x07 \x01(\x05\x12\x12\n\nrecomputed\x18\x08 \x01(\x05\"\xcf\x06\n\x0cInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x11\n\tmax_depth\x18\x03 \x01(\x05\x12\x12\n\nvocab_size\x18\x04 \x01(\x05\x12\x11\n\tkv_policy\x18\x05 \x01(\t\x12\x0c\n\x04mode\x18\x06 \x01(\t\x12\x12\n\ndeployment\x18\x07 \x01(\t\x12\x1e\n\x06limits\x18\x08 \x01(\x0b\x32\x0e.cdb.v1.Limits\x12\"\n\x08\x63ounters\x18\t \x01(\x0b\x32\x10.cdb.v1.Counters\x12\x0f\n\x07healthy\x18\n \x01(\x08\x12\r\n\x05\x65rror\x18\x0b \x01(\t\x12\x15\n\rkv_block_size\x18\x0c \x01(\x05\x12\r\n\x05\x64type\x18\r \x01(\t\x12\x11\n\texit_rule\x18\x0e \x01(\t\x12\x16\n\x0e\x65xit_threshold\x18\x0f \x01(\x01\x12\x1d\n\x15\x65xit_threshold_source\x18\x10 \x01(\t\x12\x12\n\nearly_exit\x18\x11 \x01(\x08\x12\x14\n\x0c\x65xit_summary\x18\x12 \x01(\t\x12\x19\n\x11mean_served_depth\x18\x13 \x01(\x01\x12\x16\n\x0esynthetic_cost\x18\x14 \x01(\t\x12\x0f\n\x07version\x18\x15 \x01(\t\x12\x1a\n\x12served_model_names\x18\x16 \x03(\t\x12\x37\n\nstage_pids\x18\x17 \x03(\x0b\x32#.cdb.v1.InfoResponse.StagePidsEntry\x12\x18\n\x10recovery_seconds\x18\x18 \x03(\x01\x12\x13\n\x0b\x63onfig_json\x18\x19 \x01(\t\x12\x15\n\rconfig_digest\x18\x1a \x01(\t\x12J\n\x14stage_config_digests\x18\x1b \x03(\x0b\x32,.cdb.v1.InfoResponse.StageConfigDigestsEntry\x12(\n\x0bspeculation\x18\x1c \x01(\x0b\x32\x13.cdb.v1.Speculation\x1a\x30\n\x0eStagePidsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x1a\x39\n\x17StageConfigDigestsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xd6\x01\n\x0bSpeculation\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12\x13\n\x0bunsupported\x18\x02 \x01(\t\x12\x12\n\nmax_tokens\x18\x03 \x01(\x05\x12\x13\n\x0b\x64raft_depth\x18\x04 \x01(\x05\x12\x0e\n\x06\x64rafts\x18\x05 \x01(\x03\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x06 \x01(\x03\x12\x10\n\x08rejected\x18\x07 \x01(\x03\x12\x19\n\x11wasted_loop_steps\x18\x08 \x01(\x03\x12\x12\n\nacceptance\x18\t \x01(\x01\x12\x18\n\x10mean_draft_depth\x18\n \x01(\x01*\x95\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x32\x81\x02\n\nGeneration\x12K\n\x0eGenerateStream\x12\x17.cdb.v1.GenerateRequest\x1a\x1e.cdb.v1.GenerateStreamResponse0\x01\x12=\n\x08Generate\x12\x17.cdb.v1.GenerateRequest\x1a\x18.cdb.v1.GenerateResponse\x12\x34\n\x05\x41\x62ort\x12\x14.cdb.v1.AbortRequest\x1a\x15.cdb.v1.AbortResponse\x12\x31\n\x04Info\x12\x13.cdb.v1.InfoRequest\x1a\x14.cdb.v1.InfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,8 +37,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_INFORESPONSE_STAGEPIDSENTRY']._serialized_options = b'8\001'
   _globals['_INFORESPONSE_STAGECONFIGDIGESTSENTRY']._loaded_options = None
   _globals['_INFORESPONSE_STAGECONFIGDIGESTSENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2817
-  _globals['_FINISHREASON']._serialized_end=2966
+  _globals['_FINISHREASON']._serialized_start=3118
+  _globals['_FINISHREASON']._serialized_end=3267
   _globals['_TOKENIDS']._serialized_start=39
   _globals['_TOKENIDS']._serialized_end=62
   _globals['_SAMPLINGPARAMETERS']._serialized_start=65
@@ -46,39 +46,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMETERS_LOGITBIASENTRY']._serialized_start=373
   _globals['_SAMPLINGPARAMETERS_LOGITBIASENTRY']._serialized_end=421
   _globals['_GENERATEREQUEST']._serialized_start=457
-  _globals['_GENERATEREQUEST']._serialized_end=841
-  _globals['_RESUMESTATE']._serialized_start=843
-  _globals['_RESUMESTATE']._serialized_end=891
-  _globals['_TOKENLOGPROBS']._serialized_start=893
-  _globals['_TOKENLOGPROBS']._serialized_end=964
-  _globals['_TOKEN']._serialized_start=966
-  _globals['_TOKEN']._serialized_end=1079
-  _globals['_TOKENBATCH']._serialized_start=1081
-  _globals['_TOKENBATCH']._serialized_end=1124
-  _globals['_USAGE']._serialized_start=1126
-  _globals['_USAGE']._serialized_end=1208
-  _globals['_FINISH']._serialized_start=1210
-  _globals['_FINISH']._serialized_end=1315
-  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1318
-  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1475
-  _globals['_GENERATERESPONSE']._serialized_start=1477
-  _globals['_GENERATERESPONSE']._serialized_end=1592
-  _globals['_ABORTREQUEST']._serialized_start=1594
-  _globals['_ABORTREQUEST']._serialized_end=1628
-  _globals['_ABORTRESPONSE']._serialized_start=1630
-  _globals['_ABORTRESPONSE']._serialized_end=1660
-  _globals['_INFOREQUEST']._serialized_start=1662
-  _globals['_INFOREQUEST']._serialized_end=1675
-  _globals['_LIMITS']._serialized_start=1678
-  _globals['_LIMITS']._serialized_end=1831
-  _globals['_COUNTERS']._serialized_start=1834
-  _globals['_COUNTERS']._serialized_end=2006
-  _globals['_INFORESPONSE']._serialized_start=2009
-  _globals['_INFORESPONSE']._serialized_end=2814
-  _globals['_INFORESPONSE_STAGEPIDSENTRY']._serialized_start=2707
-  _globals['_INFORESPONSE_STAGEPIDSENTRY']._serialized_end=2755
-  _globals['_INFORESPONSE_STAGECONFIGDIGESTSENTRY']._serialized_start=2757
-  _globals['_INFORESPONSE_STAGECONFIGDIGESTSENTRY']._serialized_end=2814
-  _globals['_GENERATION']._serialized_start=2969
-  _globals['_GENERATION']._serialized_end=3226
+  _globals['_GENERATEREQUEST']._serialized_end=883
+  _globals['_RESUMESTATE']._serialized_start=885
+  _globals['_RESUMESTATE']._serialized_end=933
+  _globals['_TOKENLOGPROBS']._serialized_start=935
+  _globals['_TOKENLOGPROBS']._serialized_end=1006
+  _globals['_TOKEN']._serialized_start=1008
+  _globals['_TOKEN']._serialized_end=1121
+  _globals['_TOKENBATCH']._serialized_start=1123
+  _globals['_TOKENBATCH']._serialized_end=1166
+  _globals['_USAGE']._serialized_start=1168
+  _globals['_USAGE']._serialized_end=1250
+  _globals['_FINISH']._serialized_start=1252
+  _globals['_FINISH']._serialized_end=1357
+  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1360
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1517
+  _globals['_GENERATERESPONSE']._serialized_start=1519
+  _globals['_GENERATERESPONSE']._serialized_end=1634
+  _globals['_ABORTREQUEST']._serialized_start=1636
+  _globals['_ABORTREQUEST']._serialized_end=1670
+  _globals['_ABORTRESPONSE']._serialized_start=1672
+  _globals['_ABORTRESPONSE']._serialized_end=1702
+  _globals['_INFOREQUEST']._serialized_start=1704
+  _globals['_INFOREQUEST']._serialized_end=1717
+  _globals['_LIMITS']._serialized_start=1720
+  _globals['_LIMITS']._serialized_end=1873
+  _globals['_COUNTERS']._serialized_start=1876
+  _globals['_COUNTERS']._serialized_end=2048
+  _globals['_INFORESPONSE']._serialized_start=2051
+  _globals['_INFORESPONSE']._serialized_end=2898
+  _globals['_INFORESPONSE_STAGEPIDSENTRY']._serialized_start=2791
+  _globals['_INFORESPONSE_STAGEPIDSENTRY']._serialized_end=2839
+  _globals['_INFORESPONSE_STAGECONFIGDIGESTSENTRY']._serialized_start=2841
+  _globals['_INFORESPONSE_STAGECONFIGDIGESTSENTRY']._serialized_end=2898
+  _globals['_SPECULATION']._serialized_start=2901
+  _globals['_SPECULATION']._serialized_end=3115
+  _globals['_GENERATION']._serialized_start=3270
+  _globals['_GENERATION']._serialized_end=3527
 # @@protoc_insertion_point(module_scope)

@@ -60,7 +60,7 @@ class SamplingParameters(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., return_logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., min_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "max_tokens", "sampling", "stop_token_ids", "stop_strings", "exit_threshold", "ignore_eos", "replay_depths", "batch_tokens", "resume")
+    __slots__ = ("request_id", "text", "token_ids", "max_tokens", "sampling", "stop_token_ids", "stop_strings", "exit_threshold", "ignore_eos", "replay_depths", "batch_tokens", "resume", "speculative")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -73,6 +73,7 @@ class GenerateRequest(_message.Message):
     REPLAY_DEPTHS_FIELD_NUMBER: _ClassVar[int]
     BATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RESUME_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: TokenIds
@@ -85,7 +86,8 @@ class GenerateRequest(_message.Message):
     replay_depths: _containers.RepeatedScalarFieldContainer[int]
     batch_tokens: bool
     resume: ResumeState
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParameters, _Mapping]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop_strings: _Optional[_Iterable[str]] = ..., exit_threshold: _Optional[float] = ..., ignore_eos: _Optional[bool] = ..., replay_depths: _Optional[_Iterable[int]] = ..., batch_tokens: _Optional[bool] = ..., resume: _Optional[_Union[ResumeState, _Mapping]] = ...) -> None: ...
+    speculative: bool
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParameters, _Mapping]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop_strings: _Optional[_Iterable[str]] = ..., exit_threshold: _Optional[float] = ..., ignore_eos: _Optional[bool] = ..., replay_depths: _Optional[_Iterable[int]] = ..., batch_tokens: _Optional[bool] = ..., resume: _Optional[_Union[ResumeState, _Mapping]] = ..., speculative: _Optional[bool] = ...) -> None: ...
 
 class ResumeState(_message.Message):
     __slots__ = ("token_ids", "depths")
@@ -224,7 +226,7 @@ class Counters(_message.Message):
     def __init__(self, waiting: _Optional[int] = ..., running: _Optional[int] = ..., held_rows: _Optional[int] = ..., used_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., loop_steps: _Optional[int] = ..., recoveries: _Optional[int] = ..., recomputed: _Optional[int] = ...) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model", "architecture", "max_depth", "vocab_size", "kv_policy", "mode", "deployment", "limits", "counters", "healthy", "error", "kv_block_size", "dtype", "exit_rule", "exit_threshold", "exit_threshold_source", "early_exit", "exit_summary", "mean_served_depth", "synthetic_cost", "version", "served_model_names", "stage_pids", "recovery_seconds", "config_json", "config_digest", "stage_config_digests")
+    __slots__ = ("model", "architecture", "max_depth", "vocab_size", "kv_policy", "mode", "deployment", "limits", "counters", "healthy", "error", "kv_block_size", "dtype", "exit_rule", "exit_threshold", "exit_threshold_source", "early_exit", "exit_summary", "mean_served_depth", "synthetic_cost", "version", "served_model_names", "stage_pids", "recovery_seconds", "config_json", "config_digest", "stage_config_digests", "speculation")
     class StagePidsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -266,6 +268,7 @@ class InfoResponse(_message.Message):
     CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
     CONFIG_DIGEST_FIELD_NUMBER: _ClassVar[int]
     STAGE_CONFIG_DIGESTS_FIELD_NUMBER: _ClassVar[int]
+    SPECULATION_FIELD_NUMBER: _ClassVar[int]
     model: str
     architecture: str
     max_depth: int
@@ -293,4 +296,29 @@ class InfoResponse(_message.Message):
     config_json: str
     config_digest: str
     stage_config_digests: _containers.ScalarMap[str, str]
-    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., max_depth: _Optional[int] = ..., vocab_size: _Optional[int] = ..., kv_policy: _Optional[str] = ..., mode: _Optional[str] = ..., deployment: _Optional[str] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., counters: _Optional[_Union[Counters, _Mapping]] = ..., healthy: _Optional[bool] = ..., error: _Optional[str] = ..., kv_block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., exit_rule: _Optional[str] = ..., exit_threshold: _Optional[float] = ..., exit_threshold_source: _Optional[str] = ..., early_exit: _Optional[bool] = ..., exit_summary: _Optional[str] = ..., mean_served_depth: _Optional[float] = ..., synthetic_cost: _Optional[str] = ..., version: _Optional[str] = ..., served_model_names: _Optional[_Iterable[str]] = ..., stage_pids: _Optional[_Mapping[str, int]] = ..., recovery_seconds: _Optional[_Iterable[float]] = ..., config_json: _Optional[str] = ..., config_digest: _Optional[str] = ..., stage_config_digests: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    speculation: Speculation
+    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., max_depth: _Optional[int] = ..., vocab_size: _Optional[int] = ..., kv_policy: _Optional[str] = ..., mode: _Optional[str] = ..., deployment: _Optional[str] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., counters: _Optional[_Union[Counters, _Mapping]] = ..., healthy: _Optional[bool] = ..., error: _Optional[str] = ..., kv_block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., exit_rule: _Optional[str] = ..., exit_threshold: _Optional[float] = ..., exit_threshold_source: _Optional[str] = ..., early_exit: _Optional[bool] = ..., exit_summary: _Optional[str] = ..., mean_served_depth: _Optional[float] = ..., synthetic_cost: _Optional[str] = ..., version: _Optional[str] = ..., served_model_names: _Optional[_Iterable[str]] = ..., stage_pids: _Optional[_Mapping[str, int]] = ..., recovery_seconds: _Optional[_Iterable[float]] = ..., config_json: _Optional[str] = ..., config_digest: _Optional[str] = ..., stage_config_digests: _Optional[_Mapping[str, str]] = ..., speculation: _Optional[_Union[Speculation, _Mapping]] = ...) -> None: ...
+
+class Speculation(_message.Message):
+    __slots__ = ("mode", "unsupported", "max_tokens", "draft_depth", "drafts", "accepted", "rejected", "wasted_loop_steps", "acceptance", "mean_draft_depth")
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    UNSUPPORTED_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_FIELD_NUMBER: _ClassVar[int]
+    WASTED_LOOP_STEPS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTANCE_FIELD_NUMBER: _ClassVar[int]
+    MEAN_DRAFT_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    mode: str
+    unsupported: str
+    max_tokens: int
+    draft_depth: int
+    drafts: int
+    accepted: int
+    rejected: int
+    wasted_loop_steps: int
+    acceptance: float
+    mean_draft_depth: float
+    def __init__(self, mode: _Optional[str] = ..., unsupported: _Optional[str] = ..., max_tokens: _Optional[int] = ..., draft_depth: _Optional[int] = ..., drafts: _Optional[int] = ..., accepted: _Optional[int] = ..., rejected: _Optional[int] = ..., wasted_loop_steps: _Optional[int] = ..., acceptance: _Optional[float] = ..., mean_draft_depth: _Optional[float] = ...) -> None: ...

@@ -33,7 +33,7 @@ from cdb_bench.routing.sim import simulate, summarize
 from cdb_bench.routing.workload import Workload, make_workload
 from cdb_bench.serve.cli import parse_with_quick, positive_floats
 from cdb_bench.serve.lengths import DATASETS
-from cdb_engine.config import EngineConfig
+from cdb_engine.config import EngineConfig, Speculative
 from cdb_model.presets import preset_config, preset_names
 
 QUICK: dict[str, Any] = {"requests": 400, "loads": "0.5,0.9", "model": "ouro-tiny"}
@@ -125,7 +125,12 @@ def run_live(args: argparse.Namespace, wl: Workload, costs: StepCosts, seg: Segr
     n = args.live_requests
     small = replace(wl, requests=wl.requests[:n], unit_gaps=wl.unit_gaps[:n])
     cfg = EngineConfig(
-        model=args.model, max_num_seqs=args.width, allow_replay_depths=True, max_waiting=n, num_kv_blocks=1024
+        model=args.model,
+        max_num_seqs=args.width,
+        allow_replay_depths=True,
+        max_waiting=n,
+        num_kv_blocks=1024,
+        speculative=Speculative.OFF,  # the routing's figures: each replica's method alone
     )
     runs: dict[str, list[list[dict[str, Any]]]] = {p: [[] for _ in args.live_rates] for p in policies}
     with local_replicas(cfg, args.replicas, n) as addresses:

@@ -42,12 +42,11 @@ from cdb_bench.serve.openai_target import ENDPOINTS
 from cdb_bench.serve.remote import remote_table, run_remote, write_remote
 from cdb_bench.serve.report import table, write_outputs
 from cdb_bench.serve.requests import RequestSet, make_requests, requests_from
-from cdb_bench.serve.sweep import SweepConfig, run_sweep
+from cdb_bench.serve.sweep import MODE_NAMES, SPECULATIVE, SweepConfig, run_sweep
 from cdb_bench.serve.targets import TARGETS
 from cdb_engine.config import EngineConfig
 from cdb_engine.engine import Engine
 from cdb_model.config import CheckpointError
-from cdb_scheduler.config import Mode
 
 DEFAULT_MODEL = "ouro-bench"
 QUICK: dict[str, Any] = {
@@ -108,16 +107,22 @@ def percentile_list(text: str) -> tuple[float, ...]:
 
 def _modes(text: str) -> tuple[str, ...]:
     modes = tuple(m.strip() for m in text.split(",") if m.strip())
-    bad = [m for m in modes if m not in {x.value for x in Mode}]
+    bad = [m for m in modes if m not in MODE_NAMES]
     if bad or not modes:
-        raise argparse.ArgumentTypeError(f"modes must be among {', '.join(x.value for x in Mode)}; got {text!r}")
+        raise argparse.ArgumentTypeError(f"modes must be among {', '.join(MODE_NAMES)}; got {text!r}")
     return modes
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="cdb bench serve", description=__doc__.split("\n\n")[0] if __doc__ else "")
     p.add_argument("--target", choices=TARGETS, default="deployment")
-    p.add_argument("--modes", type=_modes, default="cdb,no-refill,full-depth")
+    p.add_argument(
+        "--modes",
+        type=_modes,
+        default="cdb,no-refill,full-depth",
+        help=f"among {', '.join(MODE_NAMES)} ({SPECULATIVE}: cdb with self-speculative decoding; the others without)",
+    )
+    p.add_argument("--speculative", action="store_true", help=f"add the mode {SPECULATIVE} beside the others")
     p.add_argument(
         "--model",
         default=None,
@@ -186,7 +191,10 @@ def build_parser() -> argparse.ArgumentParser:
         "at GPU-like op costs, its tokens meaningless (see cdb bench hostpath)",
     )
     p.add_argument(
-        "--synthetic-depths", default="", metavar="MEAN:MIN", help="--synthetic-cost: the stages' drawn exit depths"
+        "--synthetic-depths",
+        default="",
+        metavar="MEAN:MIN[:ACCEPT]",
+        help="--synthetic-cost: the stages' drawn exit depths (and drafts' agreement per loop step)",
     )
     p.add_argument("--sample-interval", type=float, default=0.1, help="queue counters every this many seconds")
     p.add_argument(
@@ -243,6 +251,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--output-len: at least 1, got {args.output_len}")
     if not remote:
         args.model = args.model or DEFAULT_MODEL
+    if args.speculative and SPECULATIVE not in args.modes:
+        args.modes = (*args.modes, SPECULATIVE)
     return args
 
 

@@ -21,7 +21,8 @@ The ``--json`` object (``serve.json``: the same plus every request's inter-token
   ttft_s, tpot_s, e2e_s, normalized_latency_s};
 - ``modes.<mode>.knee``: {rate, failing, censored, bisect_steps, bound}; ``knees``: mode -> knee rate;
 - ``knee_ratio_cdb_over_full_depth``; ``cut_at_full_depth_knee``: {rate, normalized_latency_s per mode, cut per
-  mode (1 - NL_mode / NL_full-depth), cdb} or None; ``client_lag`` over every run;
+  mode (1 - NL_mode / NL_full-depth), cdb} or None; ``client_lag`` over every run; ``spec_nl_over_cdb``: per rate
+  both ran, mean normalized latency of ``cdb-spec`` (self-speculative decoding) over ``cdb``'s, or None;
 - with ``--repeats`` N > 1: ``repeats[]`` (every repeat's figures in the form above, the first repeat's being the
   top-level ones) and ``across_repeats``: ``mean_normalized_latency_s.<mode>.<rate>`` {per_repeat, median, min,
   max} at every swept rate; ``cdb_nl_over.<mode>.<rate>`` {per_repeat, median} (NL_cdb / NL_mode); ``knees.<mode>``,
@@ -90,6 +91,10 @@ def table(s: dict[str, Any]) -> str:
     if cut is not None:
         parts = ", ".join(f"{m} {'-' if v is None else f'{100 * v:.1f} %'}" for m, v in cut["cut"].items())
         lines.append(f"normalized-latency cut at full-depth's knee ({cut['rate']:.4g} req/s): {parts or '-'}")
+    spec = s.get("spec_nl_over_cdb")
+    if spec:
+        parts = ", ".join(f"{float(r):.4g} req/s {'-' if v is None else f'{v:.3f}'}" for r, v in spec.items())
+        lines.append(f"normalized latency cdb-spec / cdb: {parts}")
     lag = s["client_lag"]
     lines.append(f"client lag: mean {_ms(lag['mean_s'])} ms, p99 {_ms(lag['p99_s'])} ms, max {_ms(lag['max_s'])} ms")
     lines += ["", *_op_lines(s)]

@@ -36,12 +36,21 @@ from cdb_bench.serve.metrics import (
 from cdb_bench.serve.requests import RequestSet, ServeRequest, warmup_requests
 from cdb_bench.serve.targets import Target, open_target
 from cdb_bench.serve.vllm_fields import run_figures
-from cdb_engine.config import EngineConfig
+from cdb_engine.config import EngineConfig, Speculative
 from cdb_engine.setup import torch_dtype
 from cdb_model.loader import load_model
 from cdb_scheduler.config import Mode
 
 REFERENCE = "full-depth"
+SPECULATIVE = "cdb-spec"  # cdb with self-speculative decoding (auto); every other mode runs without it
+MODE_NAMES = (*(m.value for m in Mode), SPECULATIVE)
+
+
+def mode_config(base: EngineConfig, mode: str) -> EngineConfig:
+    """The engine of one benchmarked mode: a scheduling mode without speculation, or ``cdb-spec``."""
+    if mode == SPECULATIVE:
+        return replace(base, mode=Mode.CDB, speculative=Speculative.AUTO)
+    return replace(base, mode=Mode(mode), speculative=Speculative.OFF)
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,7 +163,7 @@ def run_sweep(base: EngineConfig, reqs: RequestSet, sc: SweepConfig) -> tuple[di
         for mode in order:
             ref = results.get(REFERENCE)
             extra = ref.knee.rate if ref is not None and ref.knee is not None else None
-            cfg = replace(base, mode=Mode(mode))
+            cfg = mode_config(base, mode)
             with open_target(sc.target, cfg, model=model, max_live=len(reqs.requests), timeout=sc.request_timeout) as t:
                 results[mode] = sweep_mode(t, mode, reqs, sc, extra, tag)
         every.append(assemble(results, [m for m in sc.modes if m in results]))
@@ -235,7 +244,20 @@ def assemble(results: dict[str, ModeRuns], modes: Sequence[str]) -> dict[str, An
         "knee_ratio_cdb_over_full_depth": knee_ratio(knees),
         "cut_at_full_depth_knee": _cut(results),
         "client_lag": lag_stats(lags),
+        "spec_nl_over_cdb": _spec_ratios(results),
     }
+
+
+def _spec_ratios(results: dict[str, ModeRuns]) -> dict[str, float | None] | None:
+    """Per rate both ran: mean normalized latency of ``cdb-spec`` over ``cdb``'s (None without both modes)."""
+    spec, cdb = results.get(SPECULATIVE), results.get(Mode.CDB.value)
+    if spec is None or cdb is None:
+        return None
+    out: dict[str, float | None] = {}
+    for rate in sorted(set(spec.runs) & set(cdb.runs)):
+        a, b = mean_nl(spec.runs[rate]), mean_nl(cdb.runs[rate])
+        out[str(rate)] = a / b if a is not None and b else None
+    return out
 
 
 def _cut(results: dict[str, ModeRuns]) -> dict[str, Any] | None:

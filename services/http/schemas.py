@@ -80,6 +80,7 @@ class _Common(BaseModel):
     user: str | None = None  # accepted and ignored
     # cdb extensions (OpenAI clients pass them with ``extra_body``)
     exit_threshold: float | None = None  # per-request exit threshold of the loop (lower: shallower, faster)
+    speculative: StrictBool | None = None  # self-speculative decoding for this request (None: the server's choice)
     top_k: StrictInt | None = None
     ignore_eos: StrictBool = False
     resume: ResumeState | None = None  # continue a broken stream after the tokens it had delivered
@@ -160,6 +161,7 @@ class _Common(BaseModel):
             stop_token_ids=tuple(self.stop_token_ids or ()),
             stop_strings=tuple(stop),
             exit_threshold=self.exit_threshold,
+            speculative=self.speculative,
             ignore_eos=self.ignore_eos,
             resume_tokens=tuple(self.resume.token_ids) if self.resume else (),
             resume_depths=tuple(self.resume.depths) if self.resume else (),

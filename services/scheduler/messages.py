@@ -64,6 +64,7 @@ def request_to_engine(req: pb.GenerateRequest) -> tuple[str | list[int], Request
         replay_depths=tuple(req.replay_depths) if req.replay_depths else None,
         resume_tokens=tuple(req.resume.token_ids),
         resume_depths=tuple(req.resume.depths),
+        speculative=req.speculative if req.HasField("speculative") else None,
     )
     return prompt, params
 
@@ -157,4 +158,21 @@ def info_to_pb(
         mean_served_depth=sum(d * n for d, n in hist.items()) / served if served else 0.0,
         stage_pids=executor.stage_pids() if executor is not None else {},
         recovery_seconds=list(executor.recovery_s[-100:]) if executor is not None else [],
+        speculation=_speculation(engine),
+    )
+
+
+def _speculation(engine: Engine) -> Any:
+    st, cfg = engine.sched_stats, engine.scheduler.cfg
+    return pb.Speculation(
+        mode=engine.config.speculative,
+        unsupported=engine.limits.no_speculation,
+        max_tokens=cfg.spec_max_tokens,
+        draft_depth=cfg.spec_depth,
+        drafts=st.spec_drafts,
+        accepted=st.spec_accepted,
+        rejected=st.spec_rejected,
+        wasted_loop_steps=st.spec_wasted_steps,
+        acceptance=st.spec_acceptance,
+        mean_draft_depth=st.spec_draft_depth_sum / st.spec_drafts if st.spec_drafts else 0.0,
     )

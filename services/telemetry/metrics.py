@@ -254,6 +254,16 @@ class Metrics:
             ["rule", "source"],
         )
         self.refills = c("cdb_refill_events_total", "Loop slots refilled by a waiting token after an exit.")
+        self.spec_drafts = c(
+            "cdb_spec_drafts_total",
+            "Self-speculative decoding: successors started from a draft read at a shallow depth.",
+        )
+        self.spec_verified = rc(
+            "cdb_spec_verified_total",
+            "Drafts verified against the real token, by outcome (accepted: the successor's early work kept).",
+            ["outcome"],
+        )
+        self.spec_wasted = c("cdb_spec_wasted_loop_steps_total", "Loop steps run by speculative work that was dropped.")
         self.loop_decode_compute = c(
             "cdb_loop_decode_compute_seconds_total", "The loop stage's own compute in decode ops (not prefill ops)."
         )
@@ -374,6 +384,17 @@ class Metrics:
     def inc_refills(self, n: int = 1) -> None:
         """When exited tokens' loop slots are refilled by waiting tokens (count the refilled slots)."""
         self.refills.inc(n)
+
+    def inc_speculation(self, drafts: int, accepted: int, rejected: int, wasted_steps: int) -> None:
+        """Self-speculative decoding since last time: drafts made, verdicts, loop steps of dropped work."""
+        if drafts:
+            self.spec_drafts.inc(drafts)
+        if accepted:
+            self.spec_verified.inc(accepted, "accepted")
+        if rejected:
+            self.spec_verified.inc(rejected, "rejected")
+        if wasted_steps:
+            self.spec_wasted.inc(wasted_steps)
 
     def inc_recoveries(self, recoveries: int, recomputed: int = 0) -> None:
         """When stage losses were healed: ``recoveries`` of them, which re-queued ``recomputed`` requests."""

@@ -112,6 +112,7 @@ class EngineGauges:
         self._lock = threading.Lock()
         self._refills = self._recoveries = self._recomputed = self._preemptions = 0
         self._cpu = dict.fromkeys(("plan", "submit", "dispatch", "other"), 0.0)
+        self._spec = (0, 0, 0, 0)  # drafts, accepted, rejected, wasted steps reported so far
 
     def __call__(self, m: Metrics) -> None:
         engine = self.engine
@@ -133,6 +134,10 @@ class EngineGauges:
             if refills > self._refills:
                 m.inc_refills(refills - self._refills)
                 self._refills = refills
+            spec = (sched.spec_drafts, sched.spec_accepted, sched.spec_rejected, sched.spec_wasted_steps)
+            if spec != self._spec:
+                m.inc_speculation(*(max(0, a - b) for a, b in zip(spec, self._spec)))
+                self._spec = tuple(max(a, b) for a, b in zip(spec, self._spec))  # type: ignore[assignment]
             preemptions = sched.preemptions
             if preemptions > self._preemptions:
                 m.inc_preemptions(preemptions - self._preemptions)

@@ -81,6 +81,7 @@ def op_to_pb(op: StageOp, traceparent: str = "", trace_contexts: Mapping[int, st
             h = op.head
             _head_columns(loop.head, h.rids, h.positions, h.rows, h.token_index, h.sampling)
             loop.head.embed_ids.extend(h.embed_ids)
+            loop.head.embed_rows.extend(h.embed_rows)
             _history_to_pb(loop.head, h.history)
     else:
         head = msg.head
@@ -237,6 +238,7 @@ def _loop_head(h: pb.HeadBatch) -> LoopHead:
         token_index=tuple(h.token_index),
         embed_ids=tuple(h.embed_ids),
         history=_history_of(h),
+        embed_rows=tuple(h.embed_rows),
     )
 
 

@@ -71,13 +71,17 @@ def test_fused_head_with_device_sampling_is_one_fullgraph(sampled: bool, width: 
     w.model = build_preset("ouro-tiny")  # the fused head needs the LM head and the embedding too
     params = [SamplingParams(temperature=0.8 if sampled else 0.0, top_p=0.9, seed=r, logprobs=2) for r in range(width)]
     scols = SamplingColumns.build(params, list(range(width)), w.device)
-    (rows, positions, embed_ids), table = w._columns(list(range(width)), [3] * width, [-1] * width, floats=scols.table)
+    # each row's successor input goes to another row (as a draft's does), so the graph's writes are checked too
+    targets = [width - 1 - r for r in range(width)]
+    cols, table = w._columns(list(range(width)), [3] * width, [-1] * width, targets, floats=scols.table)
     with torch.inference_mode():
         before = w.bank.clone()
-        eager = w.fused_head([rows, positions, embed_ids], table, scols.any_sampled, scols.top_n)
+        eager = w.fused_head(cols, table, scols.any_sampled, scols.top_n)
+        after_eager = w.bank.clone()
         w.bank.copy_(before)
-        graph = compiled(w.fused_head)([rows, positions, embed_ids], table, scols.any_sampled, scols.top_n)
+        graph = compiled(w.fused_head)(cols, table, scols.any_sampled, scols.top_n)
     same(eager, graph)
+    torch.testing.assert_close(w.bank, after_eager, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("name", ["ouro-tiny", "huginn-tiny"])

@@ -139,6 +139,25 @@ OPS: list[StageOp] = [
             history=(HistorySeed(0, (), (9, 4)),),
         ),
     ),
+    LoopOp(  # a draft read: row 0's token sampled, its successor's input embedded into row 3
+        12,
+        (),
+        (),
+        (),
+        rids=(7, 7),
+        positions=(5, 6),
+        rows=(0, 3),
+        steps=(2, 0),
+        head=LoopHead(
+            rids=(7,),
+            positions=(5,),
+            rows=(0,),
+            sampling=(SamplingParams(temperature=0.7, seed=3),),
+            token_index=(2,),
+            embed_ids=(-1,),
+            embed_rows=(3,),
+        ),
+    ),
 ]
 
 

@@ -31,6 +31,9 @@ CDB_FAMILIES = {
     "cdb_served_depth_mean": "gauge",
     "cdb_exit_threshold": "gauge",
     "cdb_refill_events_total": "counter",
+    "cdb_spec_drafts_total": "counter",
+    "cdb_spec_verified_total": "counter",
+    "cdb_spec_wasted_loop_steps_total": "counter",
     "cdb_loop_decode_compute_seconds_total": "counter",
     "cdb_stage_compute_seconds": "histogram",
     "cdb_stages_attached": "gauge",
@@ -58,6 +61,7 @@ _LABELLED_COUNTERS = (
     "cdb_requests_finished_total",
     "cdb_requests_rejected_total",
     "cdb_engine_thread_cpu_seconds_total",
+    "cdb_spec_verified_total",
 )
 
 M = 'model_name="ouro-tiny"'  # the request series' label, last
@@ -123,6 +127,7 @@ def test_scrape_reports_what_was_observed(server: tuple[Metrics, MetricsServer])
     metrics.observe_stage_compute("loop", 0.0008)
     metrics.observe_stage_compute("head", 0.0003)
     metrics.inc_refills(3)
+    metrics.inc_speculation(drafts=5, accepted=3, rejected=1, wasted_steps=4)
     metrics.set_queue_sizes(waiting=2, running=5)
     metrics.set_kv_blocks(used=10, total=64)
     metrics.set_bank_rows(used=5, total=40)
@@ -152,6 +157,9 @@ def test_scrape_reports_what_was_observed(server: tuple[Metrics, MetricsServer])
     assert s['cdb_stage_compute_seconds_count{stage="loop"}'] == 1
     assert s['cdb_stage_compute_seconds_bucket{le="0.0005",stage="head"}'] == 1
     assert s["cdb_refill_events_total"] == 3
+    assert s["cdb_spec_drafts_total"] == 5 and s["cdb_spec_wasted_loop_steps_total"] == 4
+    assert s[f'cdb_spec_verified_total{{{M},outcome="accepted"}}'] == 3
+    assert s[f'cdb_spec_verified_total{{{M},outcome="rejected"}}'] == 1
     assert s["cdb_loop_decode_compute_seconds_total"] == pytest.approx(0.0008)
     assert (s["cdb_requests_waiting"], s["cdb_requests_running"]) == (2, 5)
     assert (s["cdb_kv_blocks_used"], s["cdb_kv_blocks_total"]) == (10, 64)

@@ -105,13 +105,18 @@ def test_op_observer_forwards_to_request_traces(tracing: OtlpReceiver) -> None:
     assert {"queue", "prefill", "hop head", "decode"} <= {s.name for s in spans}
 
 
+_SPEC = ("spec_drafts", "spec_accepted", "spec_rejected", "spec_wasted_steps")  # SchedulerStats' speculation
+
+
 def _fake_engine(**stats: int) -> SimpleNamespace:
     base = dict(waiting=2, running=3, used_kv_blocks=5, total_kv_blocks=64, held_rows=3, recoveries=0, recomputed=0)
     st = SimpleNamespace(**(base | stats))
     return SimpleNamespace(
         stats=lambda: st,
         setup=SimpleNamespace(bank_rows=40),
-        sched_stats=SimpleNamespace(refill_events=7, depth_hist={4: 3, 2: 1}, sched_cpu_s=0.5, preemptions=0),
+        sched_stats=SimpleNamespace(
+            refill_events=7, depth_hist={4: 3, 2: 1}, sched_cpu_s=0.5, preemptions=0, **dict.fromkeys(_SPEC, 0)
+        ),
         cpu=EngineCpu(thread_s=2.0, submit_s=0.25, dispatch_s=0.75),
         limits=SimpleNamespace(
             exit_threshold=0.5, exit_rule=ExitRule.HAZARD, threshold_source=ThresholdSource.FAMILY_DEFAULT
