@@ -310,6 +310,8 @@ class Engine:
         finish = FinishEvent(
             live.request_id, ev.reason, req.prompt_len, ev.generated, ev.loop_steps, tail, ev.error, queue_s
         )
+        if (spec := req.spec) is not None:
+            finish.spec_drafts, finish.spec_accepted, finish.spec_rejected = spec.drafts, spec.accepted, spec.rejected
         if req.score_prompt and ev.generated == 0:  # no token carried the prompt's logprobs
             finish = replace(finish, prompt_logprobs=tuple(req.prompt_logprobs))
         self._emit(live, finish)

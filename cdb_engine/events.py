@@ -38,6 +38,10 @@ class FinishEvent:
     error: str | None = None
     queue_s: float = 0.0  # submission to first admission (prefill start); 0 if never admitted
     prompt_logprobs: tuple[TokenLogprobs, ...] = ()  # as ``TokenEvent``'s, when no token was reported before
+    # self-speculative decoding of this request: successors drafted, drafts verified right and wrong
+    spec_drafts: int = 0
+    spec_accepted: int = 0
+    spec_rejected: int = 0
 
 
 Event = TokenEvent | FinishEvent

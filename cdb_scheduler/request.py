@@ -19,7 +19,7 @@ import enum
 from dataclasses import dataclass, field
 
 from cdb_scheduler.exit_policy import ExitPolicy, ExitState
-from cdb_scheduler.plan import SamplingParams, TokenLogprobs
+from cdb_scheduler.plan import KVCopy, SamplingParams, TokenLogprobs
 
 
 class Status(enum.Enum):
@@ -111,6 +111,9 @@ class Item:
     succ: Item | None = None
     draft: int = -1
     sampled: tuple[int, TokenLogprobs | None] | None = None
+    fallback: Item | None = None  # its real successor while ``succ`` runs from a draft (kept if the draft is wrong)
+    held: bool = False  # a fallback that exited before the verdict: sampled only if kept
+    copy: KVCopy | None = None  # its copy-on-exit, once decided
 
     @property
     def live(self) -> bool:
@@ -123,6 +126,7 @@ class Item:
 
 
 FOLLOWS_REAL = -3  # ``Item.draft`` of an item whose input is its unverified predecessor's real sample
+FALLBACK = -4  # ``Item.draft`` of a predecessor's real successor started beside a drafted one (until the verdict)
 
 
 @dataclass(slots=True)
@@ -132,6 +136,9 @@ class SpecState:
     depth: int  # loop steps a token has run when its successor is drafted from it
     acceptance: float = 1.0  # moving average of accepted drafts (starts hopeful)
     paused_until: int = 0  # no drafting before this many generated tokens (acceptance too low to pay)
+    drafts: int = 0  # successors drafted from its tokens
+    accepted: int = 0  # drafts verified right
+    rejected: int = 0  # drafts verified wrong
 
 
 @dataclass(slots=True)

@@ -22,7 +22,17 @@ from cdb_scheduler.ops import OpBuilder
 from cdb_scheduler.plan import KVCopy, LoopHead, Stage, StageOp, StageResult, TokenLogprobs
 from cdb_scheduler.prefill import PrefillFlight, grow_blocks, pick_chunks, prefill_chain
 from cdb_scheduler.refill import refill_policy
-from cdb_scheduler.request import FOLLOWS_REAL, Event, FinishReason, Item, Request, SpecState, Status, TokenOut
+from cdb_scheduler.request import (
+    FALLBACK,
+    FOLLOWS_REAL,
+    Event,
+    FinishReason,
+    Item,
+    Request,
+    SpecState,
+    Status,
+    TokenOut,
+)
 from cdb_scheduler.residency import Residency
 from cdb_scheduler.stats import SchedulerStats
 
@@ -238,18 +248,22 @@ class Scheduler:
     def _fused_head(self) -> list[Item]:
         """Take every exited token into the loop op being formed (``LoopHead``) and queue its successor, whose
         input embedding that op writes into the row before its step 0 (a recomputed token's recorded input is
-        embedded as given). A token with a speculative successor gets its real successor's input embedded too,
-        but that successor is queued only if the draft turns out wrong (``_verdict``)."""
+        embedded as given). A token whose successor already runs from a draft gets this one too, as the
+        ``fallback`` that goes on if the draft is wrong and is dropped if it is right (``_verdict``): a wrong draft
+        then costs no more loop ops than no speculation."""
         items = [it for it in self.head_queue if it.req.epoch == it.epoch and it.req.status is not _FINISHED]
         self.head_queue.clear()
         for it in items:
             req = it.req
             known = req.output[it.index] if it.index < len(req.output) else -1
             it.embed_id = known if it.index + 1 < req.max_tokens else -2
-            if it.embed_id != -2 and it.succ is None:
-                succ = self._spawn(req, it.index + 1, known, embedded=True, row=it.row)
-                if it.pred is not None:  # ``it`` is unverified: so is what follows its real token
-                    succ.pred, succ.draft, it.succ = it, FOLLOWS_REAL, succ
+            if it.embed_id == -2:
+                continue
+            succ = self._spawn(req, it.index + 1, known, embedded=True, row=it.row)
+            if it.succ is not None:  # an alternative to the drafted successor until the verdict
+                it.fallback, succ.pred, succ.draft = succ, it, FALLBACK
+            elif it.pred is not None:  # ``it`` is unverified: so is what follows its real token
+                succ.pred, succ.draft, it.succ = it, FOLLOWS_REAL, succ
         return items
 
     def _loop_head(self, items: list[Item], drafts: list[Item]) -> LoopHead:
@@ -297,8 +311,9 @@ class Scheduler:
             state = req.spec
             if (
                 state is None
-                or x.next_step != state.depth
+                or x.next_step < state.depth
                 or x.succ is not None
+                or x.draft == FALLBACK  # (what follows an alternative could overwrite the other's KV)
                 or x.forced_depth
                 or x.index + 1 >= req.max_tokens
                 or len(req.spec_rows) >= self.cfg.spec_max_tokens
@@ -318,6 +333,7 @@ class Scheduler:
             x.succ = s
             drafts.append(s)
             self.stats.spec_draft_depth_sum += state.depth
+            state.drafts += 1
             room -= 1
         self.stats.spec_drafts += len(drafts)
         return drafts
@@ -328,9 +344,13 @@ class Scheduler:
         it.exited = True
         it.depth = step + 1
         if self.cfg.copy_on_exit and step + 1 < self.cfg.max_depth:
-            self.ops.pending_copies.append(KVCopy(it.req.rid, it.position, step))
+            it.copy = KVCopy(it.req.rid, it.position, step)
+            self.ops.pending_copies.append(it.copy)
         it.exited_at = self.stats.loop_steps
-        self.head_queue.append(it)
+        if it.draft == FALLBACK:
+            it.held = True  # an alternative samples nothing before the verdict (``_verdict``)
+        else:
+            self.head_queue.append(it)
 
     def _issue_prefill(self, ops: list[StageOp]) -> None:
         if self._prefill is not None:
@@ -482,7 +502,9 @@ class Scheduler:
         it that was sampled early and is now verified."""
         req = x.req
         while (s := x.succ) is not None and req.status is not _FINISHED:
-            if not self._verdict(x, s, token) or s.sampled is None:
+            if not self._verdict(x, s, token):
+                continue  # x's fallback took the draft's place (or x's successor was queued afresh)
+            if s.sampled is None:
                 return
             (token, lp), s.sampled = s.sampled, None
             self._accept(req, s.index, token, s.depth, lp, events, replay=False)
@@ -491,11 +513,13 @@ class Scheduler:
     def _verdict(self, x: Item, s: Item, token: int) -> bool:
         """``x``'s real token is ``token``; ``s`` was drafted from it (or follows its real sample). Keep ``s`` (and
         what follows it) if its input was right, else drop them all and start ``x``'s successor from ``token``, in
-        ``x``'s row. Returns whether ``s`` was kept."""
+        ``x``'s row (its ``fallback`` already runs there). Returns whether ``s`` was kept; if not, ``x.succ`` is the
+        fallback, which follows ``token``."""
         req = x.req
         x.succ = None
         follows = s.draft == FOLLOWS_REAL
         matched = follows or token == s.draft
+        fallback, x.fallback = x.fallback, None
         if matched:
             if s.row != x.row:  # x's row is free; s's becomes the request's
                 self.rows.free(req.rid, [req.row])
@@ -504,29 +528,49 @@ class Scheduler:
             s.pred = None
             if not follows:
                 self.stats.spec_accepted += 1
+            if fallback is not None:
+                self._drop(fallback)
         else:
-            dropped: list[Item] = []
-            it: Item | None = s
-            while it is not None:
-                dropped.append(it)
-                it.epoch = -1  # stale everywhere it is queued or in flight
-                it.succ, it = None, it.succ
-            rows = sorted({d.row for d in dropped})
-            self.rows.free(req.rid, rows)
-            req.spec_rows = [r for r in req.spec_rows if r not in rows]
-            first = s.position  # their KV copies not yet issued would overwrite the fallback's
-            self.ops.pending_copies = [c for c in self.ops.pending_copies if c.rid != req.rid or c.position < first]
-            self.residency.releases += 1  # queues hold stale items now
+            self._drop(s)
             self.stats.spec_rejected += 1
-            self.stats.spec_wasted_steps += sum(d.next_step for d in dropped)
-            self._spawn(req, x.index + 1, -1, embedded=True, row=x.row)  # the head embedded ``token`` there
+            if fallback is None:  # (the draft's head was issued before x's: x's successor starts now)
+                fallback = self._spawn(req, x.index + 1, -1, embedded=True, row=x.row)  # the head embedded it there
+            fallback.pred, fallback.draft, x.succ = x, FOLLOWS_REAL, fallback
+            if fallback.held:
+                fallback.held = False
+                self.head_queue.append(fallback)
         state = req.spec
         if state is not None and not follows:
+            state.accepted += matched
+            state.rejected += not matched
             cfg = self.cfg
             speculation.observe(
                 req, state, matched, base_depth=cfg.spec_depth, max_depth=cfg.max_depth, adaptive=cfg.spec_adaptive
             )
         return matched
+
+    def _drop(self, first: Item) -> None:
+        """Make ``first`` and everything that follows it (drafted from it, or its fallbacks) stale: their spare rows
+        freed, their KV copies not yet issued discarded (their KV positions are rewritten by the work that
+        replaces them before any later token reads them), their loop steps counted as wasted."""
+        req = first.req
+        dropped: list[Item] = []
+        todo = [first]
+        while todo:
+            it = todo.pop()
+            dropped.append(it)
+            it.epoch = -1  # stale everywhere it is queued or in flight
+            todo.extend(x for x in (it.succ, it.fallback) if x is not None)
+            it.succ = it.fallback = None
+        rows = {d.row for d in dropped} & set(req.spec_rows)
+        if rows:
+            self.rows.free(req.rid, sorted(rows))
+            req.spec_rows = [r for r in req.spec_rows if r not in rows]
+        copies = {id(d.copy) for d in dropped if d.copy is not None}
+        if copies:
+            self.ops.pending_copies = [c for c in self.ops.pending_copies if id(c) not in copies]
+        self.residency.releases += 1  # queues hold stale items now
+        self.stats.spec_wasted_steps += sum(d.next_step for d in dropped)
 
     def _new_item(self, req: Request, index: int, input_token: int, row: int = -1) -> Item:
         it = Item(req, req.epoch, index, req.prompt_len + index - 1, input_token, req.policy.new_state())

@@ -6,7 +6,10 @@ at depth ``d`` is sampled exactly as its real exit will be (same sampling settin
 bank row of its own. ``S`` runs its loop steps while ``X`` goes on looping, in the same loop ops as every other
 request's tokens. When ``X`` exits, its real token is sampled as usual; if it equals the draft, ``S`` simply goes
 on (its work so far is exactly the work it would have done), otherwise ``S`` and everything drafted from it are
-dropped and ``X``'s successor starts from the real token, in ``X``'s row, where the head embedded it anyway.
+dropped. ``X``'s real successor does not wait for that verdict: the head embeds the real token into ``X``'s row as
+always, and that successor (the *fallback*) starts at once, beside ``S``; it is dropped if the draft was right and
+goes on if not, so a wrong draft costs no loop op. Until the verdict a fallback drafts nothing and, should it exit,
+samples nothing: what followed an alternative could overwrite the KV the other one's successors read.
 
 Lossless by construction, for greedy and sampled decoding alike: every reported token is a real sample of a
 token whose inputs are all real, and a draft only decides whether work done early can be kept. What makes the
@@ -23,14 +26,14 @@ before any later token reads them (loop ops run in order), its pending KV copies
 
 When it pays (the closed form the adaptive rule follows). With a mean depth ``D`` (loop steps per token), a
 successor starts ``D`` loop ops after its predecessor without speculation; with a draft at depth ``d`` accepted
-with probability ``a`` it starts after ``d`` ops, and after ``D + 1`` when rejected (the fallback waits for the
-verdict). So the expected ops per token are ``a d + (1 - a)(D + 1)``, below ``D`` exactly when
-``a > 1 / (D + 1 - d)`` (the break-even acceptance), and the speed-up at light load is
-``D / (a d + (1 - a)(D + 1))``: at most ``D / d``. A draft costs one bank row and one loop slot per op, so
-requests draft only while rows are free and no request waits for admission (at heavy load CDB's own refill
-fills the width). Per request, the acceptance is a moving average; when it falls below the break-even at the
-current depth the request drafts one step deeper (a deeper read agrees more often, but leads less), and when
-no depth pays it pauses for a while and starts again.
+with probability ``a`` it starts after ``d`` ops, and after about ``D + 1`` when rejected (the fallback starts
+with no delay, but drafts its own successor only once confirmed, an op later). So the expected ops per token are
+``a d + (1 - a)(D + 1)``, below ``D`` exactly when ``a > 1 / (D + 1 - d)`` (the break-even acceptance), and the
+speed-up at light load is ``D / (a d + (1 - a)(D + 1))``: at most ``D / d``. A draft costs one bank row and one
+loop slot per op, so requests draft only while rows are free and no request waits for admission (at heavy load
+CDB's own refill fills the width). Per request, the acceptance is a moving average; when it falls below the
+break-even at the current depth the request drafts one step deeper (a deeper read agrees more often, but leads
+less), and when no depth pays it pauses for a while and starts again.
 """
 
 from __future__ import annotations

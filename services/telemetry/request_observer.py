@@ -118,6 +118,10 @@ class ObservedRequest:
                 self.span.failed(ev.error or "the engine failed the request", "UNAVAILABLE")
             elif reason is FinishReason.CANCELLED and self._cut():
                 self.span.cancelled("server shut down before the request finished")
+            if ev.spec_drafts:
+                self.span.set_attribute("cdb.speculative.drafts", ev.spec_drafts)
+                self.span.set_attribute("cdb.speculative.accepted", ev.spec_accepted)
+                self.span.set_attribute("cdb.speculative.rejected", ev.spec_rejected)
             self.span.finish(reason, ev.generated_tokens, self.depths, ev.total_loop_steps)
 
     def _ended(self, reason: FinishReason, generated: int) -> None:

@@ -5,13 +5,14 @@ lone stream's chain of loop ops."""
 from __future__ import annotations
 
 import random
+import threading
 import zlib
 from dataclasses import replace
 
 import pytest
 
 from cdb_engine.config import EngineConfig, RequestParams
-from cdb_engine.engine import Engine
+from cdb_engine.engine import Engine, FinishEvent
 from cdb_engine.inprocess import shared_model_factory
 from cdb_scheduler.plan import LogitsProcessing, SamplingParams
 from cdb_scheduler.scheduler import Scheduler
@@ -190,9 +191,20 @@ def test_the_apis_carry_the_choice_and_info_reports_what_speculation_did() -> No
 
     model = model64("ouro-kjv")
     cfg = EngineConfig(model="ouro-kjv", dtype="float64", max_num_seqs=8, kv_block_size=4)
+    finished: list[FinishEvent] = []
+    done = threading.Event()
+
+    def sink(ev: object) -> None:
+        if isinstance(ev, FinishEvent):
+            finished.append(ev)
+            done.set()
+
     with Engine(cfg, shared_model_factory(model)) as eng:
-        eng.generate([[5, 6, 7, 8]], RequestParams(max_tokens=24, ignore_eos=True))
+        eng.submit([5, 6, 7, 8], RequestParams(max_tokens=24, ignore_eos=True), sink)
+        assert done.wait(60)
         info = info_to_pb(eng, "in_process", 1).speculation
+    (fin,) = finished  # the request's own counts (its span's cdb.speculative.* attributes)
+    assert (fin.spec_drafts, fin.spec_accepted, fin.spec_rejected) == (info.drafts, info.accepted, info.rejected)
     assert (info.mode, info.unsupported, info.max_tokens, info.draft_depth) == ("auto", "", 4, 1)
     assert info.drafts > 0 and info.accepted + info.rejected > 0 and info.mean_draft_depth >= 1
     assert info.acceptance == pytest.approx(info.accepted / (info.accepted + info.rejected))

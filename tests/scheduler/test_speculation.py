@@ -66,16 +66,35 @@ def test_a_wrong_draft_leaves_nothing_behind_and_restarts_from_the_real_token() 
     x, s = _pair(sched, req)
     s.draft = 11
     s.next_step = 2
-    sched.ops.pending_copies.append(KVCopy(req.rid, s.position, 1))  # s exited; its copy not yet issued
+    s.copy = KVCopy(req.rid, s.position, 1)  # s exited; its copy not yet issued
+    sched.ops.pending_copies.append(s.copy)
     sched.ops.pending_copies.append(KVCopy(7, s.position, 1))  # another request's stays
     kept = sched._verdict(x, s, 12)
     assert not kept and not s.live and req.spec_rows == []
     assert sched.rows.owners() == {req.row: req.rid}
     assert [c.rid for c in sched.ops.pending_copies] == [7]
     (fallback,) = list(sched.ready)
-    assert (fallback.index, fallback.row, fallback.embedded, fallback.pred) == (2, x.row, True, None)
+    assert (fallback.index, fallback.row, fallback.embedded) == (2, x.row, True)
+    assert x.succ is fallback and sched._verdict(x, fallback, 12) and fallback.pred is None  # it follows the token
     assert sched.stats.spec_rejected == 1 and sched.stats.spec_wasted_steps == 2
     sched.check_invariants()
+
+
+def test_a_right_draft_drops_the_fallback_that_started_beside_it_and_its_copy() -> None:
+    """The real successor starts in x's row when x is sampled (so a wrong draft costs no op): a right draft drops
+    it, with the KV copy it may have queued (it shares the drafted successor's position, whose KV stays)."""
+    sched, req = _running()
+    x, s = _pair(sched, req)
+    s.draft = 11
+    fallback = sched._spawn(req, 2, -1, embedded=True, row=x.row)
+    x.fallback = fallback
+    fallback.next_step, fallback.copy = 1, KVCopy(req.rid, fallback.position, 0)
+    s.copy = KVCopy(req.rid, s.position, 2)
+    sched.ops.pending_copies += [fallback.copy, s.copy]
+    assert sched._verdict(x, s, 11)
+    assert not fallback.live and s.live and x.fallback is None
+    assert sched.ops.pending_copies == [s.copy]
+    assert sched.rows.owners() == {s.row: req.rid} and sched.stats.spec_wasted_steps == 1
 
 
 def test_a_right_draft_keeps_the_work_and_hands_its_row_to_the_request() -> None:
@@ -104,3 +123,22 @@ def test_auto_drafts_deeper_below_the_break_even_and_pauses_when_no_depth_pays()
     for _ in range(10):
         observe(req, fixed, False, base_depth=1, max_depth=4, adaptive=False)
     assert fixed.depth == 1 and fixed.paused_until == 0 and fixed.acceptance < 0.1
+
+
+def test_a_fallback_drafts_nothing_and_holds_its_exit_until_the_verdict() -> None:
+    """Until the verdict a fallback is an alternative to the drafted successor: it must not start successors of
+    its own (they could overwrite KV that the drafted chain's successors read), and an exit waits for the verdict."""
+    sched, req = _running()
+    x, s = _pair(sched, req)
+    s.draft = 11
+    x.exited, x.depth = True, 2
+    sched.head_queue.append(x)
+    (head,) = sched._fused_head()
+    fallback = x.fallback
+    assert head is x and fallback is not None and fallback.row == x.row and fallback.pred is x
+    fallback.next_step = 1  # at the draft depth: a normal item would be drafted from here
+    assert sched._draft([fallback], 4) == []
+    sched._leave(fallback, 1)
+    assert fallback.exited and fallback not in sched.head_queue
+    assert not sched._verdict(x, s, 12)  # wrong draft: the fallback is the successor now, its exit goes on
+    assert x.succ is fallback and fallback in sched.head_queue

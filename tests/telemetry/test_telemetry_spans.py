@@ -288,7 +288,9 @@ def test_observed_request_records_the_gen_ai_conventions(tracing: OtlpReceiver) 
     observer.queued(1)
     for i, depth in enumerate((4, 2)):
         observer.event(TokenEvent("chat-1", i, 100 + i, "x", depth, None))
-    observer.event(FinishEvent("chat-1", FinishReason.STOP, 3, 2, 6, queue_s=0.001))
+    finish = FinishEvent("chat-1", FinishReason.STOP, 3, 2, 6, queue_s=0.001)
+    finish.spec_drafts, finish.spec_accepted, finish.spec_rejected = 3, 2, 1
+    observer.event(finish)
     telemetry.force_flush()
     req = one(tracing.wait_for(lambda s: any(x.kind == KIND_SERVER for x in s)), "chat ouro-tiny")
     want = {
@@ -307,6 +309,9 @@ def test_observed_request_records_the_gen_ai_conventions(tracing: OtlpReceiver) 
         "gen_ai.usage.output_tokens": 2,
         "cdb.request_id": "chat-1",
         "cdb.loop_steps": 6,
+        "cdb.speculative.drafts": 3,
+        "cdb.speculative.accepted": 2,
+        "cdb.speculative.rejected": 1,
     }
     assert {k: req.attributes.get(k) for k in want} == want
     assert metrics.generated_tokens.value() == 2 and metrics.finished.value("stop") == 1
