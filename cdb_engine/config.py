@@ -146,6 +146,10 @@ class EngineConfig:
     speculative_tokens: int = field(
         default=4, metadata=_help("tokens of one request running ahead of its oldest unverified one, at most")
     )
+    speculative_max_occupancy: float | None = field(
+        default=None,
+        metadata=_help("draft below this share of max_num_seqs per op; auto: 0.5 GPU, 0.25 CPU"),
+    )
     speculative_depth: int | None = field(
         default=None,
         metadata=_help("loop steps a token runs before its successor is drafted; auto: 1, adaptive"),
@@ -185,6 +189,8 @@ class EngineConfig:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if self.speculative_max_occupancy is not None and not 0.0 < self.speculative_max_occupancy <= 1.0:
+            raise ValueError(f"speculative_max_occupancy must be in (0, 1], got {self.speculative_max_occupancy}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -146,6 +146,7 @@ class Limits:
             spec_adaptive=cfg.speculative is Speculative.AUTO,
             spec_max_tokens=cfg.speculative_tokens,
             spec_depth=min(cfg.speculative_depth or 1, max(1, self.max_depth - 1)),
+            spec_max_width=max(1, math.floor(spec_occupancy(cfg) * cfg.max_num_seqs)),
         )
 
     @staticmethod
@@ -164,6 +165,15 @@ class Limits:
         if self.max_depth < 2:
             return "self-speculative decoding needs max_depth >= 2"
         return None
+
+
+def spec_occupancy(cfg: EngineConfig) -> float:
+    """The share of the loop width below which requests draft (``speculative_max_occupancy``; auto: 0.5 where a
+    loop op's cost is nearly flat in its tokens, a GPU or synthetic stages, 0.25 on a CPU, where each token of an
+    op costs compute and drafts near the knee would slow every request down)."""
+    if cfg.speculative_max_occupancy is not None:
+        return cfg.speculative_max_occupancy
+    return 0.5 if cfg.device.startswith("cuda") or cfg.synthetic_cost else 0.25
 
 
 def resolve_limits(cfg: EngineConfig, mc: ModelConfig) -> Limits:

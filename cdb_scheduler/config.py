@@ -41,6 +41,7 @@ class SchedulerConfig:
     spec_adaptive: bool = True  # draft depth and pauses follow each request's measured acceptance (auto)
     spec_max_tokens: int = 4  # tokens of one request running ahead of its oldest unverified one, at most
     spec_depth: int = 1  # the draft depth a request starts at (loop steps before its token is drafted)
+    spec_max_width: int = 1 << 30  # drafts only while a loop op holds fewer tokens than this (drafts included)
 
     def __post_init__(self) -> None:
         checks = [
@@ -59,6 +60,7 @@ class SchedulerConfig:
             (self.max_head_wait_steps >= 1, "max_head_wait_steps must be >= 1"),
             (self.loop_pipeline_depth >= 1, "loop_pipeline_depth must be >= 1"),
             (self.spec_max_tokens >= 1, "spec_max_tokens must be >= 1"),
+            (self.spec_max_width >= 1, "spec_max_width must be >= 1"),
             (1 <= self.spec_depth < self.max_depth or self.max_depth == 1, "spec_depth must be in [1, max_depth)"),
             (self.spec_supported or not self.speculate, "speculate needs spec_supported"),
         ]

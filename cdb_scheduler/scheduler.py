@@ -303,7 +303,7 @@ class Scheduler:
         """Speculative successors of the tokens in ``items`` that reach their request's draft depth in this op
         (while rows and width are free: no request waits for admission). Each runs its step 0 in this op."""
         drafts: list[Item] = []
-        room = min(width - len(items), self.rows.num_free)
+        room = min(min(width, self.cfg.spec_max_width) - len(items), self.rows.num_free)
         for x in items:
             if room <= 0:
                 break

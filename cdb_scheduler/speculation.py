@@ -30,10 +30,13 @@ with probability ``a`` it starts after ``d`` ops, and after about ``D + 1`` when
 with no delay, but drafts its own successor only once confirmed, an op later). So the expected ops per token are
 ``a d + (1 - a)(D + 1)``, below ``D`` exactly when ``a > 1 / (D + 1 - d)`` (the break-even acceptance), and the
 speed-up at light load is ``D / (a d + (1 - a)(D + 1))``: at most ``D / d``. A draft costs one bank row and one
-loop slot per op, so requests draft only while rows are free and no request waits for admission (at heavy load
-CDB's own refill fills the width). Per request, the acceptance is a moving average; when it falls below the
-break-even at the current depth the request drafts one step deeper (a deeper read agrees more often, but leads
-less), and when no depth pays it pauses for a while and starts again.
+loop slot per op, so requests draft only while rows are free, no request waits for admission (at heavy load
+CDB's own refill fills the width) and the loop op holds fewer tokens than ``--speculative-max-occupancy`` of its
+width (auto: 0.5 on a GPU, where the host path's cost per op still grows with its tokens; 0.25 on a CPU, where
+every token of an op costs compute too): near the knee, drafts would slow every other request down. Per
+request, the acceptance is a moving average; when it falls below the break-even at the current depth the request
+drafts one step deeper (a deeper read agrees more often, but leads less), and when no depth pays it pauses for a
+while and starts again.
 """
 
 from __future__ import annotations

@@ -448,6 +448,8 @@ class ServerInfo:
     config: dict[str, Any] = field(default_factory=dict)  # the server's resolved configuration (engine, settings)
     config_digest: str = ""  # SHA-256 of that configuration
     stage_config_digests: dict[str, str] = field(default_factory=dict)  # the same of each stage process
+    # self-speculative decoding: mode, why unsupported, limits, and drafts / verdicts since start (``Speculation``)
+    speculation: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def from_pb(cls, m: pb.InfoResponse) -> ServerInfo:
@@ -472,4 +474,5 @@ class ServerInfo:
             json.loads(m.config_json) if m.config_json else {},
             m.config_digest,
             dict(m.stage_config_digests),
+            {f.name: getattr(m.speculation, f.name) for f in m.speculation.DESCRIPTOR.fields},
         )

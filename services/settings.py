@@ -104,6 +104,7 @@ scheduler`` and ``cdb demo``; ``cdb stage`` takes ``--model``, ``--dtype`` and `
 | ``CDB_FUSE_LOOP_HEAD`` | true | Ouro: loop ops sample the exited tokens and run their successors (no head op) |
 | ``CDB_SPECULATIVE`` | auto | self-speculative decoding: auto (adaptive, while rows are free), on, off |
 | ``CDB_SPECULATIVE_TOKENS`` | 4 | tokens of one request running ahead of its oldest unverified one, at most |
+| ``CDB_SPECULATIVE_MAX_OCCUPANCY`` | auto | draft below this share of max_num_seqs per op; auto: 0.5 GPU, 0.25 CPU |
 | ``CDB_SPECULATIVE_DEPTH`` | auto | loop steps a token runs before its successor is drafted; auto: 1, adaptive |
 | ``CDB_ALLOW_REPLAY_DEPTHS`` | false | accept per-request replayed depths (benchmarks; implied by exit rule replay) |
 | ``CDB_SYNTHETIC_COST`` | (unset) | synthetic stages, modelled device time: loop=A:B:C,head=.. (µs) or h200:ouro-1.4b |

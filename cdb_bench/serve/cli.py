@@ -253,6 +253,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.model = args.model or DEFAULT_MODEL
     if args.speculative and SPECULATIVE not in args.modes:
         args.modes = (*args.modes, SPECULATIVE)
+    if SPECULATIVE in args.modes and args.kv_policy not in ("last_exited", "depth_indexed"):
+        parser.error(
+            f"mode {SPECULATIVE} needs --kv-policy last_exited (or depth_indexed): with {args.kv_policy} every loop "
+            "step reads the previous token's final KV, so nothing can start early"
+        )
     return args
 
 

@@ -4,10 +4,13 @@ lone stream's chain of loop ops."""
 
 from __future__ import annotations
 
+import contextlib
 import random
 import threading
 import zlib
+from collections.abc import Callable, Iterator
 from dataclasses import replace
+from typing import Any
 
 import pytest
 
@@ -15,6 +18,7 @@ from cdb_engine.config import EngineConfig, RequestParams
 from cdb_engine.engine import Engine, FinishEvent
 from cdb_engine.inprocess import shared_model_factory
 from cdb_scheduler.plan import LogitsProcessing, SamplingParams
+from cdb_scheduler.request import Item
 from cdb_scheduler.scheduler import Scheduler
 from tests.engine.test_equivalence import Case, case_config, model64, run_engine, run_reference, workload
 
@@ -32,12 +36,36 @@ CASES = [
 ]
 
 
+def kjv_on(**fields: Any) -> EngineConfig:
+    """The shipped model in float64, speculating on every request, drafts up to the whole width."""
+    return EngineConfig(
+        model="ouro-kjv", dtype="float64", kv_block_size=4, speculative="on", speculative_max_occupancy=1, **fields
+    )
+
+
+@contextlib.contextmanager
+def watching_drafts(seen: Callable[[Scheduler, list[Item], list[Item]], None]) -> Iterator[None]:
+    """Call ``seen(scheduler, items, drafts)`` whenever the scheduler forms a loop op's drafts."""
+    original = Scheduler._draft
+
+    def record(self: Scheduler, items: list[Item], width: int) -> list[Item]:
+        drafts = original(self, items, width)
+        seen(self, items, drafts)
+        return drafts
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Scheduler, "_draft", record)
+        yield
+
+
 @pytest.mark.parametrize("depth", [1, 2])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(str(v) for v in vars(c).values()))
 def test_speculation_changes_no_token_and_no_depth(case: Case, depth: int) -> None:
     rng = random.Random(zlib.crc32(repr((case, depth)).encode()))
     model = model64(case.model)
-    cfg = replace(case_config(case, rng), max_num_seqs=8, speculative="on", speculative_depth=depth)
+    cfg = replace(
+        case_config(case, rng), max_num_seqs=8, speculative="on", speculative_depth=depth, speculative_max_occupancy=1
+    )
     work = [(p, replace(r, max_tokens=r.max_tokens + 8)) for p, r in workload(rng, 6)]  # greedy and sampled
     got, eng = run_engine(model, cfg, work)
     want = run_reference(model, eng, work, cfg)
@@ -53,9 +81,7 @@ def test_right_and_wrong_drafts_both_leave_exact_results_and_free_everything() -
     successor restarted from the real token); either way the results are the reference's, and no row or KV block
     is held afterwards (``run_engine`` checks the invariants and the drained resources)."""
     model = model64("ouro-kjv")
-    cfg = EngineConfig(
-        model="ouro-kjv", dtype="float64", max_num_seqs=8, kv_block_size=4, speculative="on", speculative_depth=1
-    )
+    cfg = kjv_on(max_num_seqs=8, speculative_depth=1)
     rng = random.Random(4)
     work = [(p, replace(r, max_tokens=24)) for p, r in workload(rng, 4)]
     got, eng = run_engine(model, cfg, work)
@@ -104,27 +130,22 @@ def test_requests_that_opt_out_or_count_their_tokens_do_not_speculate() -> None:
     """Per request: ``speculative=False`` opts out; penalized sampling (the stage counts every sampled token of
     the row) never drafts. The others do."""
     model = model64("ouro-kjv")
-    cfg = EngineConfig(model="ouro-kjv", dtype="float64", max_num_seqs=8, kv_block_size=4, speculative="on")
+    cfg = kjv_on(max_num_seqs=8)
     prompt = [random.Random(1).randrange(3, 259) for _ in range(8)]
     penalized = SamplingParams(processing=LogitsProcessing(frequency_penalty=0.5))
     drafted: dict[int, int] = {}
-    original = Scheduler._draft
 
-    def record(self: Scheduler, items: list, width: int) -> list:
-        drafts = original(self, items, width)
-        for s in drafts:
-            drafted[s.req.rid] = drafted.get(s.req.rid, 0) + 1
-        return drafts
+    def count(sched: Scheduler, items: list[Item], drafts: list[Item]) -> None:
+        for d in drafts:
+            drafted[d.req.rid] = drafted.get(d.req.rid, 0) + 1
 
     params = [
         RequestParams(max_tokens=16, ignore_eos=True, speculative=False),
         RequestParams(max_tokens=16, ignore_eos=True, sampling=penalized),
         RequestParams(max_tokens=16, ignore_eos=True),
     ]
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(Scheduler, "_draft", record)
-        with Engine(cfg, shared_model_factory(model)) as eng:
-            outs = eng.generate([prompt] * 3, params)
+    with watching_drafts(count), Engine(cfg, shared_model_factory(model)) as eng:
+        outs = eng.generate([prompt] * 3, params)
     rids = {o.request_id: int(o.request_id.split("-")[1]) for o in outs}
     assert drafted.get(rids[outs[0].request_id], 0) == 0
     assert drafted.get(rids[outs[1].request_id], 0) == 0
@@ -135,19 +156,15 @@ def test_requests_that_opt_out_or_count_their_tokens_do_not_speculate() -> None:
 def test_no_draft_is_made_while_a_request_waits_for_admission() -> None:
     """Drafts take rows and loop width that admissions need: while any request waits, none is made."""
     model = model64("ouro-kjv")
-    cfg = EngineConfig(model="ouro-kjv", dtype="float64", max_num_seqs=3, kv_block_size=4, speculative="on")
+    cfg = kjv_on(max_num_seqs=3)
     waiting_at_draft: list[int] = []
-    original = Scheduler._draft
 
-    def record(self: Scheduler, items: list, width: int) -> list:
-        drafts = original(self, items, width)
+    def waiting(sched: Scheduler, items: list[Item], drafts: list[Item]) -> None:
         if drafts:
-            waiting_at_draft.append(len(self.waiting))
-        return drafts
+            waiting_at_draft.append(len(sched.waiting))
 
     work = [(p, replace(r, max_tokens=12)) for p, r in workload(random.Random(6), 8)]
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(Scheduler, "_draft", record)
+    with watching_drafts(waiting):
         got, eng = run_engine(model, cfg, work)
     assert waiting_at_draft and set(waiting_at_draft) == {0}
     assert got == run_reference(model, eng, work, cfg)
@@ -155,16 +172,7 @@ def test_no_draft_is_made_while_a_request_waits_for_admission() -> None:
 
 def test_a_tiny_pool_preempts_speculating_requests_and_results_are_unchanged() -> None:
     model = model64("ouro-kjv")
-    cfg = EngineConfig(
-        model="ouro-kjv",
-        dtype="float64",
-        max_num_seqs=8,
-        num_kv_blocks=20,
-        kv_block_size=4,
-        prefill_chunk_size=16,
-        prefill_token_budget=32,
-        speculative="on",
-    )
+    cfg = kjv_on(max_num_seqs=8, num_kv_blocks=20, prefill_chunk_size=16, prefill_token_budget=32)
     rng = random.Random(12)
     work = [
         ([rng.randrange(3, 259) for _ in range(rng.randint(10, 30))], RequestParams(max_tokens=12, ignore_eos=True))
@@ -180,6 +188,7 @@ def test_the_apis_carry_the_choice_and_info_reports_what_speculation_did() -> No
     cannot speculate refuses ``true`` naming the field; ``Info`` reports the mode and the drafts' outcomes."""
     from cdb_api.v1 import generation_pb2 as pb
     from cdb_engine.errors import InvalidRequest
+    from clients.common import ServerInfo
     from services.http.schemas import CompletionRequest
     from services.scheduler.messages import info_to_pb, request_to_engine
 
@@ -202,7 +211,9 @@ def test_the_apis_carry_the_choice_and_info_reports_what_speculation_did() -> No
     with Engine(cfg, shared_model_factory(model)) as eng:
         eng.submit([5, 6, 7, 8], RequestParams(max_tokens=24, ignore_eos=True), sink)
         assert done.wait(60)
-        info = info_to_pb(eng, "in_process", 1).speculation
+        response = info_to_pb(eng, "in_process", 1)
+        info = response.speculation
+    assert ServerInfo.from_pb(response).speculation["accepted"] == info.accepted  # the clients' view
     (fin,) = finished  # the request's own counts (its span's cdb.speculative.* attributes)
     assert (fin.spec_drafts, fin.spec_accepted, fin.spec_rejected) == (info.drafts, info.accepted, info.rejected)
     assert (info.mode, info.unsupported, info.max_tokens, info.draft_depth) == ("auto", "", 4, 1)
@@ -215,3 +226,23 @@ def test_the_apis_carry_the_choice_and_info_reports_what_speculation_did() -> No
             eng.validate([5, 6], RequestParams(speculative=True))
         assert err.value.field == "speculative"
         assert "kv_policy" in info_to_pb(eng, "in_process", 1).speculation.unsupported
+
+
+def test_drafts_never_fill_a_loop_op_past_the_occupancy_bound() -> None:
+    """``speculative_max_occupancy``: a loop op holds at most that fraction of the width once its drafts are in
+    (a host path's cost per op grows with its tokens: drafts must not slow the other requests down)."""
+    model = model64("ouro-kjv")
+    cfg = EngineConfig(
+        model="ouro-kjv", dtype="float64", max_num_seqs=8, kv_block_size=4, speculative_max_occupancy=0.5
+    )
+    widths: list[int] = []
+
+    def width(sched: Scheduler, items: list[Item], drafts: list[Item]) -> None:
+        if drafts:
+            widths.append(len(items) + len(drafts))
+
+    work = [(p, replace(r, max_tokens=16)) for p, r in workload(random.Random(8), 3)]
+    with watching_drafts(width):
+        got, eng = run_engine(model, cfg, work)
+    assert widths and max(widths) <= 4
+    assert got == run_reference(model, eng, work, cfg)
