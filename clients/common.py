@@ -218,6 +218,7 @@ class GenerateOptions(TypedDict, total=False):
     repetition_penalty: float
     logit_bias: Mapping[int, float]  # token id -> bias
     min_tokens: int
+    speculative: bool  # self-speculative decoding for this request (unset: the server's choice)
 
 
 def build_request(prompt: str | Sequence[int], options: GenerateOptions) -> pb.GenerateRequest:
@@ -249,6 +250,8 @@ def build_request(prompt: str | Sequence[int], options: GenerateOptions) -> pb.G
     req.stop_token_ids.extend(options.get("stop_token_ids", ()))
     if "exit_threshold" in options:
         req.exit_threshold = options["exit_threshold"]
+    if "speculative" in options:
+        req.speculative = options["speculative"]
     req.replay_depths.extend(options.get("replay_depths", ()))
     return req
 

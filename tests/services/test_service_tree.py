@@ -8,6 +8,7 @@ import math
 import random
 from collections.abc import Iterator
 from contextlib import aclosing
+from dataclasses import replace
 
 import grpc
 import pytest
@@ -125,6 +126,30 @@ def test_bad_input_is_invalid_argument_naming_the_field(client: Client, case: tu
     assert details.startswith(expected[0] + ":"), details
     for part in expected[1:]:
         assert part in details, details
+
+
+def test_speculating_requests_through_the_tree_change_no_token(client: Client) -> None:
+    """Drafts cross the stage transport (a fused head writing into other rows): requests that speculate, one at a
+    time so that rows are free, give the tokens and depths of the in-process engine without speculation."""
+    rng = random.Random(4)
+    prompts = [[rng.randrange(3, 512) for _ in range(rng.randrange(2, 20))] for _ in range(4)]
+    options = [GenerateOptions(max_tokens=24, ignore_eos=True, speculative=True) for _ in prompts]
+    for i in (1, 3):
+        options[i].update(temperature=0.8, seed=7 + i)
+    before = client.info().speculation["drafts"]
+    got = [(r.token_ids, r.depths) for r in (client.generate(p, **o) for p, o in zip(prompts, options))]
+    assert client.info().speculation["drafts"] > before
+    params = [
+        RequestParams(
+            max_tokens=24,
+            ignore_eos=True,
+            sampling=SamplingParams(temperature=o.get("temperature", 0.0), seed=o.get("seed", 0)),
+        )
+        for o in options
+    ]
+    with Engine(replace(CONFIG, speculative="off")) as local:
+        want = local.generate(prompts, params)
+    assert got == [(w.token_ids, w.depths) for w in want]
 
 
 def test_penalties_logit_bias_and_min_tokens_travel_through_grpc(client: Client) -> None:
