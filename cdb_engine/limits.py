@@ -146,7 +146,8 @@ class Limits:
             spec_adaptive=cfg.speculative is Speculative.AUTO,
             spec_max_tokens=cfg.speculative_tokens,
             spec_depth=min(cfg.speculative_depth or 1, max(1, self.max_depth - 1)),
-            spec_max_width=max(1, math.floor(spec_occupancy(cfg) * cfg.max_num_seqs)),
+            # (at least a lone token and one draft, where the width allows)
+            spec_max_width=min(cfg.max_num_seqs, max(2, math.floor(spec_occupancy(cfg) * cfg.max_num_seqs))),
         )
 
     @staticmethod

@@ -160,6 +160,19 @@ def test_completion_logprobs_name_tokens_and_alternatives(client: openai.OpenAI)
         assert top[token] == pytest.approx(logprob) and logprob == pytest.approx(max(top.values()))  # greedy
 
 
+def test_speculative_extension_changes_no_token(api: Served, client: openai.OpenAI) -> None:
+    """``speculative`` (an extra body field) reaches the engine; drafting or not, the tokens are the same."""
+    texts, drafts = [], []
+    for on in (True, False):
+        before = api.engine.sched_stats.spec_drafts
+        out = client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, extra_body={"speculative": on}
+        )
+        texts.append(out.choices[0].text)
+        drafts.append(api.engine.sched_stats.spec_drafts - before)
+    assert texts[0] == texts[1] and drafts[0] > 0 and drafts[1] == 0
+
+
 def test_exit_threshold_extension_changes_the_served_depths(api: Served, client: openai.OpenAI) -> None:
     def depths(threshold: float) -> list[int]:
         out = client.completions.create(
@@ -350,6 +363,7 @@ def test_penalties_logit_bias_and_min_tokens_shape_the_completion(api: Served, c
         ({"logit_bias": {"5": 101}}, "logit_bias"),
         ({"min_tokens": 5}, "min_tokens"),
         ({"exit_threshold": 7}, "exit_threshold"),
+        ({"speculative": "yes"}, "speculative"),
     ],
 )
 def test_bad_completion_fields_are_400_naming_the_field(client: openai.OpenAI, fields: dict, param: str) -> None:
