@@ -101,7 +101,6 @@ class Item:
     pending_since: int = -1  # loop seq of an issued step whose fate is not yet decided
     exited_at: int = 0  # loop ops issued when it joined the head queue
     embedded: bool = False  # its input's embedding is already in its row (written by the head op that sampled it)
-    embed_id: int = -1  # as it goes to the fused head: its successor's input to embed (``LoopHead.embed_ids``)
     row: int = -1  # the bank row it runs in (its request's ``row``, or one of its ``spec_rows``)
     # Speculation: ``pred`` is the unverified predecessor whose sample is this item's input: its draft (``draft``,
     # -1 until the drafting op returns) or, ``FOLLOWS_REAL``, its real sample (the predecessor is unverified itself);

@@ -193,7 +193,7 @@ class Scheduler:
 
     def _issue_loop(self) -> StageOp | None:
         # Runs once per loop step over every token in the batch: plain locals, Item.live inlined.
-        head_items = self._fused_head() if self.cfg.fuse_loop_head else []
+        head_items, embed_ids = self._fused_head() if self.cfg.fuse_loop_head else ([], [])
         ready, width = self.ready, self.cfg.max_num_seqs
         items: list[Item] = []
         early: list[Item] = []  # speculative items whose next step would read KV not yet written
@@ -216,7 +216,7 @@ class Scheduler:
         drafts = self._draft(items, width) if self.cfg.spec_supported and not self.waiting else []
         if not items and not head_items:
             return None
-        head = self._loop_head(head_items, drafts) if head_items or drafts else None
+        head = self._loop_head(head_items, embed_ids, drafts) if head_items or drafts else None
         if drafts:
             items.extend(drafts)
         steps = [it.next_step for it in items]
@@ -245,28 +245,31 @@ class Scheduler:
         ready.extendleft(reversed(cont))
         return op
 
-    def _fused_head(self) -> list[Item]:
+    def _fused_head(self) -> tuple[list[Item], list[int]]:
         """Take every exited token into the loop op being formed (``LoopHead``) and queue its successor, whose
         input embedding that op writes into the row before its step 0 (a recomputed token's recorded input is
         embedded as given). A token whose successor already runs from a draft gets this one too, as the
         ``fallback`` that goes on if the draft is wrong and is dropped if it is right (``_verdict``): a wrong draft
-        then costs no more loop ops than no speculation."""
+        then costs no more loop ops than no speculation. Returns the items and what each embeds
+        (``LoopHead.embed_ids``)."""
         items = [it for it in self.head_queue if it.req.epoch == it.epoch and it.req.status is not _FINISHED]
         self.head_queue.clear()
+        embed_ids: list[int] = []
         for it in items:
             req = it.req
             known = req.output[it.index] if it.index < len(req.output) else -1
-            it.embed_id = known if it.index + 1 < req.max_tokens else -2
-            if it.embed_id == -2:
+            if it.index + 1 >= req.max_tokens:
+                embed_ids.append(-2)  # the request ends with this token
                 continue
+            embed_ids.append(known)
             succ = self._spawn(req, it.index + 1, known, embedded=True, row=it.row)
             if it.succ is not None:  # an alternative to the drafted successor until the verdict
                 it.fallback, succ.pred, succ.draft = succ, it, FALLBACK
             elif it.pred is not None:  # ``it`` is unverified: so is what follows its real token
                 succ.pred, succ.draft, it.succ = it, FOLLOWS_REAL, succ
-        return items
+        return items, embed_ids
 
-    def _loop_head(self, items: list[Item], drafts: list[Item]) -> LoopHead:
+    def _loop_head(self, items: list[Item], embed_ids: list[int], drafts: list[Item]) -> LoopHead:
         """The fused head of a loop op: the exited ``items`` (each sampled into its own row), then the draft reads
         (each drafted token's row sampled, its successor's input embedded into the successor's row)."""
         reqs = [it.req for it in items]
@@ -275,7 +278,6 @@ class Scheduler:
         history = self.ops.history(Stage.LOOP, reqs, rows, token_index)
         sampling = [r.sampling for r in reqs]
         positions = [it.position for it in items]
-        embed_ids = [it.embed_id for it in items]
         targets: tuple[int, ...] = ()
         if drafts:
             targets = (*rows, *(s.row for s in drafts))

@@ -133,7 +133,8 @@ def test_a_fallback_drafts_nothing_and_holds_its_exit_until_the_verdict() -> Non
     s.draft = 11
     x.exited, x.depth = True, 2
     sched.head_queue.append(x)
-    (head,) = sched._fused_head()
+    (head,), embeds = sched._fused_head()
+    assert embeds == [-1]  # the real token goes into x's row, for the fallback
     fallback = x.fallback
     assert head is x and fallback is not None and fallback.row == x.row and fallback.pred is x
     fallback.next_step = 1  # at the draft depth: a normal item would be drafted from here
