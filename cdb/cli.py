@@ -1,4 +1,5 @@
-"""The ``cdb`` command: serve, demo, generate, stage, scheduler, secret, trace, train, bench, eval, presets."""
+"""The ``cdb`` command: serve, demo, generate, stage, scheduler, frontend, secret, trace, train, bench, eval,
+presets."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ COMMANDS = {
     "generate": ("clients.cli", "generate_main", "stream a generation from a running server"),
     "stage": ("cdb.processes", "stage_main", "run one stage server (prelude | loop | head)"),
     "scheduler": ("cdb.processes", "scheduler_main", "run the scheduler service"),
+    "frontend": ("cdb.processes", "frontend_main", "run a front-end process over a scheduler's link (CDB_FRONTENDS)"),
     "train": ("cdb_train.cli", "main", "train the shipped looped model (prepare | train | lookahead | card)"),
     "bench": ("cdb_bench.cli", "main", "benchmarks: offline, services, serve, scheduler, step (see cdb bench --help)"),
     "eval": (

@@ -240,7 +240,7 @@ def resolve_command(
 def process_resolution(command: str, argv: list[str], environ: Mapping[str, str]) -> Resolved:
     """The configuration that ``cdb stage ARGV`` or ``cdb scheduler ARGV`` runs with in ``environ``, without
     running it."""
-    build = {"stage": stage_parser, "scheduler": scheduler_parser}[command]
+    build = {"stage": stage_parser, "scheduler": scheduler_parser, "frontend": frontend_parser}[command]
     return resolve_command(argv, f"cdb {command}", build, environ).resolved
 
 
@@ -340,6 +340,22 @@ def add_public_port_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_public_api_args(parser: argparse.ArgumentParser, conf: Configuration) -> None:
+    """The options of a process that serves the public API: HTTP, served names, chat template, the config file,
+    logging, the public port's security and the engine's options."""
+    parser.add_argument(
+        "--http",
+        metavar="HOST:PORT",
+        help="also serve the OpenAI-compatible HTTP API here (default: $CDB_HTTP_ADDR; unset or empty: none)",
+    )
+    add_served_name_arg(parser)
+    add_chat_template_arg(parser)
+    add_config_arg(parser)
+    add_log_args(parser, conf)
+    add_public_port_args(parser)
+    add_engine_args(parser, conf.engine)
+
+
 def scheduler_parser(conf: Configuration) -> argparse.ArgumentParser:
     parser = new_parser("cdb scheduler", scheduler_main.__doc__)
     parser.add_argument("--listen", default="127.0.0.1:50051", help="HOST:PORT (port 0: any) or unix:PATH")
@@ -358,23 +374,19 @@ def scheduler_parser(conf: Configuration) -> argparse.ArgumentParser:
         help="a warm standby stage of a role (model loaded, idle): it takes over when that role's stage is lost",
     )
     parser.add_argument("--in-process", action="store_true", help="run the stages in this process instead")
+    parser.add_argument(
+        "--link",
+        metavar="unix:PATH",
+        help="serve the front-end link here: front-end processes (cdb frontend) serve the public ports; "
+        "this process then serves no HTTP API",
+    )
     parser.add_argument("--ready-file", help="write the bound address here once ready")
     parser.add_argument(
         "--metrics-listen",
         metavar="HOST:PORT",
         help="serve Prometheus metrics at http://HOST:PORT/metrics (default: $CDB_METRICS_ADDR; unset or empty: none)",
     )
-    parser.add_argument(
-        "--http",
-        metavar="HOST:PORT",
-        help="also serve the OpenAI-compatible HTTP API here (default: $CDB_HTTP_ADDR; unset or empty: none)",
-    )
-    add_served_name_arg(parser)
-    add_chat_template_arg(parser)
-    add_config_arg(parser)
-    add_log_args(parser, conf)
-    add_public_port_args(parser)
-    add_engine_args(parser, conf.engine)
+    add_public_api_args(parser, conf)
     return parser
 
 
@@ -385,6 +397,7 @@ def scheduler_main(argv: list[str] | None = None) -> int:
     from services.net import check_can_listen
     from services.scheduler.security import PortSecurity
     from services.scheduler.server import run_scheduler
+    from services.transport.frontlink import socket_path
     from services.transport.segments import SharedMemoryFull, sweep_stale_segments
 
     die_with_parent()
@@ -395,8 +408,10 @@ def scheduler_main(argv: list[str] | None = None) -> int:
     config, settings = command.resolved.engine, command.resolved.settings
     pin_cpus("scheduler", settings)
     configure_logging("scheduler", settings)
-    http = settings.http_addr
+    http = None if args.link else settings.http_addr  # with a link, the front ends serve HTTP
     try:
+        if args.link:
+            socket_path(args.link)
         stage_addrs = None if args.in_process else parse_stage_addrs(args.stage)
         standby_addrs = parse_stage_addrs(args.standby_stage, "--standby-stage", complete=False)
         PortSecurity.from_settings(settings)  # TLS files and API keys, checked before the model loads
@@ -416,8 +431,55 @@ def scheduler_main(argv: list[str] | None = None) -> int:
             settings=settings,
             companion=functools.partial(serve_api, address=http) if http else None,
             standby_addrs=standby_addrs,
+            link=socket_path(args.link) if args.link else None,
         )
     except (ListenError, SharedMemoryFull) as exc:  # a port taken, /dev/shm too small: one line, not a traceback
+        print(f"{parser.prog}: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def frontend_parser(conf: Configuration) -> argparse.ArgumentParser:
+    parser = new_parser("cdb frontend", frontend_main.__doc__)
+    parser.add_argument("--listen", default="127.0.0.1:50051", help="HOST:PORT (port 0: any) or unix:PATH")
+    parser.add_argument("--link", required=True, metavar="unix:PATH", help="the scheduler's front-end link")
+    parser.add_argument(
+        "--join", action="store_true", help="another front end serves these ports already: share them, no probe"
+    )
+    parser.add_argument("--ready-file", help="write the bound address here once ready")
+    add_public_api_args(parser, conf)
+    return parser
+
+
+def frontend_main(argv: list[str] | None = None) -> int:
+    """``cdb frontend``: serve the public ports (``cdb.v1.Generation``, the HTTP API) over the engine of a
+    ``cdb scheduler --link`` until SIGTERM/SIGINT, then drain (``CDB_FRONTENDS``)."""
+    from services.frontend.server import run_frontend
+    from services.net import check_can_listen
+    from services.scheduler.security import PortSecurity
+    from services.transport.frontlink import socket_path
+
+    die_with_parent()
+    command = parse_command(argv, "cdb frontend", frontend_parser)
+    if command is None:
+        return 2
+    parser, args = command.parser, command.args
+    config, settings = command.resolved.engine, command.resolved.settings
+    pin_cpus("frontend", settings)
+    configure_logging("frontend", settings)
+    http = settings.http_addr
+    try:
+        socket_path(args.link)
+        PortSecurity.from_settings(settings)
+    except ValueError as exc:
+        parser.error(str(exc))
+    try:
+        if not args.join:
+            check_can_listen(args.listen)
+            if http:
+                check_can_listen(http)
+        run_frontend(config, args.listen, args.link, settings, ready_file=args.ready_file, http=http, join=args.join)
+    except ListenError as exc:
         print(f"{parser.prog}: {exc}", file=sys.stderr)
         return 1
     return 0

@@ -82,11 +82,13 @@ class Point:
     op_us: float | None  # None: a named profile
     fuse_loop_head: bool = True
     transport: str = "rings"  # the stage data plane: "rings" (shared memory) or "streams" (gRPC)
+    frontends: int = 0  # api: front-end processes (CDB_FRONTENDS; 0: the scheduler process serves the API)
 
     @property
     def label(self) -> str:
         what = f"{self.op_us:g}us" if self.op_us is not None else self.cost
-        return f"{self.family} {what} w{self.width} {self.consumer}"
+        fronts = f" fe{self.frontends}" if self.frontends else ""
+        return f"{self.family} {what} w{self.width} {self.consumer}{fronts}"
 
 
 def _params(rng: random.Random) -> RequestParams:
@@ -233,6 +235,7 @@ def run_api(point: Point, warmup_s: float, seconds: float, seed: int, op_log: st
     cfg = _config(point)
     metrics_port = _free_port()
     env = {**os.environ, "CDB_STAGE_OP_LOG": op_log, "CDB_STAGE_RINGS": str(point.transport == "rings").lower()}
+    env["CDB_FRONTENDS"] = str(point.frontends)
     with serve_all(cfg, "127.0.0.1:0", env=env, metrics_listen=f"127.0.0.1:{metrics_port}") as tree:
         assert tree.scheduler is not None
         url = f"http://127.0.0.1:{metrics_port}/metrics"
@@ -258,6 +261,7 @@ def run_api(point: Point, warmup_s: float, seconds: float, seed: int, op_log: st
                         "cpu_submit": m.get("cpu_submit", 0.0),
                         "cpu_dispatch": m.get("cpu_dispatch", 0.0),
                         "cpu_thread": sum(m.get(f"cpu_{p}", 0.0) for p in ("plan", "submit", "dispatch", "other")),
+                        "frontends_cpu_s": sum(_cpu_of(p.pid) for p in tree.frontends),
                     }
                 )
                 if len(marks) == 1:
@@ -269,7 +273,12 @@ def run_api(point: Point, warmup_s: float, seconds: float, seed: int, op_log: st
             client.kill()
             client.wait()
     a, b = marks
-    return _figures(a, b) | {"mean_depth": mean_depth}
+    fig = _figures(a, b) | {"mean_depth": mean_depth}
+    if point.frontends:  # the front ends' CPU per streamed token, and tokens streamed per second of their CPU
+        tokens, cpu = b["tokens"] - a["tokens"], b["frontends_cpu_s"] - a["frontends_cpu_s"]
+        fig["frontends_cpu_us_per_token"] = 1e6 * cpu / max(1.0, tokens)
+        fig["tokens_per_frontend_core_s"] = tokens / max(1e-9, cpu)
+    return fig
 
 
 def _no_pin(env: dict[str, str]) -> dict[str, str]:
@@ -371,6 +380,7 @@ def run_point(point: Point, warmup_s: float, seconds: float, seed: int = 0) -> d
     fig["of_ideal"] = fig["tokens_per_s"] / fig["ideal_tokens_per_s"]
     where = {"family": point.family, "cost": point.cost, "op_us": point.op_us, "width": point.width}
     how = {"consumer": point.consumer, "fuse_loop_head": point.fuse_loop_head, "transport": point.transport}
+    how["frontends"] = point.frontends
     return where | how | fig
 
 
@@ -378,13 +388,20 @@ def points(args: argparse.Namespace) -> list[Point]:
     out = []
     modes = itertools.product(args.families, args.consumers, args.fuse_loop_head, args.transport)
     for family, consumer, fused, transport in modes:
-        for op_us, width in itertools.product(args.op_us, args.widths):
-            out.append(Point(family, scaled_cost(family, op_us), width, consumer, op_us, fused, transport))
-        if args.profiles:
-            out.extend(
-                Point(family, FAMILIES[family][1], width, consumer, None, fused, transport) for width in args.widths
-            )
+        for fronts in args.frontends if consumer == "api" else [0]:
+            for op_us, width in itertools.product(args.op_us, args.widths):
+                cost = scaled_cost(family, op_us)
+                out.append(Point(family, cost, width, consumer, op_us, fused, transport, fronts))
+            if args.profiles:
+                cost = FAMILIES[family][1]
+                out.extend(
+                    Point(family, cost, width, consumer, None, fused, transport, fronts) for width in args.widths
+                )
     return out
+
+
+def _consumer(r: dict[str, Any]) -> str:
+    return f"{r['consumer']} fe{r['frontends']}" if r.get("frontends") else str(r["consumer"])
 
 
 def _table(rows: list[dict[str, Any]]) -> str:
@@ -398,7 +415,7 @@ def _table(rows: list[dict[str, Any]]) -> str:
         cost = f"{r['op_us']:g}us flat" if r["op_us"] is not None else r["cost"]
         i, c = r["idle_us_per_op"], r["sched_cpu_us_per_step"]
         lines.append(
-            f"{r['family']:<7}{cost:<18}{r['width']:>4} {r['consumer']:<11}{'on' if r['fuse_loop_head'] else 'off':<6}"
+            f"{r['family']:<7}{cost:<18}{r['width']:>4} {_consumer(r):<11}{'on' if r['fuse_loop_head'] else 'off':<6}"
             f"{r.get('transport', 'streams'):<8}{r['eta']:>6.3f}{r['of_ideal']:>9.3f}"
             f"{r['tokens_per_s']:>9.0f}{r['mean_depth']:>6.2f}{r['mean_loop_op_us']:>8.0f}"
             f"{i['op_arrived_late']:>7.0f}{i['fences']:>7.0f}{i['stage_preparation']:>6.0f}"
@@ -416,7 +433,8 @@ def write_outputs(summary: dict[str, Any], out: Path) -> list[Path]:
         if r["op_us"] is None:
             continue
         fused = "fused" if r["fuse_loop_head"] else "head op"
-        label = f"{r['family']} w{r['width']} {r['consumer']} {fused} {r.get('transport', 'streams')}"
+        fronts = f" {r['frontends']} front ends" if r.get("frontends") else ""
+        label = f"{r['family']} w{r['width']} {r['consumer']}{fronts} {fused} {r.get('transport', 'streams')}"
         xs, ys = series.setdefault(label, ([], []))
         xs.append(r["op_us"])
         ys.append(r["eta"])
@@ -454,6 +472,13 @@ def main(argv: list[str] | None = None) -> int:
         choices=("rings", "streams"),
         default=["rings"],
         help="the stage data plane (CDB_STAGE_RINGS): shared-memory rings or the gRPC streams; both: side by side",
+    )
+    p.add_argument(
+        "--frontends",
+        nargs="+",
+        type=int,
+        default=[0],
+        help="api: front-end processes (CDB_FRONTENDS; 0: the scheduler serves the API); several: side by side",
     )
     p.add_argument("--seconds", type=float, default=3.0, help="steady window per point")
     p.add_argument("--warmup", type=float, default=1.5, help="seconds before the window (admission ramp)")

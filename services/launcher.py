@@ -75,6 +75,7 @@ log = logging.getLogger("cdb.launcher")
 PARENT_ENV = "CDB_PARENT_PID"
 _SUPERVISE_PERIOD_S = 0.1
 STANDBY_SUFFIX = "-standby"  # the child name of a role's warm standby stage (``CDB_STANDBY_STAGES``)
+FRONTEND_PREFIX = "frontend-"  # child names of the front-end processes (``CDB_FRONTENDS``): frontend-0, ...
 _T = TypeVar("_T")
 
 
@@ -158,6 +159,8 @@ class _Child:
 
     @property
     def what(self) -> str:
+        if self.name.startswith(FRONTEND_PREFIX):
+            return f"front end {self.name.removeprefix(FRONTEND_PREFIX)}"
         return "the scheduler" if self.name == "scheduler" else f"the {self.name} stage"
 
 
@@ -253,9 +256,12 @@ class ServeHandle:
                     break
                 done.set_exception(RuntimeError("the tree is stopped"))
             drain = self.settings.drain_timeout_s if self._stopping is None else self._stopping
+            fronts = [c.proc for n, c in self._children.items() if n.startswith(FRONTEND_PREFIX) and c.proc]
+            _terminate(fronts, drain + 10.0)  # they drain their requests over the running engine
             scheduler = [c.proc for n, c in self._children.items() if n == "scheduler" and c.proc is not None]
             _terminate(scheduler, drain + 10.0)
-            _terminate([c.proc for n, c in self._children.items() if n != "scheduler" and c.proc is not None], 10.0)
+            rest = [c.proc for n, c in self._children.items() if n != "scheduler" and c.proc is not None]
+            _terminate([p for p in rest if p not in fronts], 10.0)
             self.ended.set()
 
     def _popen(self, child: _Child) -> subprocess.Popen[bytes]:
@@ -347,8 +353,22 @@ class ServeHandle:
         child = self._children.get("scheduler")
         return child.proc if child is not None else None
 
+    @property
+    def frontends(self) -> list[subprocess.Popen[bytes]]:
+        """The front-end processes now (``CDB_FRONTENDS``), in start order."""
+        return [c.proc for n, c in list(self._children.items()) if n.startswith(FRONTEND_PREFIX) and c.proc]
+
+    def set_argv(self, name: str, argv: list[str]) -> None:
+        """What a child runs when it is restarted from now on."""
+
+        def put() -> None:
+            self._children[name].argv = argv
+
+        self._on_owner(put)
+
     def processes(self) -> list[subprocess.Popen[bytes]]:
-        return [p for p in (self.scheduler, *self.stages.values(), *self.standbys.values()) if p is not None]
+        procs = (*self.frontends, self.scheduler, *self.stages.values(), *self.standbys.values())
+        return [p for p in procs if p is not None]
 
     def log(self, name: str) -> str:
         """A child's output so far (``scheduler`` or a role name); for error messages and tests."""
@@ -411,6 +431,12 @@ def scheduler_command(
     return ["-m", "cdb", "scheduler", *place, "--resolved-config", document]
 
 
+def frontend_command(listen: str, ready_file: str, link: str, document: str, join: bool) -> list[str]:
+    """``python ARGV`` of a front-end child (``CDB_FRONTENDS``): its public address, the scheduler's link."""
+    place = ["--listen", listen, "--ready-file", ready_file, f"--link={link}", *(["--join"] if join else [])]
+    return ["-m", "cdb", "frontend", *place, "--resolved-config", document]
+
+
 def serve_all(
     config: EngineConfig,
     listen: str = "127.0.0.1:50051",
@@ -463,11 +489,19 @@ def _start_tree(
         for stage, name in [*names.items(), *standby.items()]:
             handle.start_child(name, stage_command(stage.role, sockets[name], ready[name], document), env, ready[name])
         sched_ready = os.path.join(handle.workdir, "scheduler.ready")
+        link = f"unix:{handle.workdir}/link.sock"
+        fronts = settings.frontends if listen is not None else 0
         if listen is not None:
             stage_socks = {s: sockets[n] for s, n in names.items()}
             standby_socks = {s: sockets[n] for s, n in standby.items()}
-            argv = scheduler_command(listen, sched_ready, stage_socks, standby_socks, document)
+            # with front ends the scheduler's own gRPC port is private; the front ends take ``listen``
+            inner = f"unix://{handle.workdir}/scheduler.sock" if fronts else listen
+            argv = scheduler_command(inner, sched_ready, stage_socks, standby_socks, document)
+            if fronts:
+                argv.append(f"--link={link}")
             handle.start_child("scheduler", argv, env, sched_ready)
+            if fronts:  # the first front end starts beside the scheduler (it connects once the link listens)
+                _spawn_frontend(handle, 0, listen, link, document, env, join=False)
         for stage, proc in handle.stages.items():
             timeout = settings.ready_timeout_s
             handle.stage_addrs[stage] = wait_ready_file(ready[stage.role], proc, timeout, f"{stage.role} stage")
@@ -476,14 +510,40 @@ def _start_tree(
             handle.standby_addrs[stage] = wait_ready_file(ready[standby[stage]], proc, settings.ready_timeout_s, what)
         if handle.scheduler is not None:
             handle.address = wait_ready_file(sched_ready, handle.scheduler, settings.ready_timeout_s, "scheduler")
+        if fronts:
+            handle.address = _start_frontends(handle, fronts, link, document, env)
         handle.supervise()
     except BaseException as exc:
-        logs = "\n".join(f"--- {n}.log ---\n{handle.log(n)[-2000:]}" for n in ("scheduler", *Stage.roles()))
+        fronts_started = [f"{FRONTEND_PREFIX}{i}" for i in range(settings.frontends if listen is not None else 0)]
+        names_logged = ("scheduler", *Stage.roles(), *fronts_started)
+        logs = "\n".join(f"--- {n}.log ---\n{handle.log(n)[-2000:]}" for n in names_logged)
         handle.stop(drain_timeout=0.0)
         if isinstance(exc, RuntimeError):
             raise RuntimeError(f"{exc}\n{logs}") from exc
         raise
     return handle
+
+
+def _spawn_frontend(
+    handle: ServeHandle, i: int, listen: str, link: str, document: str, env: Mapping[str, str] | None, join: bool
+) -> subprocess.Popen[bytes]:
+    name = f"{FRONTEND_PREFIX}{i}"
+    ready = os.path.join(handle.workdir, f"{name}.ready")
+    return handle.start_child(name, frontend_command(listen, ready, link, document, join), env, ready)
+
+
+def _start_frontends(handle: ServeHandle, count: int, link: str, document: str, env: Mapping[str, str] | None) -> str:
+    """Once the first front end (started with the scheduler) has bound the public address (port 0: any), start
+    the other ``count - 1`` on the bound port; return the public address. A restarted front end joins it too."""
+    timeout = handle.settings.ready_timeout_s
+    first = f"{FRONTEND_PREFIX}0"
+    ready = os.path.join(handle.workdir, f"{first}.ready")
+    address = wait_ready_file(ready, handle.frontends[0], timeout, "front end 0")
+    handle.set_argv(first, frontend_command(address, ready, link, document, count > 1))
+    for i in range(1, count):
+        proc = _spawn_frontend(handle, i, address, link, document, env, join=True)
+        wait_ready_file(os.path.join(handle.workdir, f"{FRONTEND_PREFIX}{i}.ready"), proc, timeout, f"front end {i}")
+    return address
 
 
 def stop_signals() -> threading.Event:
@@ -515,7 +575,8 @@ def serve_forever(resolved: Resolved, listen: str = "127.0.0.1:50051") -> int:
         return 1
     stop = stop_signals()
     limits = resolve_limits(config, load_config(config.model))
-    print(f"cdb serving {config.model} on {handle.address} (stages: prelude, loop, head)", flush=True)
+    fronts = f"; {settings.frontends} front-end processes" if settings.frontends else ""
+    print(f"cdb serving {config.model} on {handle.address} (stages: prelude, loop, head{fronts})", flush=True)
     print(f"  {describe(limits)}", flush=True)
     if config.synthetic_cost:
         print(f"  SYNTHETIC stages: modelled device time {config.synthetic_cost}; tokens mean nothing", flush=True)

@@ -156,11 +156,13 @@ def check_can_listen(listen: str) -> None:
                 raise ListenError(f"cannot listen on {listen}: {reason}") from None
 
 
-def listen_on(server: PortServer, listen: str, credentials: Any = None) -> int:
+def listen_on(server: PortServer, listen: str, credentials: Any = None, *, check: bool = True) -> int:
     """Add ``listen`` to ``server`` (TLS with ``credentials``, a ``grpc.ServerCredentials``) and return the bound
     port; raise ``ListenError`` if it cannot be bound. Create the server with ``options=NO_REUSEPORT`` (plus
-    its own) so that a port held by another process is refused, not shared."""
-    check_can_listen(listen)
+    its own) so that a port held by another process is refused, not shared. ``check=False``: no probe bind (a
+    front end joining the others on a shared port)."""
+    if check:
+        check_can_listen(listen)
     try:
         if credentials is not None:
             port = server.add_secure_port(listen, credentials)

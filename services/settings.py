@@ -35,6 +35,7 @@ shows them (``config_json``) with their digest and each stage's digest.
 | ``CDB_RECONNECT_BACKOFF_S`` | 0.05 | first delay between reconnect attempts to a lost stage (doubles up to 0.5 s) |
 | ``CDB_STAGE_HANG_FLOOR_S`` | 30 | no stage op is judged hung before it has run this long |
 | ``CDB_STAGE_HANG_FACTOR`` | 20 | an op past this many times its expected time (pace x tokens): its stage is replaced |
+| ``CDB_FRONTENDS`` | 0 | front-end processes serving the public ports (gRPC, HTTP); 0: the scheduler serves them |
 | ``CDB_STANDBY_STAGES`` | false | a warm standby process per stage role: a lost stage is replaced at once (2x memory) |
 | ``CDB_STAGE_RINGS`` | true | stage ops and replies travel on shared-memory rings (x86-64 Linux); false: on gRPC |
 | ``CDB_STAGE_RING_BYTES`` | 4194304 | capacity of each stage ring (two per stage); the largest op or reply fits |
@@ -178,6 +179,7 @@ class Settings:
     stage_hang_factor: float = _help(
         "an op past this many times its expected time (pace x tokens): its stage is replaced", 20.0
     )
+    frontends: int = _help("front-end processes serving the public ports (gRPC, HTTP); 0: the scheduler serves them", 0)
     standby_stages: bool = _help(
         "a warm standby process per stage role: a lost stage is replaced at once (2x memory)", False
     )
@@ -246,7 +248,7 @@ LOG_FORMATS = ("text", "json")
 _CHOICES = {"log_level": LOG_LEVELS, "log_format": LOG_FORMATS}
 _BUCKETS = frozenset({"request_latency_buckets", "token_latency_buckets"})
 SETTINGS_FIELDS = tuple(f.name for f in fields(Settings))
-PROCESS_ROLES = ("prelude", "loop", "head", "scheduler")
+PROCESS_ROLES = ("prelude", "loop", "head", "scheduler", "frontend")
 
 
 def _problem(name: str, value: Any) -> str | None:
@@ -271,7 +273,7 @@ def _problem(name: str, value: Any) -> str | None:
         return "must be HOST:PORT (or :PORT)" if name in _ADDRESSES and value and not is_host_port(value) else None
     if isinstance(value, bool):
         return None
-    if name in ("fence_spin_s", "throughput_log_interval_s"):
+    if name in ("fence_spin_s", "throughput_log_interval_s", "frontends"):
         return None if value >= 0 else "must be >= 0"
     return None if value > 0 else "must be positive"
 

@@ -7,7 +7,7 @@ imports under ``if TYPE_CHECKING:`` are left out (they never run). Layers, lowes
     cdb_api (generated stubs) and clients (cdb_api + grpc only) sit beside them; cdb_train uses the model only.
 
 Inside ``services`` the rooms are ordered too: net, settings, healthcheck, version < telemetry < transport < scheduler
-< http < launcher. Nothing outside ``tests`` imports ``tests``.
+< http < frontend < launcher. Nothing outside ``tests`` imports ``tests``.
 """
 
 from __future__ import annotations
@@ -61,7 +61,8 @@ SERVICE_ROOMS = {
     "transport": 2,
     "scheduler": 3,
     "http": 4,
-    "launcher": 5,
+    "frontend": 5,
+    "launcher": 6,
 }
 
 

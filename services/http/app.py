@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import inspect
 import logging
 import socket
 import ssl
@@ -365,7 +366,9 @@ def create_app(
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
-        body, content_type = service.metrics.exposition(request.headers.get("accept"))
+        exposition = service.metrics.exposition(request.headers.get("accept"))
+        # a front-end process's registry is the scheduler's, asked over the link
+        body, content_type = await exposition if inspect.isawaitable(exposition) else exposition
         return Response(body, headers={"Content-Type": content_type})
 
     return app
@@ -392,11 +395,11 @@ class _Server(uvicorn.Server):
         yield
 
 
-def _listen(address: str) -> socket.socket:
+def _listen(address: str, reuse_port: bool = False) -> socket.socket:
     host, _, port = address.rpartition(":")
     host = host.strip("[]")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.create_server((host, int(port)), family=family, dualstack_ipv6=False)
+    sock = socket.create_server((host, int(port)), family=family, dualstack_ipv6=False, reuse_port=reuse_port)
     sock.setblocking(False)
     return sock
 
@@ -417,9 +420,15 @@ class HttpServer:
     ``serve`` accepts them."""
 
     def __init__(
-        self, app: FastAPI, address: str, *, settings: Settings | None = None, shutdown_timeout_s: float = 5.0
+        self,
+        app: FastAPI,
+        address: str,
+        *,
+        settings: Settings | None = None,
+        shutdown_timeout_s: float = 5.0,
+        reuse_port: bool = False,
     ) -> None:
-        self.socket = _listen(address)
+        self.socket = _listen(address, reuse_port)
         host, port = address.rpartition(":")[0] or "0.0.0.0", self.socket.getsockname()[1]
         self.address = f"{host}:{port}"
         self.scheme = "https" if settings is not None and settings.tls_cert else "http"
@@ -464,10 +473,12 @@ async def serve_http(
     shutdown_timeout_s: float = 5.0,
     on_bound: Callable[[str], None] | None = None,
     stop: asyncio.Event | None = None,
+    reuse_port: bool = False,
 ) -> None:
     """Serve ``app`` on ``address`` until ``stop`` is set or the task is cancelled; ``on_bound(HOST:PORT)`` once the
-    socket listens. Either way the listener closes first and in-flight responses get ``shutdown_timeout_s``."""
-    server = HttpServer(app, address, settings=settings, shutdown_timeout_s=shutdown_timeout_s)
+    socket listens. Either way the listener closes first and in-flight responses get ``shutdown_timeout_s``.
+    ``reuse_port``: front-end processes share the port (``SO_REUSEPORT``)."""
+    server = HttpServer(app, address, settings=settings, shutdown_timeout_s=shutdown_timeout_s, reuse_port=reuse_port)
     log.info("OpenAI-compatible HTTP API on %s", server.url)
     if on_bound is not None:
         on_bound(server.address)
@@ -490,8 +501,10 @@ async def serve_api(
     address: str | None = None,
     *,
     on_bound: Callable[[str], None] | None = None,
+    reuse_port: bool = False,
 ) -> None:
-    """A scheduler's HTTP API: ``create_app`` served on ``address`` (default ``CDB_HTTP_ADDR``) until cancelled.
+    """A scheduler's (or front end's) HTTP API: ``create_app`` served on ``address`` (default ``CDB_HTTP_ADDR``)
+    until cancelled; ``reuse_port``: shared by several front-end processes.
 
     Start it as a task beside the gRPC server once the service exists; cancel and await it after the drain (the
     drain already covers HTTP requests, so the stop is quick)."""
@@ -500,4 +513,4 @@ async def serve_api(
         raise ValueError("no address for the HTTP API (CDB_HTTP_ADDR or --http HOST:PORT)")
     app = create_app(engine, service, settings)
     # the drain has already ended every request when this is cancelled: the stop only closes idle connections
-    await serve_http(app, address, settings=settings, on_bound=on_bound, shutdown_timeout_s=2.0)
+    await serve_http(app, address, settings=settings, on_bound=on_bound, shutdown_timeout_s=2.0, reuse_port=reuse_port)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import logging
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
@@ -131,7 +132,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         scope, scoped_id = self._scoped(context, request_id)
         observer = self._observe(request, context, request_id, scope)
 
-        def open_stream(ids: list[int], params: RequestParams) -> RequestStream:
+        def open_stream(ids: list[int], params: RequestParams) -> RequestStream | Awaitable[RequestStream]:
             return self._open(ids, params, scoped_id, request_id, observer)
 
         stream = await self.admit(
@@ -163,7 +164,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
     async def admit(
         self,
         prepare: Callable[[], tuple[str | list[int], RequestParams]],
-        open_stream: Callable[[list[int], RequestParams], RequestStream],
+        open_stream: Callable[[list[int], RequestParams], RequestStream | Awaitable[RequestStream]],
         key: str,
         observer: ObservedRequest,
         *,
@@ -187,7 +188,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 raise ServerDraining("server is shutting down")
             if self.broken:
                 raise StageFailed(self.broken)
-            stream = open_stream(ids, params)
+            opened = open_stream(ids, params)
+            stream = await opened if inspect.isawaitable(opened) else opened  # a front end awaits the engine's ack
         except asyncio.CancelledError as exc:  # the caller left while its request was being built
             if share is not None:
                 share.release()
@@ -220,14 +222,23 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
 
     def _open(
         self, ids: list[int], params: RequestParams, scoped_id: str, request_id: str, observer: ObservedRequest
-    ) -> RequestStream:
-        """``Engine.open_stream`` under the scoped id; a duplicate id is reported as the caller's own."""
+    ) -> RequestStream | Awaitable[RequestStream]:
+        """``Engine.open_stream`` under the scoped id (a front end's is awaited); a duplicate id is reported as the
+        caller's own."""
         try:
-            return self.engine.open_stream(ids, params, scoped_id, observer=observer)
+            opened = self.engine.open_stream(ids, params, scoped_id, observer=observer)
         except InvalidRequest as exc:
-            if exc.field != "request_id":
-                raise
-            raise InvalidRequest("request_id", f"{request_id!r} is already used by a live request") from None
+            raise _own_id(exc, request_id) from None
+        if not inspect.isawaitable(opened):
+            return opened
+
+        async def acked() -> RequestStream:
+            try:
+                return await opened
+            except InvalidRequest as exc:
+                raise _own_id(exc, request_id) from None
+
+        return acked()
 
     def check_finish(self, ev: FinishEvent) -> None:
         """A failed finish raises ``StageFailed``; one cut by the drain deadline ``ServerDraining``."""
@@ -295,12 +306,18 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         check_request_id(request.request_id)
         _, scoped_id = self._scoped(context, request.request_id)
         found = self.engine.abort(scoped_id)
+        if inspect.isawaitable(found):  # a front end's engine asks the scheduler about another front end's request
+            found = await found
         if found and (observer := self.live.get(scoped_id)) is not None:
             observer.cancelled("Abort")
         return pb.AbortResponse(found=found)
 
     @mapped_errors
     async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.InfoResponse:
+        return self.info()
+
+    def info(self) -> pb.InfoResponse:
+        """The ``Info`` reply: the engine's model, limits and counters, this deployment and its configuration."""
         problem = self.broken or self.not_ready
         executor = self.factory.executor if self.factory is not None else None
         reply = messages.info_to_pb(self.engine, self.deployment, self.settings.max_concurrent_rpcs, problem, executor)
@@ -334,6 +351,13 @@ def add_generation_service(service: GenerationService, server: grpc.aio.Server) 
             handlers[method.name] = grpc.unary_unary_rpc_method_handler(_decoded_unary(fn), **kw)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(_SERVICE.full_name, handlers),))
     server.add_registered_method_handlers(_SERVICE.full_name, handlers)
+
+
+def _own_id(exc: InvalidRequest, request_id: str) -> InvalidRequest:
+    """A duplicate id as the caller knows it (the engine's is scoped); any other refusal as it is."""
+    if exc.field != "request_id":
+        return exc
+    return InvalidRequest("request_id", f"{request_id!r} is already used by a live request")
 
 
 async def _abort_quietly(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> None:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import signal
 from collections.abc import Callable, Coroutine, Mapping
@@ -52,9 +53,11 @@ from services.net import NO_REUSEPORT, bound_address, is_host_port, listen_on, r
 from services.reflection import enable_reflection
 from services.scheduler.fatal import ExitOnEngineFailure
 from services.scheduler.handlers import GenerationService, add_generation_service
+from services.scheduler.link_server import LinkServer
 from services.scheduler.readiness import SERVICE_NAME, Readiness
 from services.scheduler.security import PortSecurity
 from services.settings import Settings, load_settings, served_names
+from services.stage_secret import load_stage_secret
 from services.telemetry.logs import ThroughputLog
 from services.telemetry.metrics import Metrics, MetricsServer, serve_metrics
 from services.telemetry.recorder import EngineGauges, ObservedExecutor, OpRecorder
@@ -63,6 +66,18 @@ from services.transport.executor import GrpcExecutorFactory
 log = logging.getLogger("cdb.scheduler")
 
 Companion = Callable[[Engine, GenerationService, Settings], Coroutine[Any, Any, None]]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class FrontEnd:
+    """What a front-end process (``services.frontend``) serves with: its service and readiness, and how it shares
+    the public port with the other front ends."""
+
+    service: GenerationService
+    readiness: Readiness
+    reuse_port: bool = False  # several front ends listen on the port (SO_REUSEPORT)
+    join: bool = False  # another front end serves the port already: no probe bind first
+
 
 _MAX_CONNECTION_AGE_S, _MAX_CONNECTION_AGE_GRACE_S = 300, 3600
 _MAX_PING_STRIKES = 2  # pings too soon tolerated before GOAWAY (gRPC's default, set so that it is documented)
@@ -91,12 +106,21 @@ def server_options(settings: Settings) -> list[tuple[str, Any]]:
 
 
 def build_server(
-    service: GenerationService, readiness: Readiness, settings: Settings, security: PortSecurity
+    service: GenerationService,
+    readiness: Readiness,
+    settings: Settings,
+    security: PortSecurity,
+    *,
+    reuse_port: bool = False,
 ) -> grpc.aio.Server:
-    """The public server (no port yet): Generation, health and reflection behind the API-key check."""
+    """The public server (no port yet): Generation, health and reflection behind the API-key check.
+    ``reuse_port``: several front-end processes share the port (``CDB_FRONTENDS``)."""
     # the call caps are the service's own (``shares.CallCaps``), not grpc's maximum_concurrent_rpcs, which would count
     # health Watch streams against the generation calls; after the API-key check: a refused call counts for nothing
-    server = grpc.aio.server(interceptors=[*security.interceptors(), service.caps], options=server_options(settings))
+    options = server_options(settings)
+    if reuse_port:
+        options = [o for o in options if o[0] != "grpc.so_reuseport"] + [("grpc.so_reuseport", 1)]
+    server = grpc.aio.server(interceptors=[*security.interceptors(), service.caps], options=options)
     add_generation_service(service, server)
     health_pb2_grpc.add_HealthServicer_to_server(readiness.health, server)
     enable_reflection(server, (SERVICE_NAME, health.SERVICE_NAME))
@@ -123,18 +147,26 @@ async def serve(
     metrics: Metrics | None = None,
     traces: telemetry.RequestTraces | None = None,
     companion: Companion | None = None,
+    link: str | None = None,
+    front: FrontEnd | None = None,
 ) -> None:
     """Serve the started ``engine`` on ``listen`` until SIGTERM/SIGINT, then drain and return. ``companion``: a
     second front end over the same engine and service (the HTTP API), run beside the gRPC server until the drain
-    is over; if it fails (e.g. its port), the server stops and the failure is raised.
+    is over; if it fails (e.g. its port), the server stops and the failure is raised. ``link``: also serve the
+    front-end link on this Unix socket path (``CDB_FRONTENDS``). ``front``: the service and readiness of a
+    front-end process (``services.frontend``) instead of the scheduler's own.
 
     Raises ``SecurityConfigError`` (TLS files, API keys) or ``ListenError`` (the port) before serving."""
     security = PortSecurity.from_settings(settings)
-    service = GenerationService(engine, factory, settings, metrics, traces, auth=security.auth)
-    readiness = Readiness(service, stage_addrs, settings)
-    server = build_server(service, readiness, settings, security)
-    port = listen_on(server, listen, security.credentials)
+    if front is not None:
+        service, readiness = front.service, front.readiness
+    else:
+        service = GenerationService(engine, factory, settings, metrics, traces, auth=security.auth)
+        readiness = Readiness(service, stage_addrs, settings)
+    server = build_server(service, readiness, settings, security, reuse_port=front is not None and front.reuse_port)
+    port = listen_on(server, listen, security.credentials, check=front is None or not front.join)
     _warn_if_open(listen, security)
+    link_server = LinkServer(link, engine, service, load_stage_secret(settings)).start() if link else None
     await server.start()
     watcher = asyncio.create_task(readiness.run())
     stop = asyncio.Event()
@@ -157,7 +189,7 @@ async def serve(
     watcher.cancel()
     await readiness.health.enter_graceful_shutdown()
     try:
-        await asyncio.wait_for(service.idle.wait(), settings.drain_timeout_s)
+        await asyncio.wait_for(_drained(service, link_server), settings.drain_timeout_s)
     except TimeoutError:
         service.cut = True
         service.abort_all()
@@ -171,8 +203,18 @@ async def serve(
             await extra  # re-raises a failure of the companion
     await server.stop(grace=1.0)
     await readiness.close()
+    if link_server is not None:
+        link_server.close()
     if readiness.fatal is not None:
         raise SystemExit(1)  # an orchestrator restarts the group (the reason is logged by the readiness check)
+
+
+async def _drained(service: GenerationService, link_server: LinkServer | None) -> None:
+    """Until no request of this server is live, nor of its front ends (they drain theirs first: the launcher
+    stops them before the scheduler; this covers a scheduler stopped on its own)."""
+    await service.idle.wait()
+    while link_server is not None and link_server.live:
+        await asyncio.sleep(0.05)  # the front ends' requests end on the engine thread: polled, not signalled
 
 
 def run_scheduler(
@@ -184,6 +226,7 @@ def run_scheduler(
     settings: Settings | None = None,
     companion: Companion | None = None,
     standby_addrs: Mapping[Stage, str] | None = None,
+    link: str | None = None,
 ) -> None:
     """Start the engine (connecting the stages; ``stage_addrs=None``: in-process; ``standby_addrs``: a warm standby
     stage process per role, which takes over when its role's stage is lost) and serve until signalled
@@ -246,6 +289,7 @@ def run_scheduler(
                     metrics=metrics,
                     traces=traces,
                     companion=companion,
+                    link=link,
                 )
             )
         if engine_failure.error is not None:

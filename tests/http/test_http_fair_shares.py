@@ -70,8 +70,8 @@ def small_send_buffers(monkeypatch: pytest.MonkeyPatch) -> None:
     writes after a few hundred tokens instead of thousands."""
     listen = services.http.app._listen
 
-    def small(address: str) -> socket.socket:
-        sock = listen(address)
+    def small(address: str, reuse_port: bool = False) -> socket.socket:
+        sock = listen(address, reuse_port)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)  # accepted connections inherit it
         return sock
 

@@ -1,0 +1,258 @@
+"""``LinkServer``: the scheduler's end of the front-end link (``services.transport.frontlink``).
+
+One thread accepts connections; each admitted front end gets a reader thread (its calls: submit, abort, info,
+exposition, observe) and a writer thread. The engine thread never writes to a socket: a request's sink appends the
+event to its front end's outbox and wakes the writer only when the outbox was empty, so everything one stage
+result produced for that front end leaves in one frame once the engine thread lets go of the interpreter (while it
+waits for the next reply). A front end that disconnects has its live requests aborted.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from cdb_engine.engine import Engine
+from cdb_engine.errors import EngineError
+from cdb_engine.events import Event, FinishEvent
+from services import telemetry
+from services.scheduler.handlers import GenerationService
+from services.transport.frontlink import (
+    LinkError,
+    Wire,
+    dumps,
+    error_tuple,
+    listen_unix,
+    loads,
+    server_handshake,
+)
+
+log = logging.getLogger("cdb.link")
+
+# the request metrics a front end records (``ObservedRequest``) and the scheduler's registry takes from it
+OBSERVATIONS = frozenset(
+    {
+        "observe_rejected",
+        "observe_admitted",
+        "observe_itl",
+        "observe_itls",
+        "observe_ttft",
+        "observe_token_depth",
+        "observe_token_depths",
+        "observe_queue_time",
+        "observe_request_end",
+        "observe_request_tokens",
+    }
+)
+
+
+class _Peer:
+    """One connected front end: its outbox, its live requests, its writer thread."""
+
+    def __init__(self, wire: Wire, name: str, status: Callable[[], tuple[Any, ...]], interval_s: float) -> None:
+        self.wire = wire
+        self.name = name
+        self.live: set[str] = set()  # engine ids of its requests that have not finished
+        self._status = status
+        self._interval_s = interval_s
+        self._cond = threading.Condition()
+        self._events: list[tuple[str, Event]] = []
+        self._replies: list[tuple[Any, ...]] = []
+        self._closed = False
+        self._last_status: tuple[Any, ...] | None = None
+        self._writer = threading.Thread(target=self._write, name=f"cdb-link-out-{name}", daemon=True)
+        self._writer.start()
+
+    def post(self, key: str, event: Event) -> None:
+        """The engine thread: ``event`` of request ``key`` for this front end."""
+        with self._cond:
+            if isinstance(event, FinishEvent):
+                self.live.discard(key)
+            self._events.append((key, event))
+            if len(self._events) == 1:
+                self._cond.notify()
+
+    def reply(self, cid: int, err: tuple[str, tuple[Any, ...]] | None, value: Any = None) -> None:
+        if not cid:
+            return
+        with self._cond:
+            self._replies.append(("reply", cid, err, value))
+            self._cond.notify()
+
+    def _write(self) -> None:
+        try:
+            self._send_status(force=True)
+            while True:
+                with self._cond:
+                    if not (self._events or self._replies or self._closed):
+                        self._cond.wait(self._interval_s)
+                    if self._closed:
+                        return
+                    events, self._events = self._events, []
+                    replies, self._replies = self._replies, []
+                for frame in replies:  # an ack before the events of its request's first result
+                    self.wire.send(dumps(frame))
+                if events:
+                    self.wire.send(dumps(("events", events)))
+                self._send_status()
+        except (OSError, LinkError):
+            self.close()  # the reader sees the socket end and releases the requests
+
+    def _send_status(self, force: bool = False) -> None:
+        status = self._status()
+        if force or status != self._last_status:
+            self._last_status = status
+            self.wire.send(dumps(("status", *status)))
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        self.wire.close()
+
+
+class LinkServer:
+    """Serve the front-end link on ``path`` for ``engine`` (``service``: Info replies and the readiness verdict;
+    its ``metrics`` take the front ends' observations)."""
+
+    def __init__(self, path: str, engine: Engine, service: GenerationService, secret: str) -> None:
+        self.path = path
+        self.engine = engine
+        self.service = service
+        self._secret = secret.encode()
+        self._sock: socket.socket | None = None
+        self._peers: set[_Peer] = set()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._count = 0
+
+    def start(self) -> LinkServer:
+        self._sock = listen_unix(self.path)
+        threading.Thread(target=self._accept, name="cdb-link-accept", daemon=True).start()
+        log.info("front-end link on unix:%s", self.path)
+        return self
+
+    @property
+    def live(self) -> int:
+        """Requests of connected front ends that have not finished."""
+        with self._lock:
+            return sum(len(peer.live) for peer in self._peers)
+
+    @property
+    def peers(self) -> int:
+        with self._lock:
+            return len(self._peers)
+
+    def status(self) -> tuple[str | None, Any]:
+        """The readiness verdict front ends serve by (None: ready) and the engine's counters."""
+        return (self.service.broken or self.service.not_ready, self.engine.stats())
+
+    def _accept(self) -> None:
+        assert self._sock is not None
+        while not self._closed:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return  # closed
+            self._count += 1
+            name = f"fe{self._count}"
+            threading.Thread(target=self._serve, args=(conn, name), name=f"cdb-link-in-{name}", daemon=True).start()
+
+    def _serve(self, conn: socket.socket, name: str) -> None:
+        wire = Wire(conn)
+        try:
+            server_handshake(wire, self._secret)
+        except (OSError, LinkError) as exc:
+            log.warning("front-end link: refused a connection: %s", exc)
+            wire.close()
+            return
+        peer = _Peer(wire, name, self.status, self.service.settings.health_interval_s)
+        with self._lock:
+            self._peers.add(peer)
+        log.info("front end %s connected", name)
+        try:
+            while True:
+                self._handle(peer, loads(wire.recv()))
+        except (OSError, LinkError, EOFError):
+            pass
+        except Exception:  # a frame it may not send: drop the connection, keep serving the others
+            log.exception("front end %s sent a bad frame; closing its link", name)
+        finally:
+            peer.close()
+            with self._lock:
+                self._peers.discard(peer)
+            left = list(peer.live)
+            for key in left:
+                self.engine.abort(key)
+            log.info("front end %s disconnected%s", name, f"; aborted its {len(left)} live requests" if left else "")
+
+    def _handle(self, peer: _Peer, msg: tuple[Any, ...]) -> None:
+        kind = msg[0]
+        if kind == "observe":
+            metrics = self.service.metrics
+            for method, args in msg[1]:
+                if method in OBSERVATIONS:
+                    getattr(metrics, method)(*args)
+            return
+        cid = msg[1]
+        value: Any = None
+        try:
+            if kind == "submit":
+                self._submit(peer, *msg[2:])
+            elif kind == "abort":
+                value = self.engine.abort(msg[2])
+            elif kind == "info":
+                value = self.service.info().SerializeToString()
+            elif kind == "exposition":
+                value = self.service.metrics.exposition(msg[2])
+            else:
+                raise LinkError(f"unknown call {kind!r}")
+        except EngineError as exc:
+            peer.reply(cid, error_tuple(exc))
+        else:
+            peer.reply(cid, None, value)
+
+    def _submit(self, peer: _Peer, key: str, ids: list[int], params: Any, traceparent: str) -> None:
+        span = None
+        if traceparent and telemetry.enabled():  # the stage hops of a traced request, under the front end's span
+            span = telemetry.start_request_span(
+                model=self.engine.config.model,
+                max_tokens=params.max_tokens,
+                metadata=(("traceparent", traceparent),),
+                request_id=key.rpartition("/")[2],
+                operation="engine",
+            )
+        traces = self.service.traces
+
+        def queued(rid: int) -> None:
+            if traces is not None and span is not None:
+                traces.register(rid, span)
+                span.enqueued()
+
+        def sink(event: Event) -> None:
+            peer.post(key, event)
+            if span is not None and isinstance(event, FinishEvent):
+                span.finish(event.finish_reason, event.generated_tokens, (), event.total_loop_steps)
+
+        with peer._cond:
+            peer.live.add(key)
+        try:
+            self.engine.submit(ids, params, sink, key, on_queued=queued)
+        except BaseException:
+            with peer._cond:
+                peer.live.discard(key)
+            if span is not None:
+                span.finish("error", 0)
+            raise
+
+    def close(self) -> None:
+        self._closed = True
+        if self._sock is not None:
+            self._sock.close()
+        with self._lock:
+            peers = list(self._peers)
+        for peer in peers:
+            peer.close()

@@ -1,0 +1,186 @@
+"""The link between the scheduler process and its front-end processes (``CDB_FRONTENDS``, ``cdb frontend``).
+
+With front-end processes the public ports (gRPC, HTTP) live in them, and the scheduler process keeps only the
+engine (planning, the stage plane) and the metrics endpoint: streaming a token over gRPC costs a front end tens of
+microseconds of CPU, which no longer competes with the planner for its interpreter, and streaming capacity grows
+with the number of front ends. Each front end holds one connection to the scheduler's link socket (a Unix socket in
+the tree's private directory):
+
+- front end -> scheduler: ``submit`` (a validated request: scoped id, prompt ids, ``RequestParams``, the request
+  span's traceparent), ``abort``, ``info`` and ``exposition`` (the replies of ``Info`` and ``/metrics``), and
+  ``observe`` (the request metrics the front end recorded since its last batch: the scheduler's registry stays
+  the only one). A call that wants an answer carries a call id; the answer comes back as a ``reply``.
+- scheduler -> front end: ``events`` (every event of every request of that front end that one engine hand-over
+  produced: one frame per stage result, not one per token), ``reply``, and ``status`` (the readiness verdict and
+  the engine's counters, on change and every health interval).
+
+Frames are length-prefixed pickles of plain tuples, and unpickling admits only the project's dataclasses and enums
+(``loads``): a peer can send no code. A connection is admitted by a challenge over the deployment's stage secret
+(HMAC-SHA256 both ways) before any frame is read. A front end that goes away has its live requests aborted (their
+slots and KV blocks freed); a scheduler that goes away ends the front end's live requests with an error, and the
+front end reconnects when it comes back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import enum
+import hashlib
+import hmac
+import io
+import logging
+import os
+import pickle
+import secrets
+import socket
+import struct
+import sys
+import threading
+from typing import Any
+
+log = logging.getLogger("cdb.link")
+
+_LEN = struct.Struct("<I")
+MAX_FRAME = 256 << 20  # a frame longer than this is a broken peer, not a message
+_HANDSHAKE_S = 5.0
+_NONCE = 32
+_PACKAGES = ("cdb_engine", "cdb_scheduler", "cdb_model")
+_BUILTINS = frozenset({"frozenset", "set", "complex", "bytearray"})
+_COPYREG = frozenset({"__newobj__", "_reconstructor"})
+
+
+class LinkError(ConnectionError):
+    """The link is closed, or its peer failed the handshake or sent a frame it may not."""
+
+
+class _Unpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module == "builtins" and name in _BUILTINS) or (module == "copyreg" and name in _COPYREG):
+            return super().find_class(module, name)
+        if module.partition(".")[0] in _PACKAGES and module in sys.modules:
+            obj = getattr(sys.modules[module], name, None)
+            if isinstance(obj, type) and (dataclasses.is_dataclass(obj) or issubclass(obj, enum.Enum)):
+                return obj
+        raise pickle.UnpicklingError(f"the front-end link does not carry {module}.{name}")
+
+
+def dumps(message: Any) -> bytes:
+    return pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def loads(data: bytes) -> Any:
+    """A frame's message; ``pickle.UnpicklingError`` for anything but plain data and the project's dataclasses
+    and enums."""
+    return _Unpickler(io.BytesIO(data)).load()
+
+
+class Wire:
+    """Length-prefixed frames on a connected stream socket: ``send`` from any thread, ``recv`` from one."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self._lock = threading.Lock()
+
+    def send(self, payload: bytes) -> None:
+        with self._lock:
+            self.sock.sendall(_LEN.pack(len(payload)) + payload)
+
+    def recv(self) -> bytes:
+        (n,) = _LEN.unpack(self._exact(_LEN.size))
+        if n > MAX_FRAME:
+            raise LinkError(f"a frame of {n} bytes (at most {MAX_FRAME})")
+        return self._exact(n)
+
+    def _exact(self, n: int) -> bytes:
+        buf = bytearray(n)
+        view = memoryview(buf)
+        got = 0
+        while got < n:
+            k = self.sock.recv_into(view[got:])
+            if k == 0:
+                raise LinkError("the link's peer closed it")
+            got += k
+        return bytes(buf)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
+
+
+def _mac(secret: bytes, role: bytes, nonce: bytes) -> bytes:
+    return hmac.new(secret, role + nonce, hashlib.sha256).digest()
+
+
+def server_handshake(wire: Wire, secret: bytes) -> None:
+    """Admit a connecting front end: it proves the secret on our nonce, we prove it on its nonce."""
+    wire.sock.settimeout(_HANDSHAKE_S)
+    ours = secrets.token_bytes(_NONCE)
+    wire.send(ours)
+    answer = wire.recv()
+    if len(answer) != 32 + _NONCE or not hmac.compare_digest(answer[:32], _mac(secret, b"front", ours)):
+        raise LinkError("a front end failed the link handshake (wrong stage secret)")
+    wire.send(_mac(secret, b"sched", answer[32:]))
+    wire.sock.settimeout(None)
+
+
+def client_handshake(wire: Wire, secret: bytes) -> None:
+    wire.sock.settimeout(_HANDSHAKE_S)
+    theirs = wire.recv()
+    ours = secrets.token_bytes(_NONCE)
+    wire.send(_mac(secret, b"front", theirs) + ours)
+    if not hmac.compare_digest(wire.recv(), _mac(secret, b"sched", ours)):
+        raise LinkError("the scheduler failed the link handshake (wrong stage secret)")
+    wire.sock.settimeout(None)
+
+
+def socket_path(address: str) -> str:
+    """The filesystem path of a link address (``unix:PATH``, ``unix://PATH`` or a bare path)."""
+    path = address.removeprefix("unix://").removeprefix("unix:")
+    if not path:
+        raise ValueError(f"link address {address!r}: expected unix:PATH")
+    return path
+
+
+def listen_unix(path: str) -> socket.socket:
+    """A listening Unix socket at ``path`` (a stale one replaced), readable by this user only."""
+    if os.path.exists(path):
+        os.unlink(path)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old = os.umask(0o177)
+    try:
+        sock.bind(path)
+    finally:
+        os.umask(old)
+    sock.listen(64)
+    return sock
+
+
+def connect_unix(path: str) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.connect(path)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+# Engine errors cross the link as (name, args) and are raised again on the other side by name.
+def error_tuple(exc: BaseException) -> tuple[str, tuple[Any, ...]]:
+    from cdb_engine.errors import InvalidRequest
+
+    if isinstance(exc, InvalidRequest):
+        return ("InvalidRequest", (exc.field, exc.message))
+    return (type(exc).__name__, (str(exc),))
+
+
+def raise_error(err: tuple[str, tuple[Any, ...]]) -> None:
+    from cdb_engine import errors
+
+    name, args = err
+    cls = getattr(errors, name, None)
+    if isinstance(cls, type) and issubclass(cls, errors.EngineError):
+        raise cls(*args)
+    raise errors.EngineStopped(f"{name}: {args[0] if args else ''}")

@@ -1,0 +1,142 @@
+"""The process tree with two front-end processes (``CDB_FRONTENDS=2``) sharing the public ports: results equal the
+in-process engine over gRPC and HTTP, request metrics reach the scheduler's endpoint, and a front end killed
+mid-stream is restarted while its streams resume on the other one and nothing stays held."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import urllib.request
+from collections.abc import Iterator
+
+import pytest
+
+from cdb_engine.config import RequestParams
+from cdb_engine.engine import Engine
+from cdb_scheduler.plan import SamplingParams
+from clients.common import GenerateOptions
+from clients.sync_client import Client
+from services.launcher import FRONTEND_PREFIX, ServeHandle, serve_all
+from tests.services.tree import IDLE, SHARED_CONFIG, TEST_ENV, StreamRun, free_port, wait_idle
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+
+class Tree:
+    def __init__(self, handle: ServeHandle, http: str, metrics: str) -> None:
+        self.handle, self.http, self.metrics = handle, http, metrics
+
+    def scrape(self, name: str) -> float:
+        text = urllib.request.urlopen(f"http://{self.metrics}/metrics", timeout=10).read().decode()
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+
+
+@pytest.fixture(scope="module")
+def tree() -> Iterator[Tree]:
+    http, metrics = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    env = {**os.environ, **TEST_ENV, "CDB_FRONTENDS": "2", "CDB_HTTP_ADDR": http}
+    handle = serve_all(SHARED_CONFIG, "127.0.0.1:0", env=env, metrics_listen=metrics)
+    try:
+        yield Tree(handle, http, metrics)
+    finally:
+        handle.stop(drain_timeout=5.0)
+
+
+def _requests(n: int, seed: int) -> list[tuple[list[int], GenerateOptions]]:
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        prompt = [rng.randrange(3, 512) for _ in range(rng.randrange(1, 30))]
+        opts = GenerateOptions(max_tokens=rng.randrange(5, 40), ignore_eos=True)
+        if i % 2:
+            opts.update(temperature=0.9, top_p=0.9, seed=100 + i)
+        out.append((prompt, opts))
+    return out
+
+
+def _expected(requests: list[tuple[list[int], GenerateOptions]]) -> list[tuple[list[int], list[int]]]:
+    params = [
+        RequestParams(
+            max_tokens=o["max_tokens"],
+            ignore_eos=True,
+            sampling=SamplingParams(
+                temperature=o.get("temperature", 0.0), top_p=o.get("top_p", 1.0), seed=o.get("seed", 0)
+            ),
+        )
+        for _, o in requests
+    ]
+    with Engine(SHARED_CONFIG) as local:
+        return [(c.token_ids, c.depths) for c in local.generate([p for p, _ in requests], params)]
+
+
+def test_tokens_http_and_metrics_through_two_front_ends(tree: Tree) -> None:
+    assert len(tree.handle.frontends) == 2
+    requests = _requests(10, seed=5)
+    expected = _expected(requests)
+    tokens_before = tree.scrape("cdb_generation_tokens_total")
+    clients = [Client(tree.handle.address, timeout=60) for _ in range(5)]  # connections spread over both
+    try:
+        info = clients[0].info()
+        assert info.deployment == "microservices" and info.model == "ouro-tiny" and info.healthy
+        assert clients[1].health() == "SERVING"
+        runs = [StreamRun(clients[i % 5], p, o).start() for i, (p, o) in enumerate(requests[::2])]
+        unary = [clients[(i + 2) % 5].generate(p, **o) for i, (p, o) in enumerate(requests[1::2])]
+        for run in runs:
+            assert run.done.wait(60) and run.error is None
+        got: list[tuple[list[int], list[int]]] = [([], [])] * len(requests)
+        got[::2] = [([t.id for t in r.tokens], [t.depth for t in r.tokens]) for r in runs]
+        got[1::2] = [(u.token_ids, u.depths) for u in unary]
+        assert got == expected
+        body = {"model": "ouro-tiny", "prompt": requests[0][0], "max_tokens": requests[0][1]["max_tokens"]}
+        call = urllib.request.Request(
+            f"http://{tree.http}/v1/completions",
+            data=json.dumps({**body, "ignore_eos": True, "temperature": 0}).encode(),
+            headers={"content-type": "application/json"},
+        )
+        with urllib.request.urlopen(call, timeout=60) as reply:
+            assert reply.status == 200
+            assert json.loads(reply.read())["choices"][0]["cdb"]["depths"] == expected[0][1]
+        assert wait_idle(clients[0]) == IDLE
+    finally:
+        for c in clients:
+            c.close()
+    generated = sum(len(ids) for ids, _ in expected) + len(expected[0][0])
+    deadline_tokens = tokens_before + generated  # relayed within the front ends' flush period
+    _poll(lambda: tree.scrape("cdb_generation_tokens_total") >= deadline_tokens, "relayed token counts")
+    assert tree.scrape("cdb_generation_tokens_total") == deadline_tokens
+
+
+def _poll(cond: object, what: str, timeout: float = 20.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not cond():  # type: ignore[operator]
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)  # the front ends relay metrics every 50 ms: no event to wait on
+
+
+def test_a_killed_front_end_is_restarted_and_its_streams_resume(tree: Tree) -> None:
+    requests = _requests(6, seed=9)
+    for _, o in requests:
+        o["max_tokens"] = 120
+    expected = _expected(requests)
+    clients = [Client(tree.handle.address, timeout=60) for _ in range(6)]
+    try:
+        runs = [StreamRun(clients[i], p, o).start() for i, (p, o) in enumerate(requests)]
+        for run in runs:
+            assert run.first.wait(60)
+        victim = tree.handle.frontends[0]
+        os.kill(victim.pid, signal.SIGKILL)
+        for run in runs:
+            assert run.done.wait(90) and run.error is None, run.error
+        assert [([t.id for t in r.tokens], [t.depth for t in r.tokens]) for r in runs] == expected
+        _poll(lambda: any(r.name == f"{FRONTEND_PREFIX}0" for r in tree.handle.restarts), "front end 0 restarted")
+        _poll(lambda: os.path.exists(os.path.join(tree.handle.workdir, f"{FRONTEND_PREFIX}0.ready")), "ready again")
+        assert wait_idle(clients[0]) == IDLE
+    finally:
+        for c in clients:
+            c.close()
+    with Client(tree.handle.address, timeout=60) as fresh:
+        assert fresh.generate("after", max_tokens=3).finish.generated_tokens == 3

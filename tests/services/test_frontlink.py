@@ -1,0 +1,204 @@
+"""The front-end link in one process: a real engine and ``LinkServer``, front ends as ``LinkClient`` +
+``RemoteEngine``. Tokens equal the engine's own, ids and aborts reach across front ends, a front end that leaves
+has its requests aborted, request metrics reach the scheduler's registry, and a wrong secret or a frame carrying
+code is refused."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import pickle
+import random
+import socket
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from cdb_engine.config import RequestParams
+from cdb_engine.engine import Engine
+from cdb_engine.errors import InvalidRequest
+from cdb_engine.events import FinishEvent, TokenEvent
+from cdb_scheduler.plan import SamplingParams
+from cdb_scheduler.request import FinishReason
+from services.frontend.remote import LinkClient, MetricsRelay, RemoteEngine
+from services.scheduler.handlers import GenerationService
+from services.scheduler.link_server import LinkServer
+from services.settings import Settings
+from services.transport.frontlink import LinkError, Wire, client_handshake, dumps, loads, server_handshake
+from tests.services.tree import SHARED_CONFIG
+
+pytestmark = pytest.mark.timeout(120)
+
+SECRET = "front-end-link-test-secret"
+
+
+class Link:
+    def __init__(self, engine: Engine, service: GenerationService, server: LinkServer, path: str) -> None:
+        self.engine, self.service, self.server, self.path = engine, service, server, path
+        self.clients: list[LinkClient] = []
+
+    def front_end(self, secret: str = SECRET) -> RemoteEngine:
+        client = LinkClient(self.path, secret).start()
+        self.clients.append(client)
+        return RemoteEngine(SHARED_CONFIG, client)
+
+
+@pytest.fixture(scope="module")
+def link() -> Iterator[Link]:
+    with tempfile.TemporaryDirectory() as tmp, Engine(SHARED_CONFIG) as engine:
+        service = GenerationService(engine, None, Settings(health_interval_s=0.1))
+        service.not_ready = None
+        path = os.path.join(tmp, "link.sock")
+        server = LinkServer(path, engine, service, SECRET).start()
+        out = Link(engine, service, server, path)
+        try:
+            yield out
+        finally:
+            for client in out.clients:
+                client.close()
+            server.close()
+
+
+def _ready(remote: RemoteEngine) -> RemoteEngine:
+    assert remote.link.connected.wait(10), remote.link.reason
+    deadline = time.monotonic() + 10
+    while remote.link.reason is not None:  # the first status frame follows the handshake
+        assert time.monotonic() < deadline, remote.link.reason
+        time.sleep(0.01)
+    return remote
+
+
+async def _collect(remote: RemoteEngine, ids: list[int], params: RequestParams, key: str) -> tuple[list, FinishEvent]:
+    tokens: list[TokenEvent] = []
+    async with await remote.open_stream(ids, params, key) as stream:
+        async for ev in stream:
+            if isinstance(ev, TokenEvent):
+                tokens.append(ev)
+            else:
+                return tokens, ev
+    raise AssertionError("no finish")
+
+
+def test_tokens_through_two_front_ends_equal_the_engine(link: Link) -> None:
+    a, b = _ready(link.front_end()), _ready(link.front_end())
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 512) for _ in range(rng.randrange(1, 20))] for _ in range(8)]
+    params = [
+        RequestParams(
+            max_tokens=rng.randrange(1, 20),
+            ignore_eos=True,
+            sampling=SamplingParams(temperature=0.8, seed=i) if i % 2 else SamplingParams(),
+        )
+        for i in range(8)
+    ]
+    expected = link.engine.generate(prompts, params)
+
+    async def main() -> list[tuple[list, FinishEvent]]:
+        runs = [_collect((a, b)[i % 2], prompts[i], params[i], f"eq-{i}") for i in range(8)]
+        return await asyncio.gather(*runs)
+
+    for exp, (tokens, finish) in zip(expected, asyncio.run(main())):
+        assert [t.token_id for t in tokens] == exp.token_ids and [t.depth for t in tokens] == exp.depths
+        assert finish.finish_reason == exp.finish_reason and finish.total_loop_steps == sum(exp.depths)
+    assert not a.link.streams and not b.link.streams
+
+
+def test_duplicate_ids_and_aborts_reach_across_front_ends(link: Link) -> None:
+    a, b = _ready(link.front_end()), _ready(link.front_end())
+    long = RequestParams(max_tokens=300, ignore_eos=True)
+
+    async def main() -> None:
+        stream = await a.open_stream([5, 6, 7], long, "x/shared-id")
+        async with stream:
+            first = await stream.__anext__()
+            assert isinstance(first, TokenEvent)
+            with pytest.raises(InvalidRequest) as err:
+                await b.open_stream([5], long, "x/shared-id")  # the engine knows the id: another front end's
+            assert err.value.field == "request_id"
+            found = b.abort("x/shared-id")  # not b's own: asked of the scheduler
+            assert not isinstance(found, bool)
+            assert await found is True
+            rest = [ev async for ev in stream]
+            assert isinstance(rest[-1], FinishEvent) and rest[-1].finish_reason is FinishReason.CANCELLED
+        assert await b.abort("x/never-seen") is False  # type: ignore[misc]
+
+    asyncio.run(main())
+    _wait(lambda: link.engine.stats().running == 0 and link.engine.stats().waiting == 0, "engine idle")
+
+
+def _wait(cond: object, what: str, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():  # type: ignore[operator]
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)  # the engine applies aborts on its own thread: there is no event to wait on
+
+
+def test_a_front_end_that_leaves_has_its_requests_aborted(link: Link, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="cdb.link")
+    a = _ready(link.front_end())
+    peers = link.server.peers
+
+    async def main() -> None:
+        stream = await a.open_stream([9, 9, 9], RequestParams(max_tokens=300, ignore_eos=True), "x/left")
+        assert isinstance(await stream.__anext__(), TokenEvent)
+        a.link.close()  # the process is gone, as far as the scheduler can tell
+
+    asyncio.run(main())
+    _wait(lambda: link.server.peers == peers - 1, "the link server dropped the front end")
+    assert any("aborted its 1 live requests" in r.getMessage() for r in caplog.records)
+    _wait(lambda: link.engine.stats().running == 0 and link.engine.stats().used_kv_blocks == 0, "released")
+
+
+def test_request_metrics_reach_the_scheduler_registry(link: Link) -> None:
+    a = _ready(link.front_end())
+    relay = MetricsRelay(a.link)
+    metrics = link.service.metrics
+    tokens, itl = metrics.generated_tokens.value(), metrics.itl.count()
+    relay.observe_token_depth(3)
+    relay.observe_token_depth(2)
+    relay.observe_itl(0.01)
+    relay.observe_admitted(7)
+    relay.close()  # flushes
+    _wait(lambda: metrics.generated_tokens.value() == tokens + 2, "relayed tokens")
+    assert metrics.itl.count() == itl + 1
+    body, content_type = asyncio.run(relay.exposition(None))
+    assert b"cdb_generation_tokens_total" in body and content_type.startswith("text/plain")
+
+
+def test_a_wrong_secret_is_refused(link: Link) -> None:
+    peers = link.server.peers
+    wrong = link.front_end("not-the-secret-of-this-link")
+    assert not wrong.link.connected.wait(1.0)
+    assert wrong.link.reason is not None and link.server.peers == peers
+    a, b = socket.socketpair()
+    with pytest.raises(LinkError):  # and the scheduler side of the same handshake
+        t = threading.Thread(target=lambda: _quiet(client_handshake, Wire(b), b"another-secret-entirely"))
+        t.start()
+        server_handshake(Wire(a), SECRET.encode())
+    t.join()
+
+
+def _quiet(fn: object, *args: object) -> None:
+    with contextlib.suppress(LinkError, OSError):
+        fn(*args)  # type: ignore[operator]
+
+
+class _Evil:
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return (os.system, ("true",))
+
+
+def test_frames_carry_data_not_code() -> None:
+    params = RequestParams(max_tokens=3, sampling=SamplingParams(temperature=0.5, seed=1), stop_strings=("a",))
+    event = FinishEvent("k", FinishReason.STOP, 1, 2, 3)
+    assert loads(dumps(("submit", 1, "k", [1, 2], params, ""))) == ("submit", 1, "k", [1, 2], params, "")
+    assert loads(dumps(("events", [("k", event)])))[1][0][1] == event
+    with pytest.raises(pickle.UnpicklingError, match="does not carry"):
+        loads(pickle.dumps(_Evil()))
+    with pytest.raises(pickle.UnpicklingError, match="does not carry"):
+        loads(pickle.dumps(Engine))  # a project class that is not plain data
