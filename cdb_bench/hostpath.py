@@ -433,7 +433,8 @@ def write_outputs(summary: dict[str, Any], out: Path) -> list[Path]:
         if r["op_us"] is None:
             continue
         fused = "fused" if r["fuse_loop_head"] else "head op"
-        fronts = f" {r['frontends']} front ends" if r.get("frontends") else ""
+        n = r.get("frontends", 0)
+        fronts = f" {n} front end{'s' if n > 1 else ''}" if n else ""
         label = f"{r['family']} w{r['width']} {r['consumer']}{fronts} {fused} {r.get('transport', 'streams')}"
         xs, ys = series.setdefault(label, ([], []))
         xs.append(r["op_us"])

@@ -26,6 +26,23 @@ class TokenEvent:
     # token 0 of a request with ``prompt_logprobs``: those of prompt tokens 1.. (at full depth; token 0 has none)
     prompt_logprobs: tuple[TokenLogprobs, ...] = ()
 
+    def __reduce__(self) -> tuple[type[TokenEvent], tuple[object, ...]]:
+        # pickled by its fields in one call (a front-end link frame carries dozens per stage result); the default
+        # for a slotted dataclass runs a Python function per event
+        return (
+            TokenEvent,
+            (
+                self.request_id,
+                self.index,
+                self.token_id,
+                self.text,
+                self.depth,
+                self.logprobs,
+                self.time_ns,
+                self.prompt_logprobs,
+            ),
+        )
+
 
 @dataclass(slots=True)
 class FinishEvent:

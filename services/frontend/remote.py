@@ -130,12 +130,12 @@ class LinkClient:
         kind = msg[0]
         if kind == "events":
             streams = self.streams
-            for key, event in msg[1]:
-                stream = streams.get(key)
+            for event in msg[1]:
+                stream = streams.get(event.request_id)
                 if stream is None:
                     continue  # its consumer left and aborted it
                 if isinstance(event, FinishEvent):
-                    del streams[key]
+                    del streams[event.request_id]
                 stream.sink(event)
         elif kind == "reply":
             _, cid, err, value = msg

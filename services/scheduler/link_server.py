@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -52,17 +53,25 @@ OBSERVATIONS = frozenset(
 class _Peer:
     """One connected front end: its outbox, its live requests, its writer thread."""
 
-    def __init__(self, wire: Wire, name: str, status: Callable[[], tuple[Any, ...]], interval_s: float) -> None:
+    def __init__(
+        self,
+        wire: Wire,
+        name: str,
+        status: Callable[[], tuple[str | None, Any]],
+        reason: Callable[[], str | None],
+        interval_s: float,
+    ) -> None:
         self.wire = wire
         self.name = name
         self.live: set[str] = set()  # engine ids of its requests that have not finished
-        self._status = status
+        self._status, self._reason = status, reason
         self._interval_s = interval_s
+        self._status_due = 0.0
+        self._last_reason: str | None = None
         self._cond = threading.Condition()
-        self._events: list[tuple[str, Event]] = []
+        self._events: list[Event] = []
         self._replies: list[tuple[Any, ...]] = []
         self._closed = False
-        self._last_status: tuple[Any, ...] | None = None
         self._writer = threading.Thread(target=self._write, name=f"cdb-link-out-{name}", daemon=True)
         self._writer.start()
 
@@ -71,7 +80,7 @@ class _Peer:
         with self._cond:
             if isinstance(event, FinishEvent):
                 self.live.discard(key)
-            self._events.append((key, event))
+            self._events.append(event)  # its request_id is the engine's id, ``key``
             if len(self._events) == 1:
                 self._cond.notify()
 
@@ -102,10 +111,15 @@ class _Peer:
             self.close()  # the reader sees the socket end and releases the requests
 
     def _send_status(self, force: bool = False) -> None:
-        status = self._status()
-        if force or status != self._last_status:
-            self._last_status = status
-            self.wire.send(dumps(("status", *status)))
+        """The readiness verdict when it changes, with the engine's counters at least every interval."""
+        now = time.monotonic()
+        if not force and now < self._status_due:
+            reason = self._reason()
+            if reason == self._last_reason:
+                return
+        reason, stats = self._status()
+        self._last_reason, self._status_due = reason, now + self._interval_s
+        self.wire.send(dumps(("status", reason, stats)))
 
     def close(self) -> None:
         with self._cond:
@@ -146,9 +160,13 @@ class LinkServer:
         with self._lock:
             return len(self._peers)
 
+    def reason(self) -> str | None:
+        """The readiness verdict front ends serve by (None: ready)."""
+        return self.service.broken or self.service.not_ready
+
     def status(self) -> tuple[str | None, Any]:
-        """The readiness verdict front ends serve by (None: ready) and the engine's counters."""
-        return (self.service.broken or self.service.not_ready, self.engine.stats())
+        """The verdict and the engine's counters."""
+        return (self.reason(), self.engine.stats())
 
     def _accept(self) -> None:
         assert self._sock is not None
@@ -169,7 +187,7 @@ class LinkServer:
             log.warning("front-end link: refused a connection: %s", exc)
             wire.close()
             return
-        peer = _Peer(wire, name, self.status, self.service.settings.health_interval_s)
+        peer = _Peer(wire, name, self.status, self.reason, self.service.settings.health_interval_s)
         with self._lock:
             self._peers.add(peer)
         log.info("front end %s connected", name)

@@ -197,7 +197,8 @@ def test_frames_carry_data_not_code() -> None:
     params = RequestParams(max_tokens=3, sampling=SamplingParams(temperature=0.5, seed=1), stop_strings=("a",))
     event = FinishEvent("k", FinishReason.STOP, 1, 2, 3)
     assert loads(dumps(("submit", 1, "k", [1, 2], params, ""))) == ("submit", 1, "k", [1, 2], params, "")
-    assert loads(dumps(("events", [("k", event)])))[1][0][1] == event
+    token = TokenEvent("k", 0, 5, "a", 3, None, 7)
+    assert loads(dumps(("events", [token, event])))[1] == [token, event]
     with pytest.raises(pickle.UnpicklingError, match="does not carry"):
         loads(pickle.dumps(_Evil()))
     with pytest.raises(pickle.UnpicklingError, match="does not carry"):
