@@ -240,8 +240,7 @@ class LinkServer:
                 model=self.engine.config.model,
                 max_tokens=params.max_tokens,
                 metadata=(("traceparent", traceparent),),
-                request_id=key.rpartition("/")[2],
-                operation="engine",
+                operation="engine",  # no request id: the front end's span is the request's (SERVER) span
             )
         traces = self.service.traces
 

@@ -1,6 +1,7 @@
 """The process tree with two front-end processes (``CDB_FRONTENDS=2``) sharing the public ports: results equal the
 in-process engine over gRPC and HTTP, request metrics reach the scheduler's endpoint, and a front end killed
-mid-stream is restarted while its streams resume on the other one and nothing stays held."""
+mid-stream is restarted while its streams resume on the other one and nothing stays held; a request's trace runs
+from the front end's span through the scheduler's engine span to the stage hops."""
 
 from __future__ import annotations
 
@@ -19,14 +20,15 @@ from cdb_scheduler.plan import SamplingParams
 from clients.common import GenerateOptions
 from clients.sync_client import Client
 from services.launcher import FRONTEND_PREFIX, ServeHandle, serve_all
+from services.telemetry.otlp_receiver import CollectedSpan, OtlpReceiver, children, descendants, one
 from tests.services.tree import IDLE, SHARED_CONFIG, TEST_ENV, StreamRun, free_port, wait_idle
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 
 class Tree:
-    def __init__(self, handle: ServeHandle, http: str, metrics: str) -> None:
-        self.handle, self.http, self.metrics = handle, http, metrics
+    def __init__(self, handle: ServeHandle, http: str, metrics: str, receiver: OtlpReceiver) -> None:
+        self.handle, self.http, self.metrics, self.receiver = handle, http, metrics, receiver
 
     def scrape(self, name: str) -> float:
         text = urllib.request.urlopen(f"http://{self.metrics}/metrics", timeout=10).read().decode()
@@ -36,12 +38,33 @@ class Tree:
 @pytest.fixture(scope="module")
 def tree() -> Iterator[Tree]:
     http, metrics = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
-    env = {**os.environ, **TEST_ENV, "CDB_FRONTENDS": "2", "CDB_HTTP_ADDR": http}
-    handle = serve_all(SHARED_CONFIG, "127.0.0.1:0", env=env, metrics_listen=metrics)
-    try:
-        yield Tree(handle, http, metrics)
-    finally:
-        handle.stop(drain_timeout=5.0)
+    with OtlpReceiver() as receiver:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+        env.update(TEST_ENV, CDB_FRONTENDS="2", CDB_HTTP_ADDR=http)
+        env.update(
+            OTEL_TRACES_EXPORTER="otlp", OTEL_EXPORTER_OTLP_ENDPOINT=receiver.endpoint, OTEL_BSP_SCHEDULE_DELAY="100"
+        )
+        handle = serve_all(SHARED_CONFIG, "127.0.0.1:0", env=env, metrics_listen=metrics)
+        try:
+            yield Tree(handle, http, metrics, receiver)
+        finally:
+            handle.stop(drain_timeout=5.0)
+
+
+def test_a_request_trace_spans_front_end_engine_and_stage_hops(tree: Tree) -> None:
+    with Client(tree.handle.address, timeout=60) as client:
+        client.generate([5, 6, 7, 8], max_tokens=4, request_id="traced-1")
+
+    def complete(spans: list[CollectedSpan]) -> bool:
+        reqs = [s for s in spans if s.attributes.get("cdb.request_id") == "traced-1"]
+        return bool(reqs) and any(s.name == "decode" for s in descendants(spans, reqs[0]))
+
+    spans = tree.receiver.wait_for(complete, timeout=30)
+    (req,) = [s for s in spans if s.attributes.get("cdb.request_id") == "traced-1"]  # the front end's span only
+    assert req.resource.get("service.name") == "cdb-frontend"
+    engine = one(children(spans, req), f"engine {SHARED_CONFIG.model}")
+    below = {s.name for s in descendants(spans, engine)}
+    assert {"queue", "prefill", "decode", "hop prelude", "hop loop", "hop head"} <= below
 
 
 def _requests(n: int, seed: int) -> list[tuple[list[int], GenerateOptions]]:
