@@ -200,12 +200,13 @@ class LinkServer:
             log.exception("front end %s sent a bad frame; closing its link", name)
         finally:
             peer.close()
-            with self._lock:
-                self._peers.discard(peer)
-            left = list(peer.live)
+            with peer._cond:
+                left = list(peer.live)
             for key in left:
                 self.engine.abort(key)
             log.info("front end %s disconnected%s", name, f"; aborted its {len(left)} live requests" if left else "")
+            with self._lock:  # last: ``peers`` counts it until its requests are aborted
+                self._peers.discard(peer)
 
     def _handle(self, peer: _Peer, msg: tuple[Any, ...]) -> None:
         kind = msg[0]
