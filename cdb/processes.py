@@ -157,6 +157,7 @@ SETTING_FLAGS = {
     "tls_client_ca": "tls_client_ca",
     "api_keys_file": "api_keys_file",
     "chat_template": "chat_template",
+    "frontends": "frontends",
 }
 _PATH_FLAGS = ("tls_cert", "tls_key", "tls_client_ca", "api_keys_file")
 _ADDRESS_FLAGS = {"metrics_listen": "--metrics-listen", "http": "--http"}

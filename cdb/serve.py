@@ -68,6 +68,14 @@ def serve_parser(conf: Configuration) -> argparse.ArgumentParser:
         default=argparse.SUPPRESS,
         help="serve gRPC only, no HTTP API (default: the HTTP API on, see --http)",
     )
+    parser.add_argument(
+        "--frontends",
+        type=int,
+        metavar="N",
+        default=conf.settings.frontends,
+        help="front-end processes serving the public ports over the scheduler's engine; 0: the scheduler serves "
+        "them (also CDB_FRONTENDS)",
+    )
     add_served_name_arg(parser)
     add_chat_template_arg(parser)
     add_log_args(parser, conf)
