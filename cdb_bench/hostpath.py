@@ -7,7 +7,11 @@ decisions from the stages' drawn depths. Tokens are consumed two ways:
 
 - ``in-process``: the scheduler runs in this process (``Engine`` over ``GrpcExecutor``), tokens go to sinks here;
 - ``api``: the whole tree with its scheduler process; streaming clients in another process over the public
-  gRPC API.
+  gRPC API;
+- ``http``: the same over the HTTP API (server-sent events, the ``openai`` client).
+
+With ``api`` and ``http``, ``--frontends N ...`` runs the tree with N front-end processes (``CDB_FRONTENDS``; 0:
+the scheduler process serves the API) and reports their CPU per streamed token.
 
 Per point (family x loop op time x width x consumer), over the steady window:
 
@@ -58,7 +62,7 @@ from services.settings import load_settings
 from services.transport.executor import GrpcExecutorFactory
 
 FAMILIES = {"ouro": ("ouro-bench", "h200:ouro-1.4b"), "huginn": ("huginn-bench", "h200:huginn-3.5b")}
-CONSUMERS = ("in-process", "api")
+CONSUMERS = ("in-process", "api", "http")
 PROMPT_LEN = 32
 OUTPUT_LEN = (128, 256)
 
@@ -82,7 +86,7 @@ class Point:
     op_us: float | None  # None: a named profile
     fuse_loop_head: bool = True
     transport: str = "rings"  # the stage data plane: "rings" (shared memory) or "streams" (gRPC)
-    frontends: int = 0  # api: front-end processes (CDB_FRONTENDS; 0: the scheduler process serves the API)
+    frontends: int = 0  # api, http: front-end processes (CDB_FRONTENDS; 0: the scheduler process serves the API)
 
     @property
     def label(self) -> str:
@@ -231,19 +235,56 @@ asyncio.run(main())
 """
 
 
+_HTTP_CLIENT = r"""
+import asyncio, json, random, sys, time
+from openai import AsyncOpenAI
+
+address, concurrency, seconds, seed, vocab, plen, lo, hi, model = sys.argv[1:10]
+concurrency, seconds, seed, vocab, plen, lo, hi = map(float, (concurrency, seconds, seed, vocab, plen, lo, hi))
+rng = random.Random(int(seed))
+stats = {"tokens": 0, "requests": 0}
+
+async def worker(client, end):
+    while time.perf_counter() < end:
+        prompt = [rng.randrange(3, int(vocab)) for _ in range(int(plen))]
+        stream = await client.completions.create(
+            model=model, prompt=prompt, max_tokens=rng.randint(int(lo), int(hi)), stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        async for chunk in stream:
+            stats["tokens"] += 1
+        stats["requests"] += 1
+
+async def main():
+    client = AsyncOpenAI(base_url=f"http://{address}/v1", api_key="none", timeout=600, max_retries=0)
+    end = time.perf_counter() + seconds
+    print("ready", flush=True)
+    await asyncio.gather(*[worker(client, end) for _ in range(int(concurrency))])
+    print(json.dumps(stats), flush=True)
+
+asyncio.run(main())
+"""
+
+
 def run_api(point: Point, warmup_s: float, seconds: float, seed: int, op_log: str) -> dict[str, Any]:
+    """The public API under streaming clients in another process: gRPC (``api``) or HTTP SSE (``http``, the
+    ``openai`` client)."""
     cfg = _config(point)
     metrics_port = _free_port()
     env = {**os.environ, "CDB_STAGE_OP_LOG": op_log, "CDB_STAGE_RINGS": str(point.transport == "rings").lower()}
     env["CDB_FRONTENDS"] = str(point.frontends)
+    http = f"127.0.0.1:{_free_port()}" if point.consumer == "http" else ""
+    env["CDB_HTTP_ADDR"] = http
     with serve_all(cfg, "127.0.0.1:0", env=env, metrics_listen=f"127.0.0.1:{metrics_port}") as tree:
         assert tree.scheduler is not None
         url = f"http://127.0.0.1:{metrics_port}/metrics"
         vocab = Engine(cfg).model_config.vocab_size
-        argv = [str(v) for v in (tree.address, _concurrency(point.width), warmup_s + seconds + 60, seed, vocab)]
-        argv += [str(PROMPT_LEN), str(OUTPUT_LEN[0]), str(OUTPUT_LEN[1])]
+        target = http or tree.address
+        argv = [str(v) for v in (target, _concurrency(point.width), warmup_s + seconds + 60, seed, vocab)]
+        argv += [str(PROMPT_LEN), str(OUTPUT_LEN[0]), str(OUTPUT_LEN[1]), cfg.model]
+        script = _HTTP_CLIENT if http else _CLIENT
         client = subprocess.Popen(
-            [sys.executable, "-c", _CLIENT, *argv], stdout=subprocess.PIPE, text=True, env=_no_pin(dict(os.environ))
+            [sys.executable, "-c", script, *argv], stdout=subprocess.PIPE, text=True, env=_no_pin(dict(os.environ))
         )
         try:
             assert client.stdout is not None
@@ -266,6 +307,8 @@ def run_api(point: Point, warmup_s: float, seconds: float, seed: int, op_log: st
                 )
                 if len(marks) == 1:
                     depth0 = m
+            if client.poll() is not None:  # the clients failed: no figure from an idle tree
+                raise RuntimeError(f"the streaming clients exited with {client.returncode} during the window")
             mean_depth = (m["cdb_loop_steps_total"] - depth0["cdb_loop_steps_total"]) / max(
                 1.0, m["cdb_generation_tokens_total"] - depth0["cdb_generation_tokens_total"]
             )
@@ -368,7 +411,7 @@ def loop_timeline(op_log: str, window: tuple[int, int], depth: int) -> dict[str,
 
 def run_point(point: Point, warmup_s: float, seconds: float, seed: int = 0) -> dict[str, Any]:
     op_log = tempfile.mkdtemp(prefix="cdb-oplog-")
-    if point.consumer == "api":
+    if point.consumer in ("api", "http"):
         fig = run_api(point, warmup_s, seconds, seed, op_log)
     else:
         settings = dataclasses.replace(load_settings(), stage_op_log=op_log, stage_rings=point.transport == "rings")
@@ -388,7 +431,7 @@ def points(args: argparse.Namespace) -> list[Point]:
     out = []
     modes = itertools.product(args.families, args.consumers, args.fuse_loop_head, args.transport)
     for family, consumer, fused, transport in modes:
-        for fronts in args.frontends if consumer == "api" else [0]:
+        for fronts in args.frontends if consumer != "in-process" else [0]:
             for op_us, width in itertools.product(args.op_us, args.widths):
                 cost = scaled_cost(family, op_us)
                 out.append(Point(family, cost, width, consumer, op_us, fused, transport, fronts))
@@ -458,7 +501,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--families", nargs="+", choices=sorted(FAMILIES), default=["ouro", "huginn"])
     p.add_argument("--op-us", nargs="+", type=float, default=[250, 500, 1000, 2000], help="loop op times (µs)")
     p.add_argument("--widths", nargs="+", type=int, default=[32, 64, 128])
-    p.add_argument("--consumers", nargs="+", choices=CONSUMERS, default=list(CONSUMERS))
+    p.add_argument("--consumers", nargs="+", choices=CONSUMERS, default=["in-process", "api"])
     p.add_argument("--no-profiles", dest="profiles", action="store_false", help="skip the named profiles")
     p.add_argument(
         "--fuse-loop-head",
@@ -479,7 +522,7 @@ def main(argv: list[str] | None = None) -> int:
         nargs="+",
         type=int,
         default=[0],
-        help="api: front-end processes (CDB_FRONTENDS; 0: the scheduler serves the API); several: side by side",
+        help="api, http: front-end processes (CDB_FRONTENDS; 0: the scheduler serves the API); several: side by side",
     )
     p.add_argument("--seconds", type=float, default=3.0, help="steady window per point")
     p.add_argument("--warmup", type=float, default=1.5, help="seconds before the window (admission ramp)")
