@@ -209,58 +209,42 @@ def _figures(a: dict[str, float], b: dict[str, float]) -> dict[str, Any]:
 
 
 _CLIENT = r"""
-import asyncio, json, random, sys, time
-from clients.async_client import AsyncClient
+import asyncio, contextlib, random, sys, time
 
-address, concurrency, seconds, seed, vocab, plen, lo, hi = sys.argv[1:9]
-concurrency, seconds, seed, vocab, plen, lo, hi = map(float, (concurrency, seconds, seed, vocab, plen, lo, hi))
-rng = random.Random(int(seed))
-stats = {"tokens": 0, "requests": 0}
-
-async def worker(client, end):
-    while time.perf_counter() < end:
-        prompt = [rng.randrange(3, int(vocab)) for _ in range(int(plen))]
-        async for ev in client.stream(prompt, max_tokens=rng.randint(int(lo), int(hi)), ignore_eos=True):
-            stats["tokens"] += type(ev).__name__ == "StreamToken"
-        stats["requests"] += 1
+proto, address, model = sys.argv[1:4]
+concurrency, seed, vocab, plen, lo, hi = map(int, sys.argv[5:11])
+seconds = float(sys.argv[4])
+rng = random.Random(seed)
 
 async def main():
-    async with AsyncClient(address, timeout=600) as client:
-        end = time.perf_counter() + seconds
-        print("ready", flush=True)
-        await asyncio.gather(*[worker(client, end) for _ in range(int(concurrency))])
-    print(json.dumps(stats), flush=True)
-
-asyncio.run(main())
-"""
-
-
-_HTTP_CLIENT = r"""
-import asyncio, json, random, sys, time
-from openai import AsyncOpenAI
-
-address, concurrency, seconds, seed, vocab, plen, lo, hi, model = sys.argv[1:10]
-concurrency, seconds, seed, vocab, plen, lo, hi = map(float, (concurrency, seconds, seed, vocab, plen, lo, hi))
-rng = random.Random(int(seed))
-stats = {"tokens": 0, "requests": 0}
-
-async def worker(client, end):
-    while time.perf_counter() < end:
-        prompt = [rng.randrange(3, int(vocab)) for _ in range(int(plen))]
-        stream = await client.completions.create(
-            model=model, prompt=prompt, max_tokens=rng.randint(int(lo), int(hi)), stream=True,
-            extra_body={"ignore_eos": True},
-        )
-        async for chunk in stream:
-            stats["tokens"] += 1
-        stats["requests"] += 1
-
-async def main():
-    client = AsyncOpenAI(base_url=f"http://{address}/v1", api_key="none", timeout=600, max_retries=0)
     end = time.perf_counter() + seconds
-    print("ready", flush=True)
-    await asyncio.gather(*[worker(client, end) for _ in range(int(concurrency))])
-    print(json.dumps(stats), flush=True)
+    async with contextlib.AsyncExitStack() as stack:
+        if proto == "http":  # server-sent events through the openai client
+            from openai import AsyncOpenAI
+
+            client = AsyncOpenAI(base_url=f"http://{address}/v1", api_key="none", timeout=600, max_retries=0)
+
+            async def one(prompt, n):
+                stream = await client.completions.create(
+                    model=model, prompt=prompt, max_tokens=n, stream=True, extra_body={"ignore_eos": True}
+                )
+                async for _ in stream:
+                    pass
+        else:
+            from clients.async_client import AsyncClient
+
+            client = await stack.enter_async_context(AsyncClient(address, timeout=600))
+
+            async def one(prompt, n):
+                async for _ in client.stream(prompt, max_tokens=n, ignore_eos=True):
+                    pass
+
+        async def worker():
+            while time.perf_counter() < end:
+                await one([rng.randrange(3, vocab) for _ in range(plen)], rng.randint(lo, hi))
+
+        print("ready", flush=True)
+        await asyncio.gather(*[worker() for _ in range(concurrency)])
 
 asyncio.run(main())
 """
@@ -279,12 +263,11 @@ def run_api(point: Point, warmup_s: float, seconds: float, seed: int, op_log: st
         assert tree.scheduler is not None
         url = f"http://127.0.0.1:{metrics_port}/metrics"
         vocab = Engine(cfg).model_config.vocab_size
-        target = http or tree.address
-        argv = [str(v) for v in (target, _concurrency(point.width), warmup_s + seconds + 60, seed, vocab)]
-        argv += [str(PROMPT_LEN), str(OUTPUT_LEN[0]), str(OUTPUT_LEN[1]), cfg.model]
-        script = _HTTP_CLIENT if http else _CLIENT
+        where = ["http", http] if http else ["grpc", tree.address]
+        argv = [*where, cfg.model, str(warmup_s + seconds + 60), str(_concurrency(point.width)), str(seed)]
+        argv += [str(vocab), str(PROMPT_LEN), str(OUTPUT_LEN[0]), str(OUTPUT_LEN[1])]
         client = subprocess.Popen(
-            [sys.executable, "-c", script, *argv], stdout=subprocess.PIPE, text=True, env=_no_pin(dict(os.environ))
+            [sys.executable, "-c", _CLIENT, *argv], stdout=subprocess.PIPE, text=True, env=_no_pin(dict(os.environ))
         )
         try:
             assert client.stdout is not None

@@ -256,12 +256,10 @@ class ServeHandle:
                     break
                 done.set_exception(RuntimeError("the tree is stopped"))
             drain = self.settings.drain_timeout_s if self._stopping is None else self._stopping
-            fronts = [c.proc for n, c in self._children.items() if n.startswith(FRONTEND_PREFIX) and c.proc]
-            _terminate(fronts, drain + 10.0)  # they drain their requests over the running engine
+            _terminate(self.frontends, drain + 10.0)  # they drain their requests over the running engine
             scheduler = [c.proc for n, c in self._children.items() if n == "scheduler" and c.proc is not None]
             _terminate(scheduler, drain + 10.0)
-            rest = [c.proc for n, c in self._children.items() if n != "scheduler" and c.proc is not None]
-            _terminate([p for p in rest if p not in fronts], 10.0)
+            _terminate(list(self.stages.values()) + list(self.standbys.values()), 10.0)
             self.ended.set()
 
     def _popen(self, child: _Child) -> subprocess.Popen[bytes]:
@@ -479,6 +477,7 @@ def _start_tree(
     document = os.path.join(workdir, "config.json")
     Resolved(settings, config).write(document)  # what every child runs with (module docstring)
     handle = ServeHandle(workdir, settings)
+    fronts = settings.frontends if listen is not None else 0
     try:
         # Unix socket paths are known in advance, so the scheduler starts with the stages and connects as soon
         # as they listen (it waits for them): start-up costs one interpreter + torch import, not two.
@@ -490,7 +489,6 @@ def _start_tree(
             handle.start_child(name, stage_command(stage.role, sockets[name], ready[name], document), env, ready[name])
         sched_ready = os.path.join(handle.workdir, "scheduler.ready")
         link = f"unix:{handle.workdir}/link.sock"
-        fronts = settings.frontends if listen is not None else 0
         if listen is not None:
             stage_socks = {s: sockets[n] for s, n in names.items()}
             standby_socks = {s: sockets[n] for s, n in standby.items()}
@@ -514,9 +512,8 @@ def _start_tree(
             handle.address = _start_frontends(handle, fronts, link, document, env)
         handle.supervise()
     except BaseException as exc:
-        fronts_started = [f"{FRONTEND_PREFIX}{i}" for i in range(settings.frontends if listen is not None else 0)]
-        names_logged = ("scheduler", *Stage.roles(), *fronts_started)
-        logs = "\n".join(f"--- {n}.log ---\n{handle.log(n)[-2000:]}" for n in names_logged)
+        logged = ("scheduler", *Stage.roles(), *(f"{FRONTEND_PREFIX}{i}" for i in range(fronts)))
+        logs = "\n".join(f"--- {n}.log ---\n{handle.log(n)[-2000:]}" for n in logged)
         handle.stop(drain_timeout=0.0)
         if isinstance(exc, RuntimeError):
             raise RuntimeError(f"{exc}\n{logs}") from exc
@@ -524,25 +521,28 @@ def _start_tree(
     return handle
 
 
+def _frontend_ready(handle: ServeHandle, i: int) -> str:
+    return os.path.join(handle.workdir, f"{FRONTEND_PREFIX}{i}.ready")
+
+
 def _spawn_frontend(
     handle: ServeHandle, i: int, listen: str, link: str, document: str, env: Mapping[str, str] | None, join: bool
 ) -> subprocess.Popen[bytes]:
-    name = f"{FRONTEND_PREFIX}{i}"
-    ready = os.path.join(handle.workdir, f"{name}.ready")
-    return handle.start_child(name, frontend_command(listen, ready, link, document, join), env, ready)
+    ready = _frontend_ready(handle, i)
+    argv = frontend_command(listen, ready, link, document, join)
+    return handle.start_child(f"{FRONTEND_PREFIX}{i}", argv, env, ready)
 
 
 def _start_frontends(handle: ServeHandle, count: int, link: str, document: str, env: Mapping[str, str] | None) -> str:
     """Once the first front end (started with the scheduler) has bound the public address (port 0: any), start
     the other ``count - 1`` on the bound port; return the public address. A restarted front end joins it too."""
     timeout = handle.settings.ready_timeout_s
-    first = f"{FRONTEND_PREFIX}0"
-    ready = os.path.join(handle.workdir, f"{first}.ready")
-    address = wait_ready_file(ready, handle.frontends[0], timeout, "front end 0")
-    handle.set_argv(first, frontend_command(address, ready, link, document, count > 1))
+    address = wait_ready_file(_frontend_ready(handle, 0), handle.frontends[0], timeout, "front end 0")
+    restart = frontend_command(address, _frontend_ready(handle, 0), link, document, count > 1)
+    handle.set_argv(f"{FRONTEND_PREFIX}0", restart)
     for i in range(1, count):
         proc = _spawn_frontend(handle, i, address, link, document, env, join=True)
-        wait_ready_file(os.path.join(handle.workdir, f"{FRONTEND_PREFIX}{i}.ready"), proc, timeout, f"front end {i}")
+        wait_ready_file(_frontend_ready(handle, i), proc, timeout, f"front end {i}")
     return address
 
 

@@ -255,13 +255,11 @@ class MetricsRelay:
     def __getattr__(self, name: str) -> Any:
         if not name.startswith("observe_"):
             raise AttributeError(name)
-        lock = self._lock
 
-        def record(*args: Any) -> None:
-            with lock:
+        def record(*args: Any) -> None:  # per request, not per token
+            with self._lock:
                 self._calls.append((name, args))
 
-        object.__setattr__(self, name, record)  # found in the instance from now on
         return record
 
     async def exposition(self, accept: str | None) -> tuple[bytes, str]:

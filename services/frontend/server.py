@@ -10,11 +10,9 @@ frames), or NOT_SERVING while the link is down. ``CDB_FRONTENDS`` > 1: the front
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import functools
 import logging
-from typing import Any, cast
+from typing import cast
 
 import grpc
 
@@ -28,7 +26,7 @@ from services.scheduler.errors import mapped_errors
 from services.scheduler.handlers import GenerationService
 from services.scheduler.readiness import Readiness
 from services.scheduler.security import PortSecurity
-from services.scheduler.server import FrontEnd, serve
+from services.scheduler.server import FrontEnd, event_loop_runner, serve
 from services.settings import Settings
 from services.stage_secret import load_stage_secret
 from services.telemetry.metrics import Metrics
@@ -84,13 +82,7 @@ def run_frontend(
         shared = settings.frontends > 1
         front = FrontEnd(service, readiness, reuse_port=shared, join=join)
         companion = functools.partial(serve_api, address=http, reuse_port=shared) if http else None
-        runner_kw: dict[str, Any] = {}
-        if settings.uvloop:
-            with contextlib.suppress(ImportError):
-                import uvloop
-
-                runner_kw["loop_factory"] = uvloop.new_event_loop
-        with asyncio.Runner(**runner_kw) as runner:
+        with event_loop_runner(settings) as runner:
             runner.run(
                 serve(
                     cast(Engine, engine),

@@ -38,10 +38,8 @@ OBSERVATIONS = frozenset(
     {
         "observe_rejected",
         "observe_admitted",
-        "observe_itl",
-        "observe_itls",
+        "observe_itls",  # a front end sends its per-token observations as lists
         "observe_ttft",
-        "observe_token_depth",
         "observe_token_depths",
         "observe_queue_time",
         "observe_request_end",
@@ -54,17 +52,12 @@ class _Peer:
     """One connected front end: its outbox, its live requests, its writer thread."""
 
     def __init__(
-        self,
-        wire: Wire,
-        name: str,
-        status: Callable[[], tuple[str | None, Any]],
-        reason: Callable[[], str | None],
-        interval_s: float,
+        self, wire: Wire, name: str, reason: Callable[[], str | None], stats: Callable[[], Any], interval_s: float
     ) -> None:
         self.wire = wire
         self.name = name
-        self.live: set[str] = set()  # engine ids of its requests that have not finished
-        self._status, self._reason = status, reason
+        self.live: set[str] = set()  # engine ids of its requests that have not finished (under ``_cond``)
+        self._reason, self._stats = reason, stats
         self._interval_s = interval_s
         self._status_due = 0.0
         self._last_reason: str | None = None
@@ -74,6 +67,19 @@ class _Peer:
         self._closed = False
         self._writer = threading.Thread(target=self._write, name=f"cdb-link-out-{name}", daemon=True)
         self._writer.start()
+
+    def track(self, key: str) -> None:
+        with self._cond:
+            self.live.add(key)
+
+    def untrack(self, key: str) -> None:
+        with self._cond:
+            self.live.discard(key)
+
+    def left(self) -> list[str]:
+        """Its requests that have not finished (it is gone: they are to be aborted)."""
+        with self._cond:
+            return list(self.live)
 
     def post(self, key: str, event: Event) -> None:
         """The engine thread: ``event`` of request ``key`` for this front end."""
@@ -112,14 +118,11 @@ class _Peer:
 
     def _send_status(self, force: bool = False) -> None:
         """The readiness verdict when it changes, with the engine's counters at least every interval."""
-        now = time.monotonic()
-        if not force and now < self._status_due:
-            reason = self._reason()
-            if reason == self._last_reason:
-                return
-        reason, stats = self._status()
+        now, reason = time.monotonic(), self._reason()
+        if not force and now < self._status_due and reason == self._last_reason:
+            return
         self._last_reason, self._status_due = reason, now + self._interval_s
-        self.wire.send(dumps(("status", reason, stats)))
+        self.wire.send(dumps(("status", reason, self._stats())))
 
     def close(self) -> None:
         with self._cond:
@@ -164,10 +167,6 @@ class LinkServer:
         """The readiness verdict front ends serve by (None: ready)."""
         return self.service.broken or self.service.not_ready
 
-    def status(self) -> tuple[str | None, Any]:
-        """The verdict and the engine's counters."""
-        return (self.reason(), self.engine.stats())
-
     def _accept(self) -> None:
         assert self._sock is not None
         while not self._closed:
@@ -187,7 +186,7 @@ class LinkServer:
             log.warning("front-end link: refused a connection: %s", exc)
             wire.close()
             return
-        peer = _Peer(wire, name, self.status, self.reason, self.service.settings.health_interval_s)
+        peer = _Peer(wire, name, self.reason, self.engine.stats, self.service.settings.health_interval_s)
         with self._lock:
             self._peers.add(peer)
         log.info("front end %s connected", name)
@@ -200,8 +199,7 @@ class LinkServer:
             log.exception("front end %s sent a bad frame; closing its link", name)
         finally:
             peer.close()
-            with peer._cond:
-                left = list(peer.live)
+            left = peer.left()
             for key in left:
                 self.engine.abort(key)
             log.info("front end %s disconnected%s", name, f"; aborted its {len(left)} live requests" if left else "")
@@ -255,13 +253,11 @@ class LinkServer:
             if span is not None and isinstance(event, FinishEvent):
                 span.finish(event.finish_reason, event.generated_tokens, (), event.total_loop_steps)
 
-        with peer._cond:
-            peer.live.add(key)
+        peer.track(key)
         try:
             self.engine.submit(ids, params, sink, key, on_queued=queued)
         except BaseException:
-            with peer._cond:
-                peer.live.discard(key)
+            peer.untrack(key)
             if span is not None:
                 span.finish("error", 0)
             raise

@@ -209,6 +209,19 @@ async def serve(
         raise SystemExit(1)  # an orchestrator restarts the group (the reason is logged by the readiness check)
 
 
+def event_loop_runner(settings: Settings) -> asyncio.Runner:
+    """The ``asyncio.Runner`` a serving process runs its event loop in: uvloop's loop when ``CDB_UVLOOP`` is on
+    and uvloop is installed."""
+    if settings.uvloop:
+        try:
+            import uvloop
+
+            return asyncio.Runner(loop_factory=uvloop.new_event_loop)
+        except ImportError:
+            pass
+    return asyncio.Runner()
+
+
 async def _drained(service: GenerationService, link_server: LinkServer | None) -> None:
     """Until no request of this server is live, nor of its front ends (they drain theirs first: the launcher
     stops them before the scheduler; this covers a scheduler stopped on its own)."""
@@ -269,15 +282,7 @@ def run_scheduler(
         if settings.metrics_addr:
             metrics_server = serve_metrics(metrics, settings.metrics_addr)
             log.info("Prometheus metrics on http://%s:%d/metrics", metrics_server.host, metrics_server.port)
-        runner_kw: dict[str, Any] = {}
-        if settings.uvloop:
-            try:
-                import uvloop
-
-                runner_kw["loop_factory"] = uvloop.new_event_loop
-            except ImportError:
-                pass
-        with asyncio.Runner(**runner_kw) as runner:
+        with event_loop_runner(settings) as runner:
             runner.run(
                 serve(
                     engine,

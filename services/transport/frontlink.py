@@ -45,8 +45,8 @@ _LEN = struct.Struct("<I")
 MAX_FRAME = 256 << 20  # a frame longer than this is a broken peer, not a message
 _HANDSHAKE_S = 5.0
 _NONCE = 32
-_PACKAGES = ("cdb_engine", "cdb_scheduler", "cdb_model")
-_BUILTINS = frozenset({"frozenset", "set", "complex", "bytearray"})
+_PACKAGES = ("cdb_engine", "cdb_scheduler")  # RequestParams, SamplingParams, events, EngineStats, FinishReason
+_BUILTINS = frozenset({"frozenset", "set"})
 _COPYREG = frozenset({"__newobj__", "_reconstructor"})
 
 
