@@ -210,9 +210,11 @@ class Engine:
         return req
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.CANCELLED) -> bool:
-        """End a request (thread-safe); True if it was live. Ordered after its own submission."""
+        """End a request (thread-safe); True if it was live. Ordered after its own submission. Its id is free again
+        at once: a client that retries with it (a stream resumed after its front end died) is not refused while this
+        one's end is still on its way to the engine thread."""
         with self._lock:
-            rid = self._by_id.get(request_id)
+            rid = self._by_id.pop(request_id, None)
         if rid is None:
             return False
         self._command(lambda: self._dispatch(self.scheduler.abort(rid, reason)))
@@ -303,7 +305,8 @@ class Engine:
     def _on_finish(self, live: _Live, ev: Finished) -> None:
         del self._live[ev.rid]
         with self._lock:
-            self._by_id.pop(live.request_id, None)
+            if self._by_id.get(live.request_id) == ev.rid:  # (an aborted request's id may serve another already)
+                del self._by_id[live.request_id]
         req = live.req
         tail = live.detok.flush() if ev.reason is not FinishReason.STOP else ""
         queue_s = req.admitted - req.arrival if req.admitted else 0.0

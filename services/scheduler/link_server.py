@@ -65,20 +65,33 @@ class _Peer:
         self._events: list[Event] = []
         self._replies: list[tuple[Any, ...]] = []
         self._closed = False
+        self._departed = False
+        self.admitting = threading.Lock()  # its submissions and its departure, one at a time
         self._writer = threading.Thread(target=self._write, name=f"cdb-link-out-{name}", daemon=True)
         self._writer.start()
 
-    def track(self, key: str) -> None:
+    def track(self, key: str) -> bool:
+        """Count ``key`` as its live request; False once it has left."""
         with self._cond:
+            if self._departed:
+                return False
             self.live.add(key)
+            return True
 
     def untrack(self, key: str) -> None:
         with self._cond:
             self.live.discard(key)
 
-    def left(self) -> list[str]:
-        """Its requests that have not finished (it is gone: they are to be aborted)."""
+    def holds(self, key: str) -> bool:
         with self._cond:
+            return key in self.live
+
+    def leave(self) -> list[str] | None:
+        """It is gone: its requests that have not finished, to be aborted; None if it had left already."""
+        with self._cond:
+            if self._departed:
+                return None
+            self._departed = True
             return list(self.live)
 
     def post(self, key: str, event: Event) -> None:
@@ -198,13 +211,31 @@ class LinkServer:
         except Exception:  # a frame it may not send: drop the connection, keep serving the others
             log.exception("front end %s sent a bad frame; closing its link", name)
         finally:
-            peer.close()
-            left = peer.left()
+            self._depart(peer)
+
+    def _depart(self, peer: _Peer) -> None:
+        """``peer`` is gone: close its link and abort its live requests, once (when its reader sees the link end, or
+        earlier, when another front end submits an id it still holds)."""
+        peer.close()
+        with peer.admitting:  # (a submission its reader is making finishes first: then it is aborted too)
+            left = peer.leave()
+            if left is None:
+                return
             for key in left:
                 self.engine.abort(key)
-            log.info("front end %s disconnected%s", name, f"; aborted its {len(left)} live requests" if left else "")
-            with self._lock:  # last: ``peers`` counts it until its requests are aborted
-                self._peers.discard(peer)
+        log.info("front end %s disconnected%s", peer.name, f"; aborted its {len(left)} live requests" if left else "")
+        with self._lock:  # last: ``peers`` counts it until its requests are aborted
+            self._peers.discard(peer)
+
+    def _release_departed(self, peer: _Peer, key: str) -> None:
+        """A client resumes a stream on ``peer`` with the id it had on a front end that died: the kernel closed the
+        dead one's link before the client could see it go, but its reader may not have read the end yet. The dead
+        front end's requests are aborted first, so its id is free (and its slot and blocks too)."""
+        with self._lock:
+            holders = [p for p in self._peers if p is not peer and p.holds(key)]
+        for other in holders:
+            if other.wire.peer_gone():
+                self._depart(other)
 
     def _handle(self, peer: _Peer, msg: tuple[Any, ...]) -> None:
         kind = msg[0]
@@ -253,14 +284,17 @@ class LinkServer:
             if span is not None and isinstance(event, FinishEvent):
                 span.finish(event.finish_reason, event.generated_tokens, (), event.total_loop_steps)
 
-        peer.track(key)
-        try:
-            self.engine.submit(ids, params, sink, key, on_queued=queued)
-        except BaseException:
-            peer.untrack(key)
-            if span is not None:
-                span.finish("error", 0)
-            raise
+        self._release_departed(peer, key)
+        with peer.admitting:
+            if not peer.track(key):
+                raise LinkError(f"front end {peer.name} has left")
+            try:
+                self.engine.submit(ids, params, sink, key, on_queued=queued)
+            except BaseException:
+                peer.untrack(key)
+                if span is not None:
+                    span.finish("error", 0)
+                raise
 
     def close(self) -> None:
         self._closed = True

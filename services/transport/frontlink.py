@@ -33,6 +33,7 @@ import logging
 import os
 import pickle
 import secrets
+import select
 import socket
 import struct
 import sys
@@ -102,6 +103,16 @@ class Wire:
                 raise LinkError("the link's peer closed it")
             got += k
         return bytes(buf)
+
+    def peer_gone(self) -> bool:
+        """Whether the peer has closed its end (or the connection broke), even with frames still unread: a process
+        that died has had its sockets closed by the kernel before anyone could see it was gone."""
+        try:
+            poller = select.poll()
+            poller.register(self.sock, select.POLLRDHUP | select.POLLHUP | select.POLLERR)
+            return bool(poller.poll(0))
+        except (OSError, ValueError):  # closed here already
+            return True
 
     def close(self) -> None:
         with contextlib.suppress(OSError):

@@ -201,6 +201,45 @@ def test_a_live_request_id_cannot_be_reused(engine: Engine) -> None:
         assert engine.abort("twice")
 
 
+def test_an_aborted_requests_id_is_free_at_once_and_its_end_goes_to_its_own_sink(engine: Engine) -> None:
+    """A retry with the id of a request just aborted is admitted before the engine thread has applied the abort
+    (here it is held); the aborted request still ends cancelled on its own sink, the retry runs to its end on its
+    own, and the id stays the retry's until then."""
+    ends: dict[str, list[object]] = {"old": [], "new": []}
+    reuse: list[str] = []
+    finished = threading.Semaphore(0)
+
+    def sink(name: str):  # type: ignore[no-untyped-def]
+        def put(ev: object) -> None:
+            ends[name].append(ev)
+            if name == "new" and isinstance(ev, TokenEvent) and ev.index == 0:  # the retry is live: its id is taken
+                try:
+                    engine.submit([5], greedy(1), lambda ev: None, "retried", force=True)
+                    reuse.append("admitted")
+                except InvalidRequest:
+                    reuse.append("refused")
+            if isinstance(ev, FinishEvent):
+                finished.release()
+
+        return put
+
+    gate = threading.Event()
+    engine.submit([5, 6], greedy(500), sink("old"), "retried", force=True)
+    engine._command(lambda: gate.wait(30))  # the engine thread applies nothing until the gate opens
+    try:
+        assert engine.abort("retried")
+        engine.submit([5, 6], greedy(3), sink("new"), "retried", force=True)
+        assert not engine.abort("not-submitted")
+    finally:
+        gate.set()
+    assert finished.acquire(timeout=30) and finished.acquire(timeout=30)
+    old, new = ends["old"][-1], ends["new"][-1]
+    assert isinstance(old, FinishEvent) and old.finish_reason is FinishReason.CANCELLED
+    assert isinstance(new, FinishEvent) and new.finish_reason is FinishReason.LENGTH and new.generated_tokens == 3
+    assert sum(isinstance(ev, TokenEvent) for ev in ends["new"]) == 3
+    assert reuse == ["refused"]  # the aborted request's end did not free the id the retry holds
+
+
 class CountingTokenizer(ByteTokenizer):
     """Counts the ids it is asked to decode."""
 

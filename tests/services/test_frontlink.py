@@ -154,6 +154,46 @@ def test_a_front_end_that_leaves_has_its_requests_aborted(link: Link, caplog: py
     _wait(lambda: link.engine.stats().running == 0 and link.engine.stats().used_kv_blocks == 0, "released")
 
 
+def test_a_stream_resumed_before_the_dead_front_ends_link_end_is_read_is_admitted(
+    link: Link, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A front end dies with a live request; its client resumes the stream, same id, on another front end. The dead
+    one's reader is still busy with an earlier frame (here: an Info call held open), so it has not read the end of
+    the link: the resumed request is admitted all the same, and the dead one's request is aborted."""
+    gate, busy = threading.Event(), threading.Event()
+    info = link.service.info
+
+    def held_info() -> object:
+        busy.set()
+        gate.wait(30)
+        return info()
+
+    monkeypatch.setattr(link.service, "info", held_info)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(link.path)
+    dead = Wire(sock)
+    client_handshake(dead, SECRET.encode())
+    long = RequestParams(max_tokens=300, ignore_eos=True)
+    dead.send(dumps(("submit", 1, "x/resumed", [4, 5, 6], long, "")))
+    while (frame := loads(dead.recv()))[0] != "reply":  # (status frames first)
+        pass
+    assert frame[1:3] == (1, None), frame
+    dead.send(dumps(("info", 2)))
+    assert busy.wait(10)
+    dead.close()  # the front end's process is gone; its reader is still inside the Info call
+    b = _ready(link.front_end())
+    try:
+
+        async def main() -> tuple[list, FinishEvent]:
+            return await _collect(b, [4, 5, 6], RequestParams(max_tokens=4, ignore_eos=True), "x/resumed")
+
+        tokens, finish = asyncio.run(main())
+        assert len(tokens) == 4 and finish.finish_reason is FinishReason.LENGTH
+    finally:
+        gate.set()
+    _wait(lambda: link.engine.stats().running == 0 and link.engine.stats().used_kv_blocks == 0, "released")
+
+
 def test_request_metrics_reach_the_scheduler_registry(link: Link) -> None:
     a = _ready(link.front_end())
     relay = MetricsRelay(a.link)
