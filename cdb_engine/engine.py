@@ -55,7 +55,7 @@ class _Live:
     request_id: str
     req: Request
     sink: Callable[[Event], None]
-    detok: Detokenizer
+    detok: Detokenizer | None  # None: the caller detokenizes (``submit(detokenize=False)``)
 
 
 class Engine:
@@ -140,11 +140,15 @@ class Engine:
         *,
         force: bool = False,
         on_queued: Callable[[int], None] | None = None,
+        detokenize: bool = True,
     ) -> str:
         """Queue a validated request; ``sink`` receives its events on the engine thread. Returns its request id.
 
         ``force`` skips the admission cap (offline batch jobs queue everything at once). ``on_queued(rid)`` runs on
-        the engine thread when the scheduler takes the request (tracing keys its stage ops by that id)."""
+        the engine thread when the scheduler takes the request (tracing keys its stage ops by that id).
+        ``detokenize=False``: its events carry no text and its stop strings are the caller's to find (a front-end
+        process detokenizes with ``detokenizer(params)`` and aborts the request with ``FinishReason.STOP``), so
+        the engine thread spends nothing on text."""
         if not self._accepting or self._thread is None or self.error:
             raise EngineStopped(self.error or "the engine is not accepting requests")
         rid = next(self._rids)
@@ -160,7 +164,9 @@ class Engine:
                 )
             self._by_id[request_id] = rid
         try:
-            live = _Live(request_id, self._request(rid, prompt_ids, params), sink, self._detokenizer(params))
+            req = self._request(rid, prompt_ids, params)
+            detok = self.detokenizer(params)  # (checks resumed tokens even when the caller detokenizes)
+            live = _Live(request_id, req, sink, detok if detokenize else None)
         except InvalidRequest:
             with self._lock:
                 del self._by_id[request_id]
@@ -175,7 +181,7 @@ class Engine:
         self._command(add)
         return request_id
 
-    def _detokenizer(self, params: RequestParams) -> Detokenizer:
+    def detokenizer(self, params: RequestParams) -> Detokenizer:
         """The request's detokenizer; a resumed stream's is primed with the tokens it had delivered, so that the
         text of what follows (an unfinished character, a stop string across the boundary) is what it would have
         been."""
@@ -292,7 +298,8 @@ class Engine:
                 self._on_finish(live, ev)
 
     def _on_token(self, live: _Live, ev: TokenOut, now: int) -> None:
-        text, stopped = live.detok.push(ev.token_id)
+        detok = live.detok
+        text, stopped = detok.push(ev.token_id) if detok is not None else ("", False)
         token = TokenEvent(live.request_id, ev.index, ev.token_id, text, ev.depth, ev.logprobs, now)
         if ev.index == 0 and live.req.score_prompt:
             token = replace(token, prompt_logprobs=tuple(live.req.prompt_logprobs))
@@ -308,7 +315,7 @@ class Engine:
             if self._by_id.get(live.request_id) == ev.rid:  # (an aborted request's id may serve another already)
                 del self._by_id[live.request_id]
         req = live.req
-        tail = live.detok.flush() if ev.reason is not FinishReason.STOP else ""
+        tail = live.detok.flush() if live.detok is not None and ev.reason is not FinishReason.STOP else ""
         queue_s = req.admitted - req.arrival if req.admitted else 0.0
         finish = FinishEvent(
             live.request_id, ev.reason, req.prompt_len, ev.generated, ev.loop_steps, tail, ev.error, queue_s

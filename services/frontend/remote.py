@@ -6,6 +6,12 @@ validates and tokenizes locally (an engine object that is never started: the mod
 limits), submits over the link and awaits the scheduler's acknowledgement (so a refusal, a full queue or a
 duplicate id is raised before anything is streamed, as in-process), and hands each request's events to its
 ``RequestStream`` from the link's reader thread, one event-loop wake-up per frame.
+
+Text is made here, not in the scheduler process: the scheduler sends token ids (``Engine.submit(detokenize=
+False)``) and each request's ``Detokenizer`` runs on the link's reader thread, exactly as the engine would run it.
+A stop string found here ends the stream at once (the text stops before it) and asks the scheduler to end the
+request with ``FinishReason.STOP``; tokens the engine produced meanwhile are dropped, and its finish is reported
+as if it had stopped there (counts without them, reason STOP, no text after the stop).
 """
 
 from __future__ import annotations
@@ -18,12 +24,14 @@ import threading
 import time
 from collections.abc import Awaitable, Sequence
 from concurrent.futures import Future
+from dataclasses import dataclass, replace
 from typing import Any
 
 from cdb_engine.config import EngineConfig, RequestParams
+from cdb_engine.detokenizer import Detokenizer
 from cdb_engine.engine import Engine
 from cdb_engine.errors import EngineStopped, InvalidRequest
-from cdb_engine.events import EngineStats, FinishEvent, RequestObserver
+from cdb_engine.events import EngineStats, FinishEvent, RequestObserver, TokenEvent
 from cdb_engine.stream import RequestStream
 from cdb_scheduler.request import FinishReason
 from services.transport.frontlink import (
@@ -46,6 +54,42 @@ def _down_stats(reason: str) -> EngineStats:
     return EngineStats(0, 0, 0, 0, 0, 0, 0, time.monotonic(), False, reason)
 
 
+@dataclass(slots=True)
+class _Remote:
+    """One live request of this front end: its stream and its detokenizer."""
+
+    stream: RequestStream
+    detok: Detokenizer
+    stopped: bool = False  # a stop string ended its text: what the engine sends after it is dropped
+    dropped: int = 0  # tokens dropped after the stop
+    dropped_steps: int = 0  # and their loop steps
+
+    def token(self, event: TokenEvent) -> TokenEvent | None:
+        """The event with its text (None: dropped after a stop string); sets ``stopped`` when it hits one."""
+        if self.stopped:
+            self.dropped += 1
+            self.dropped_steps += event.depth
+            return None
+        event.text, self.stopped = self.detok.push(event.token_id)  # (an unpickled event: this front end's own)
+        return event
+
+    def finish(self, event: FinishEvent) -> FinishEvent:
+        """The engine's finish as the stream reports it: the text held back, or, when the engine went on after a
+        stop string, the counts up to the token that hit it and the reason STOP. (A request that ended by itself
+        on the token that hit the stop string keeps its own reason, as in the engine, which finds the request
+        already ended when it would stop it.)"""
+        if not self.dropped:
+            tail = self.detok.flush() if event.finish_reason is not FinishReason.STOP else ""
+            return replace(event, text=tail) if tail else event
+        return replace(
+            event,
+            finish_reason=FinishReason.STOP,
+            generated_tokens=event.generated_tokens - self.dropped,
+            total_loop_steps=event.total_loop_steps - self.dropped_steps,
+            text="",
+        )
+
+
 class LinkClient:
     """The front end's connection to the scheduler's link: connects (and reconnects) on its own thread, reads
     frames on another. ``streams``: the live requests of this front end by engine id."""
@@ -53,7 +97,7 @@ class LinkClient:
     def __init__(self, path: str, secret: str) -> None:
         self.path = path
         self._secret = secret.encode()
-        self.streams: dict[str, RequestStream] = {}
+        self.streams: dict[str, _Remote] = {}
         self.reason: str | None = "connecting to the scheduler"  # the verdict to serve by (None: ready)
         self.stats = _down_stats(self.reason)
         self.connected = threading.Event()
@@ -131,12 +175,18 @@ class LinkClient:
         if kind == "events":
             streams = self.streams
             for event in msg[1]:
-                stream = streams.get(event.request_id)
-                if stream is None:
+                key = event.request_id
+                remote = streams.get(key)
+                if remote is None:
                     continue  # its consumer left and aborted it
                 if isinstance(event, FinishEvent):
-                    del streams[event.request_id]
-                stream.sink(event)
+                    del streams[key]
+                    remote.stream.sink(remote.finish(event))
+                elif (token := remote.token(event)) is not None:
+                    remote.stream.sink(token)
+                    if remote.stopped:
+                        with contextlib.suppress(EngineStopped):  # (a link that is down has ended it already)
+                            self.send(("abort", 0, key, FinishReason.STOP))
         elif kind == "reply":
             _, cid, err, value = msg
             with self._lock:
@@ -165,8 +215,8 @@ class LinkClient:
         for fut in calls.values():
             fut.set_exception(EngineStopped(why))
         streams, self.streams = self.streams, {}
-        for key, stream in streams.items():
-            stream.sink(FinishEvent(key, FinishReason.ERROR, 0, 0, 0, error=why))
+        for key, remote in streams.items():
+            remote.stream.sink(FinishEvent(key, FinishReason.ERROR, 0, 0, 0, error=why))
 
     def close(self) -> None:
         self._closed = True
@@ -207,15 +257,16 @@ class RemoteEngine:
         link = self.link
         if request_id in link.streams:
             raise InvalidRequest("request_id", f"{request_id!r} is already used by a live request")
+        detok = self._local.detokenizer(params)
         stream = RequestStream(lambda: self.abort(request_id), observer)
         stream.request_id = request_id
-        link.streams[request_id] = stream  # before the submit: its first events may come with the ack
+        remote = link.streams[request_id] = _Remote(stream, detok)  # before the submit: events may come with the ack
         span = getattr(observer, "span", None)
         traceparent = span.traceparent if span is not None and span.recording else ""
         try:
             await link.ask("submit", request_id, list(prompt_ids), params, traceparent)
         except BaseException:
-            if link.streams.get(request_id) is stream:
+            if link.streams.get(request_id) is remote:
                 del link.streams[request_id]
             raise
         return stream

@@ -19,6 +19,7 @@ from typing import Any
 from cdb_engine.engine import Engine
 from cdb_engine.errors import EngineError
 from cdb_engine.events import Event, FinishEvent
+from cdb_scheduler.request import FinishReason
 from services import telemetry
 from services.scheduler.handlers import GenerationService
 from services.transport.frontlink import (
@@ -68,6 +69,9 @@ class _Peer:
         self._departed = False
         self.admitting = threading.Lock()  # its submissions and its departure, one at a time
         self._writer = threading.Thread(target=self._write, name=f"cdb-link-out-{name}", daemon=True)
+
+    def start(self) -> None:
+        """Start writing (its first frame is the status that tells the front end it is ready)."""
         self._writer.start()
 
     def track(self, key: str) -> bool:
@@ -202,6 +206,7 @@ class LinkServer:
         peer = _Peer(wire, name, self.reason, self.engine.stats, self.service.settings.health_interval_s)
         with self._lock:
             self._peers.add(peer)
+        peer.start()  # (counted before it can hear it is ready)
         log.info("front end %s connected", name)
         try:
             while True:
@@ -250,8 +255,11 @@ class LinkServer:
         try:
             if kind == "submit":
                 self._submit(peer, *msg[2:])
-            elif kind == "abort":
-                value = self.engine.abort(msg[2])
+            elif kind == "abort":  # (key[, reason]: a front end that found a stop string ends it with STOP)
+                reason = msg[3] if len(msg) > 3 else FinishReason.CANCELLED
+                if not isinstance(reason, FinishReason):
+                    raise LinkError(f"abort: {reason!r} is not a finish reason")
+                value = self.engine.abort(msg[2], reason)
             elif kind == "info":
                 value = self.service.info().SerializeToString()
             elif kind == "exposition":
@@ -289,7 +297,7 @@ class LinkServer:
             if not peer.track(key):
                 raise LinkError(f"front end {peer.name} has left")
             try:
-                self.engine.submit(ids, params, sink, key, on_queued=queued)
+                self.engine.submit(ids, params, sink, key, on_queued=queued, detokenize=False)  # (text: front end)
             except BaseException:
                 peer.untrack(key)
                 if span is not None:

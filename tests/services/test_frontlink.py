@@ -16,6 +16,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 
 import pytest
 
@@ -96,7 +97,15 @@ def test_tokens_through_two_front_ends_equal_the_engine(link: Link) -> None:
         )
         for i in range(8)
     ]
+    # Half of them with a stop string cut from the middle of their own text (found by the front end's detokenizer:
+    # the scheduler sends ids only), one that never occurs on the others.
+    free = link.engine.generate(prompts, params)
+    for i, done in enumerate(free):
+        middle = done.text[len(done.text) // 3 : len(done.text) // 3 + 2]
+        stop = middle if i % 2 == 0 and len(middle) == 2 and len(done.token_ids) > 2 else "\x00never"
+        params[i] = replace(params[i], stop_strings=(stop,))
     expected = link.engine.generate(prompts, params)
+    assert sum(e.finish_reason is FinishReason.STOP for e in expected) >= 2
 
     async def main() -> list[tuple[list, FinishEvent]]:
         runs = [_collect((a, b)[i % 2], prompts[i], params[i], f"eq-{i}") for i in range(8)]
@@ -104,8 +113,11 @@ def test_tokens_through_two_front_ends_equal_the_engine(link: Link) -> None:
 
     for exp, (tokens, finish) in zip(expected, asyncio.run(main())):
         assert [t.token_id for t in tokens] == exp.token_ids and [t.depth for t in tokens] == exp.depths
-        assert finish.finish_reason == exp.finish_reason and finish.total_loop_steps == sum(exp.depths)
+        assert "".join(t.text for t in tokens) + finish.text == exp.text
+        assert finish.finish_reason == exp.finish_reason and finish.total_loop_steps == exp.total_loop_steps
+        assert finish.generated_tokens == len(exp.token_ids)
     assert not a.link.streams and not b.link.streams
+    _wait(lambda: link.engine.stats().running == 0 and link.engine.stats().used_kv_blocks == 0, "released")
 
 
 def test_duplicate_ids_and_aborts_reach_across_front_ends(link: Link) -> None:
