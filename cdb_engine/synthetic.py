@@ -211,6 +211,27 @@ class SyntheticDepths:
 _M64 = [np.uint64(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB, 0x7FFFFFFFFFFFFFFF)]
 
 
+def sampled_ids(
+    seeds: Sequence[int], rids: Sequence[int], token_index: Sequence[int], vocab: int, stops: frozenset[int]
+) -> np.ndarray:
+    """The synthetic head's token ids: ``derive_seed(derive_seed(seed, rid), token index) % vocab``, moved up past
+    the model's stop ids (``(id + 1) % vocab`` until it is none), over arrays (int64)."""
+    base = np.array([s & _MASK64 for s in seeds], np.uint64)
+    ids = _splitmix(_splitmix(base, np.array(rids, np.uint64)), np.array(token_index, np.uint64)) % np.uint64(vocab)
+    out = ids.astype(np.int64)
+    if stops:
+        banned = np.array(sorted(stops), np.int64)
+        for _ in range(len(banned) + 1):
+            hit = np.isin(out, banned)
+            if not hit.any():
+                break
+            out[hit] = (out[hit] + 1) % vocab
+    return out
+
+
+_MASK64 = (1 << 64) - 1
+
+
 def _splitmix(base: np.ndarray, index: np.ndarray | np.uint64) -> np.ndarray:
     """``derive_seed`` over uint64 arrays (products wrap modulo 2**64, as its masks do)."""
     a, b, c, low63 = _M64
@@ -271,6 +292,7 @@ class SyntheticWorker:
         self.model, self.stage, self.kv_layout, self.block_size = model, stage, kv_layout, block_size
         self.cost = model.cost.of(stage)
         self.tokens = tokens if tokens is not None else torch.zeros(bank.shape[0], dtype=torch.long)
+        self._tokens_np = self.tokens.numpy() if self.tokens.device.type == "cpu" else None  # (a view: same memory)
         self.tables = BlockTables()
         self.has_kv = (c.num_prelude_layers, c.num_loop_layers, c.num_coda_layers)[stage] > 0
         self._stops = frozenset(c.stop_token_ids)
@@ -397,28 +419,35 @@ class SyntheticWorker:
         sampling: Sequence[SamplingParams],
         token_index: Sequence[int],
     ) -> StageResult:
+        """Token ids from the seeded stream of ``(seed, rid, token index)`` (``sampled_ids``), one vector draw per op
+        (a GPU draws them in the op; the host does not loop over tokens)."""
+        picked = [i for i, take in enumerate(sample) if take]
+        if not picked:
+            return StageResult(self.stage, -1, 0.0, token_ids=(), logprobs=())
+        every = len(picked) == len(sample)
+        params = sampling if every else [sampling[i] for i in picked]
+        ids = sampled_ids(
+            [s.seed for s in params],
+            rids if every else [rids[i] for i in picked],
+            token_index if every else [token_index[i] for i in picked],
+            self.model.config.vocab_size,
+            self._stops,
+        )
+        rows = op_rows if every else [op_rows[i] for i in picked]
+        token_ids = tuple(ids.tolist())
+        lps: list[TokenLogprobs | None] = [None] * len(picked)
         vocab = self.model.config.vocab_size
-        ids: list[int] = []
-        lps: list[TokenLogprobs | None] = []
-        rows: list[int] = []
-        for i, take in enumerate(sample):
-            if not take:
-                continue
-            s = sampling[i]
-            token = derive_seed(derive_seed(s.seed, rids[i]), token_index[i]) % vocab
-            while token in self._stops:
-                token = (token + 1) % vocab
-            ids.append(token)
-            rows.append(op_rows[i])
+        for j, s in enumerate(params):
             if s.return_logprob or s.logprobs:
                 uniform = -math.log(vocab)
-                top = tuple((token + k) % vocab for k in range(s.logprobs))
-                lps.append(TokenLogprobs(uniform, top, (uniform,) * len(top)))
-            else:
-                lps.append(None)
-        if rows:  # a following prelude op (Huginn) reads the sampled id here, as from a real head
-            self.tokens[torch.tensor(rows, dtype=torch.long)] = torch.tensor(ids, dtype=torch.long)
-        return StageResult(self.stage, -1, 0.0, token_ids=tuple(ids), logprobs=tuple(lps))
+                top = tuple((token_ids[j] + k) % vocab for k in range(s.logprobs))
+                lps[j] = TokenLogprobs(uniform, top, (uniform,) * len(top))
+        # a following prelude op (Huginn) reads the sampled id here, as from a real head
+        if self._tokens_np is not None:
+            self._tokens_np[list(rows)] = ids
+        else:
+            self.tokens[torch.tensor(rows, dtype=torch.long)] = torch.from_numpy(ids.astype(np.int64))
+        return StageResult(self.stage, -1, 0.0, token_ids=token_ids, logprobs=tuple(lps))
 
     def _scores(self, op: HeadOp) -> tuple[TokenLogprobs, ...]:
         """Prompt scoring, modelled: every scored token at the uniform logprob (the sampled tokens' too)."""

@@ -10,7 +10,7 @@ import pytest
 
 from cdb_engine.config import EngineConfig, RequestParams
 from cdb_engine.engine import Engine
-from cdb_engine.synthetic import SyntheticDepths, parse_cost
+from cdb_engine.synthetic import SyntheticDepths, parse_cost, sampled_ids
 from cdb_model.config import ModelConfig
 from cdb_model.released import OURO_14B
 from cdb_scheduler.plan import Stage, derive_seed
@@ -88,3 +88,21 @@ def test_vectorised_depth_draws_are_the_integer_mixing_draws(depths: SyntheticDe
         got = depths.draw_many(np.array(rids, np.uint64), np.array(positions, np.uint64), max_depth)
         assert got.tolist() == expected
         assert depths.draw(rids[0], positions[0], max_depth) == expected[0]
+
+
+def test_vectorised_head_ids_are_the_integer_mixing_ids_past_the_stop_ids() -> None:
+    """``sampled_ids`` (NumPy, per op) gives, token by token, ``derive_seed(derive_seed(seed, rid), index) % vocab``
+    moved up past the stop ids, written in Python integers (negative seeds as their 64-bit patterns)."""
+    rng = random.Random(11)
+    vocab, stops = 16, frozenset({0, 1, 2, 5, 15})  # small: many draws land on stop ids, some on runs of them
+    seeds = [rng.choice([-1, rng.randrange(-(2**63), 2**63)]) for _ in range(500)]
+    rids = [rng.randrange(1, 10**9) for _ in range(500)]
+    index = [rng.randrange(0, 5000) for _ in range(500)]
+    expected = []
+    for seed, rid, i in zip(seeds, rids, index):
+        token = derive_seed(derive_seed(seed, rid), i) % vocab
+        while token in stops:
+            token = (token + 1) % vocab
+        expected.append(token)
+    assert sampled_ids(seeds, rids, index, vocab, stops).tolist() == expected
+    assert any(derive_seed(derive_seed(s, r), i) % vocab in stops for s, r, i in zip(seeds, rids, index))
