@@ -33,12 +33,13 @@ RUN pip install /app \
 
 # A numeric user (Kubernetes' runAsNonRoot can check it) and the paths it writes besides /tmp and /dev/shm:
 # /models is where checkpoint folders are mounted (CDB_MODEL=/models/NAME); /var/lib/cdb/secret is where
-# compose's stage-secret volume is mounted (a new named volume takes this folder's owner and mode).
+# compose's stage-secret volume is mounted, /var/lib/cdb/link its front-end link volume
+# (deploy/docker-compose.frontends.yml); a new named volume takes its folder's owner and mode.
 RUN groupadd --gid 10001 cdb \
     && useradd --uid 10001 --gid 10001 --create-home --shell /usr/sbin/nologin cdb \
-    && mkdir -p /models /var/lib/cdb/secret \
-    && chown 10001:10001 /models /var/lib/cdb /var/lib/cdb/secret \
-    && chmod 0700 /var/lib/cdb/secret
+    && mkdir -p /models /var/lib/cdb/secret /var/lib/cdb/link \
+    && chown 10001:10001 /models /var/lib/cdb /var/lib/cdb/secret /var/lib/cdb/link \
+    && chmod 0700 /var/lib/cdb/secret /var/lib/cdb/link
 USER 10001:10001
 
 # The scheduler's OpenAI-compatible HTTP API (the stages ignore it).

@@ -23,7 +23,7 @@ STAGES = ("prelude", "loop", "head")
 
 def effective(argv: list[str], environ: Mapping[str, str]) -> Resolved:
     """``python -m cdb stage|scheduler ...`` (``argv`` as the deployment runs it) in ``environ``."""
-    assert argv[:3] == ["python", "-m", "cdb"] and argv[3] in ("stage", "scheduler"), argv
+    assert argv[:3] == ["python", "-m", "cdb"] and argv[3] in ("stage", "scheduler", "frontend"), argv
     return process_resolution(argv[3], argv[4:], {k: str(v) for k, v in environ.items()})
 
 

@@ -39,9 +39,12 @@ class Remap:
         return cls({p: free_port() for p in ports}, {k: str(v) for k, v in (paths or {}).items()})
 
     def __call__(self, text: str) -> str:
+        scheme = "unix:" if text.startswith("unix:/") else ""  # a Unix socket address: its path moves
+        text = text[len(scheme) :]
         for mount, local in self.paths.items():
             if text == mount or text.startswith(mount + "/"):
                 text = local + text[len(mount) :]
+        text = scheme + text
         text = text.replace("0.0.0.0:", "127.0.0.1:")
         return re.sub(r"(?<=:)(\d{4,5})\b", lambda m: str(self.ports.get(int(m[1]), m[1])), text)
 

@@ -1,5 +1,5 @@
-"""docker-compose.yml, its GPU and public overrides and the Collector config, checked without Docker: validity
-against the Compose Specification schema, and the deployment's invariants."""
+"""docker-compose.yml, its GPU, public and front-end overrides and the Collector config, checked without Docker:
+validity against the Compose Specification schema, and the deployment's invariants."""
 
 from __future__ import annotations
 
@@ -15,7 +15,10 @@ from tests.deploy.compose_file import (
     CDB_SERVICES,
     COLLECTOR,
     COMPOSE,
+    FRONTEND_SERVICE,
+    FRONTENDS_OVERRIDE,
     GPU_OVERRIDE,
+    LINK_DIR,
     POD_SERVICE,
     PUBLIC_OVERRIDE,
     SCHEMA,
@@ -28,7 +31,7 @@ from tests.deploy.compose_file import (
     load,
     merge,
 )
-from tests.deploy.effective_config import check_consistent
+from tests.deploy.effective_config import check_consistent, effective
 
 jsonschema = pytest.importorskip("jsonschema", reason="jsonschema is needed to validate the compose file")
 
@@ -103,6 +106,44 @@ def test_public_override_is_valid(compose: dict[str, Any]) -> None:
     override = load(PUBLIC_OVERRIDE)
     assert _errors(override) == []
     assert _errors(interpolate(merge(compose, override), {"CDB_TLS_DIR": "/srv/tls"})) == []
+
+
+def test_frontends_override_is_valid(compose: dict[str, Any]) -> None:
+    override = load(FRONTENDS_OVERRIDE)
+    assert _errors(override) == []
+    assert _errors(interpolate(merge(compose, override), {"CDB_FRONTENDS": "3"})) == []
+    assert override["x-frontend-env"] == compose["x-cdb-env"], "the front ends read the engine options all read"
+
+
+@pytest.mark.parametrize(
+    "env",
+    [{}, {"CDB_MODEL": "huginn-tiny", "CDB_MAX_NUM_SEQS": "8", "CDB_FRONTENDS": "3"}],
+)
+def test_front_ends_run_the_schedulers_config_and_reach_it_through_the_link_volume(
+    compose: dict[str, Any], env: dict[str, str]
+) -> None:
+    merged = interpolate(merge(compose, load(FRONTENDS_OVERRIDE)), env)
+    services = merged["services"]
+    sched, front = services["scheduler"], services[FRONTEND_SERVICE]
+    config = check_consistent(_processes(services))
+    assert effective(command_argv(front), front["environment"]).engine == config, "validation as the engine's"
+    sched_argv, front_argv = command_argv(sched), command_argv(front)
+    assert front_argv[:4] == ["python", "-m", "cdb", FRONTEND_SERVICE]
+    (link,) = flag_values(sched_argv, "--link")
+    assert flag_values(front_argv, "--link") == [link] and link.startswith(f"unix:{LINK_DIR}/")
+    assert flag_values(sched_argv, "--listen")[0].startswith(f"unix:{LINK_DIR}/"), "the scheduler's port: a socket"
+    assert sched["healthcheck"]["test"][4] == flag_values(sched_argv, "--listen")[0]
+    for svc in (sched, front):
+        assert f"link:{LINK_DIR}" in svc["volumes"] and f"stage-secret:{SECRET_DIR}:ro" in svc["volumes"]
+        assert svc["network_mode"] == "service:pod" and svc["ipc"] == "service:pod"
+    assert "link" in merged["volumes"]
+    assert flag_values(front_argv, "--listen") == ["0.0.0.0:50051"] and "--join" in front_argv, "shared ports"
+    assert front["environment"]["CDB_HTTP_ADDR"] == "0.0.0.0:8000" and "ports" not in front
+    replicas = int(env.get("CDB_FRONTENDS", "2"))
+    assert int(front["deploy"]["replicas"]) == int(front["environment"]["CDB_FRONTENDS"]) == replicas
+    assert front["depends_on"]["scheduler"]["condition"] == "service_started", "front ends stop first"
+    assert _seconds(front["stop_grace_period"]) > DRAIN_TIMEOUT_S
+    assert "docker-compose.frontends.yml" in (COMPOSE.parent / "docs" / "operations.md").read_text(), "documented"
 
 
 def test_validation_catches_mistakes(compose: dict[str, Any]) -> None:

@@ -11,7 +11,16 @@ import sys
 
 import pytest
 
-from tests.deploy.compose_file import POD_SERVICE, ROOT, SECRET_SERVICE, command_argv, flag_values, interpolate, load
+from tests.deploy.compose_file import (
+    LINK_DIR,
+    POD_SERVICE,
+    ROOT,
+    SECRET_SERVICE,
+    command_argv,
+    flag_values,
+    interpolate,
+    load,
+)
 
 DOCKERFILE = ROOT / "Dockerfile"
 
@@ -98,6 +107,7 @@ def test_the_user_owns_the_paths_it_writes(instructions: list[tuple[str, str]]) 
     (out,) = flag_values(command_argv(init), "--out")
     assert out.rsplit("/", 1)[0] in chowned
     assert "chmod 0700 " + out.rsplit("/", 1)[0] in run
+    assert LINK_DIR in chowned and LINK_DIR in run.split("chmod 0700", 1)[1], "the front-end override's link volume"
 
 
 def test_ports_agree_with_compose(instructions: list[tuple[str, str]]) -> None:
