@@ -317,7 +317,7 @@ class SampledLogprobs(_message.Message):
     def __init__(self, present: _Optional[bool] = ..., logprob: _Optional[float] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class StageReply(_message.Message):
-    __slots__ = ("seq", "stage", "compute_s", "fence_wait_s", "signals", "lookahead", "token_ids", "logprobs", "error", "pong", "prompt_logprobs")
+    __slots__ = ("seq", "stage", "compute_s", "fence_wait_s", "signals", "lookahead", "token_ids", "logprobs", "error", "pong", "prompt_logprobs", "no_logprobs")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
@@ -329,6 +329,7 @@ class StageReply(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     PONG_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    NO_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     seq: int
     stage: StageRole
     compute_s: float
@@ -340,4 +341,5 @@ class StageReply(_message.Message):
     error: str
     pong: bool
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[SampledLogprobs]
-    def __init__(self, seq: _Optional[int] = ..., stage: _Optional[_Union[StageRole, str]] = ..., compute_s: _Optional[float] = ..., fence_wait_s: _Optional[float] = ..., signals: _Optional[_Iterable[float]] = ..., lookahead: _Optional[_Iterable[float]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[SampledLogprobs, _Mapping]]] = ..., error: _Optional[str] = ..., pong: _Optional[bool] = ..., prompt_logprobs: _Optional[_Iterable[_Union[SampledLogprobs, _Mapping]]] = ...) -> None: ...
+    no_logprobs: int
+    def __init__(self, seq: _Optional[int] = ..., stage: _Optional[_Union[StageRole, str]] = ..., compute_s: _Optional[float] = ..., fence_wait_s: _Optional[float] = ..., signals: _Optional[_Iterable[float]] = ..., lookahead: _Optional[_Iterable[float]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[SampledLogprobs, _Mapping]]] = ..., error: _Optional[str] = ..., pong: _Optional[bool] = ..., prompt_logprobs: _Optional[_Iterable[_Union[SampledLogprobs, _Mapping]]] = ..., no_logprobs: _Optional[int] = ...) -> None: ...

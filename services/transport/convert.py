@@ -253,11 +253,14 @@ def result_to_pb(res: StageResult) -> pb.StageReply:
         token_ids=res.token_ids,
         error=res.error or "",
     )
-    for lp in res.logprobs:
-        if lp is None:
-            msg.logprobs.add()
-        else:
-            msg.logprobs.add(present=True, logprob=lp.logprob, top_ids=lp.top_ids, top_logprobs=lp.top_logprobs)
+    if res.logprobs and not any(res.logprobs):  # (TokenLogprobs objects are truthy)
+        msg.no_logprobs = len(res.logprobs)
+    else:
+        for lp in res.logprobs:
+            if lp is None:
+                msg.logprobs.add()
+            else:
+                msg.logprobs.add(present=True, logprob=lp.logprob, top_ids=lp.top_ids, top_logprobs=lp.top_logprobs)
     for lp in res.prompt_logprobs:
         msg.prompt_logprobs.add(present=True, logprob=lp.logprob, top_ids=lp.top_ids, top_logprobs=lp.top_logprobs)
     return msg
@@ -265,7 +268,7 @@ def result_to_pb(res: StageResult) -> pb.StageReply:
 
 def result_from_pb(msg: pb.StageReply) -> StageResult:
     """The StageResult of a reply message (``fence_wait_s`` and ``pong`` are the transport's business)."""
-    logprobs = tuple(
+    logprobs: tuple[TokenLogprobs | None, ...] = (None,) * msg.no_logprobs or tuple(
         TokenLogprobs(lp.logprob, tuple(lp.top_ids), tuple(lp.top_logprobs)) if lp.present else None
         for lp in msg.logprobs
     )

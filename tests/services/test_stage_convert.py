@@ -205,6 +205,16 @@ def test_result_round_trip_is_exact(res: StageResult) -> None:
     assert result_from_pb(wire) == res
 
 
+def test_tokens_without_logprobs_travel_as_a_count() -> None:
+    res = StageResult(Stage.LOOP, 3, 0.0, signals=(0.5,) * 4, token_ids=(7, 8, 9), logprobs=(None, None, None))
+    wire = pb.StageReply.FromString(result_to_pb(res).SerializeToString())
+    assert len(wire.logprobs) == 0 and wire.no_logprobs == 3
+    assert result_from_pb(wire) == res
+    some = StageResult(Stage.HEAD, 4, 0.0, token_ids=(1, 2), logprobs=(None, TokenLogprobs(-0.5)))
+    wire = pb.StageReply.FromString(result_to_pb(some).SerializeToString())
+    assert len(wire.logprobs) == 2 and wire.no_logprobs == 0 and result_from_pb(wire) == some
+
+
 def test_roles_and_bank_specs() -> None:
     for stage in Stage:
         assert role_from_pb(role_to_pb(stage)) is stage
