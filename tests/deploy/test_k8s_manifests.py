@@ -1,7 +1,8 @@
 """deploy/k8s, checked without a cluster: both overlays rendered (``tests/deploy/kustomize.py``, a strict subset
 of kustomize), every object validated offline against the Kubernetes OpenAPI schemas (``kubernetes_validate``,
 strict: unknown fields fail), the Pod's processes compared with docker-compose.yml's, and (slow) the cpu Pod's
-containers started directly on loopback as the compose test starts the compose services."""
+containers started directly on loopback as the compose test starts the compose services. The frontends overlay (a
+front-end container serving the public ports, the scheduler a sidecar) is checked the same ways at the end."""
 
 from __future__ import annotations
 
@@ -19,8 +20,20 @@ import yaml
 
 from cdb_engine.config import DType
 from services.telemetry.metrics import Metrics
-from tests.deploy.compose_file import CDB_SERVICES, GPU_OVERRIDE, STAGES, command_argv, interpolate, load, merge
-from tests.deploy.effective_config import check_consistent
+from tests.deploy.compose_file import (
+    CDB_SERVICES,
+    FRONTEND_SERVICE,
+    FRONTENDS_OVERRIDE,
+    GPU_OVERRIDE,
+    LINK_DIR,
+    STAGES,
+    command_argv,
+    flag_values,
+    interpolate,
+    load,
+    merge,
+)
+from tests.deploy.effective_config import check_consistent, effective
 from tests.deploy.kustomize import KustomizeError, build
 from tests.deploy.process_tree import ROOT, ProcessSpec, ProcessTree, Remap, run_once
 
@@ -480,16 +493,19 @@ def test_deployment_page_documents_running_on_kubernetes() -> None:
 
 
 class PodTree(ProcessTree):
-    """The cpu overlay's Pod as local processes: each container's command, args (``$(VAR)`` expanded) and
-    environment, with its ports on free loopback ports and its volume mounts on local folders."""
+    """An overlay's Pod (cpu: the default) as local processes: each container's command, args (``$(VAR)``
+    expanded) and environment, with its ports on free loopback ports and its volume mounts on local folders."""
 
-    def __init__(self, workdir: Path) -> None:
-        objects = _render("cpu")
+    def __init__(self, workdir: Path, overlay: str = "cpu") -> None:
+        objects = _render(overlay)
         pod = _pod(objects)
         (workdir / "tmp").mkdir()
         (workdir / "secret").mkdir()
-        secret_mount = {m["name"]: m["mountPath"] for m in pod["containers"][0]["volumeMounts"]}["stage-secret"]
-        paths = {"/tmp": workdir / "tmp", "/models": ROOT / "models", secret_mount: workdir / "secret"}
+        (workdir / "link").mkdir(mode=0o700)
+        mounts = {m["name"]: m["mountPath"] for c in _containers(pod).values() for m in c["volumeMounts"]}
+        paths = {"/tmp": workdir / "tmp", "/models": ROOT / "models", mounts["stage-secret"]: workdir / "secret"}
+        if "link" in mounts:
+            paths[mounts["link"]] = workdir / "link"
         self.remap = Remap.free((50051, 50061, 50062, 50063, 8000, 9464), paths)
         # The Secret's content, made as docs/deployment.md says: cdb secret --out FILE.
         secret_file = workdir / "secret" / "stage-secret"
@@ -508,6 +524,7 @@ class PodTree(ProcessTree):
             specs.append(ProcessSpec(name, argv, env, addr))
         super().__init__(specs, workdir)
         self.metrics_port = self.remap.ports[9464]
+        self.http_port = self.remap.ports[8000]
 
 
 @pytest.fixture(scope="module")
@@ -532,4 +549,102 @@ def test_the_pods_containers_serve_on_loopback(pod_tree: PodTree) -> None:
         result = client.generate("And God said", max_tokens=4)
     assert result.finish.finish_reason in ("stop", "length") and 1 <= len(result.token_ids) <= 4
     with urllib.request.urlopen(f"http://127.0.0.1:{pod_tree.metrics_port}/metrics", timeout=10) as resp:
+        assert f"# TYPE {Metrics().waiting.name} gauge" in resp.read().decode(), "the autoscaler's metric"
+
+
+# --- overlays/frontends: the public ports in a front-end container ----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def front_objects() -> list[dict[str, Any]]:
+    return _render("frontends")
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_the_frontends_overlay_is_valid(front_objects: list[dict[str, Any]], version: str) -> None:
+    assert {(o["kind"], o["metadata"]["name"]) for o in front_objects} == OBJECTS
+    for obj in front_objects:
+        try:
+            kubernetes_validate.validate(obj, version, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            pytest.fail(f"frontends {obj['kind']}/{obj['metadata']['name']} on {version}: {exc.message} at {exc.path}")
+
+
+def test_with_a_front_end_the_scheduler_is_the_last_sidecar_and_runs_the_compose_overrides_commands(
+    rendered: dict[str, list[dict[str, Any]]], front_objects: list[dict[str, Any]]
+) -> None:
+    """Start order stages → scheduler → front end, stop order the reverse (the front end, the main container,
+    drains first); the stages unchanged from the cpu Pod; the scheduler's and the front end's commands those of
+    deploy/docker-compose.frontends.yml (one front end here: no ``--join``), meeting in the link volume; one engine
+    config for all five."""
+    pod, cpu = _pod(front_objects), _pod(rendered["cpu"])
+    assert [c["name"] for c in pod["initContainers"]] == [*STAGES, "scheduler"]
+    assert all(c["restartPolicy"] == "Always" for c in pod["initContainers"]), "native sidecars"
+    assert [c["name"] for c in pod["containers"]] == [FRONTEND_SERVICE]
+    assert pod["initContainers"][:3] == cpu["initContainers"], "the stages as in the cpu Pod"
+    containers = _containers(pod)
+    assert len({c["image"] for c in containers.values()}) == 1
+    model = _one(front_objects, "ConfigMap", "cdb-config")["data"]["CDB_MODEL"]
+    compose = interpolate(merge(load(), load(FRONTENDS_OVERRIDE)), {"CDB_MODEL": model})["services"]
+    sched_argv = _argv(front_objects, containers["scheduler"])
+    front_argv = _argv(front_objects, containers[FRONTEND_SERVICE])
+    assert sched_argv == command_argv(compose["scheduler"])
+    assert front_argv == [a for a in command_argv(compose[FRONTEND_SERVICE]) if a != "--join"]
+    (link,) = flag_values(sched_argv, "--link")
+    assert flag_values(front_argv, "--link") == [link] and link.startswith(f"unix:{LINK_DIR}/")
+    assert {v["name"]: v for v in pod["volumes"]}["link"]["emptyDir"]["medium"] == "Memory"
+    for name in ("scheduler", FRONTEND_SERVICE):
+        mounts = {m["mountPath"]: m["name"] for m in containers[name]["volumeMounts"]}
+        assert mounts[LINK_DIR] == "link" and mounts["/models"] == "models", name
+    engine = {n: effective(_argv(front_objects, c), _env(front_objects, c)).engine for n, c in containers.items()}
+    assert len(set(map(repr, engine.values()))) == 1, "the five processes run one engine config"
+
+
+def test_with_a_front_end_it_holds_the_public_ports_and_probes(front_objects: list[dict[str, Any]]) -> None:
+    containers = _containers(_pod(front_objects))
+    front, sched = containers[FRONTEND_SERVICE], containers["scheduler"]
+    assert {p["name"]: p["containerPort"] for p in front["ports"]} == {"grpc": 50051, "http": 8000}
+    assert {p["name"]: p["containerPort"] for p in sched["ports"]} == {"metrics": 9464}
+    for service in (_one(front_objects, "Service", "cdb"), _one(front_objects, "Service", "cdb-headless")):
+        for port in service["spec"]["ports"]:  # named target ports: found in whichever container declares them
+            assert port["targetPort"] in {"grpc", "http", "metrics"}
+    assert _env(front_objects, front)["CDB_HTTP_ADDR"] == "0.0.0.0:8000"
+    assert _env(front_objects, sched)["CDB_METRICS_ADDR"] == "0.0.0.0:9464"
+    listen = flag_values(_argv(front_objects, sched), "--listen")[0]
+    for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert front[kind]["grpc"] == {"port": 50051}, kind
+        assert sched[kind]["exec"]["command"] == ["python", "-m", "services.healthcheck", listen, "--timeout", "3"]
+    pre_stop = front["lifecycle"]["preStop"]["sleep"]["seconds"]
+    drain = float(_one(front_objects, "ConfigMap", "cdb-env")["data"]["CDB_DRAIN_TIMEOUT_S"])
+    assert _pod(front_objects)["terminationGracePeriodSeconds"] >= pre_stop + drain + 10
+    assert "lifecycle" not in sched, "the front end drains; the scheduler stops after it"
+
+
+def test_deployment_page_documents_the_frontends_overlay() -> None:
+    assert "deploy/k8s/overlays/frontends" in (ROOT / "docs" / "deployment.md").read_text()
+    assert "overlays/frontends" in (K8S / "README.md").read_text()
+
+
+@pytest.fixture(scope="module")
+def front_pod_tree(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PodTree]:
+    t = PodTree(tmp_path_factory.mktemp("k8s-front-pod"), "frontends")
+    try:
+        yield t
+    finally:
+        t.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(READY_WAIT_S + 120)
+def test_the_frontends_pods_containers_serve_on_loopback(front_pod_tree: PodTree) -> None:
+    from clients.sync_client import Client
+
+    for name in (*STAGES, "scheduler", FRONTEND_SERVICE):  # the order the containers start in
+        run = front_pod_tree.probe(name, READY_WAIT_S)
+        assert run.returncode == 0, f"{name}: {run.stdout}{run.stderr}\n--- log:\n{front_pod_tree.tail(name)}"
+        assert front_pod_tree.procs[name].poll() is None, f"{name} exited:\n{front_pod_tree.tail(name)}"
+    with Client(front_pod_tree.addr[FRONTEND_SERVICE], timeout=60) as client:
+        result = client.generate("And God said", max_tokens=4, ignore_eos=True)
+    assert len(result.token_ids) == 4
+    with urllib.request.urlopen(f"http://127.0.0.1:{front_pod_tree.metrics_port}/metrics", timeout=10) as resp:
         assert f"# TYPE {Metrics().waiting.name} gauge" in resp.read().decode(), "the autoscaler's metric"
