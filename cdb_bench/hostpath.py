@@ -5,7 +5,8 @@ synthetic stages (``cdb_engine.synthetic``: everything but the model's arithmeti
 time), in steady state: a closed loop of ``concurrency`` requests (new ones as old ones end) with live exit
 decisions from the stages' drawn depths. Tokens are consumed two ways:
 
-- ``in-process``: the scheduler runs in this process (``Engine`` over ``GrpcExecutor``), tokens go to sinks here;
+- ``in-process``: the scheduler runs in this process (``Engine`` over ``GrpcExecutor``), token ids go to sinks here
+  (``submit(detokenize=False)``: text is a front end's work, which this consumer stands in for);
 - ``api``: the whole tree with its scheduler process; streaming clients in another process over the public
   gRPC API;
 - ``http``: the same over the HTTP API (server-sent events, the ``openai`` client).
@@ -107,7 +108,8 @@ def _prompt(rng: random.Random, vocab: int) -> list[int]:
 
 
 class _ClosedLoop:
-    """In-process consumer: keeps ``concurrency`` requests in the engine; counts tokens on the engine thread."""
+    """In-process consumer: keeps ``concurrency`` requests in the engine; counts tokens on the engine thread. It asks
+    for token ids only: making text is a front end's work (``cdb frontend``), off the scheduler process."""
 
     def __init__(self, engine: Engine, concurrency: int, seed: int) -> None:
         self.engine, self.rng = engine, random.Random(seed)
@@ -119,7 +121,8 @@ class _ClosedLoop:
 
     def _submit(self) -> None:
         if not self.stopping:
-            self.engine.submit(_prompt(self.rng, self.vocab), _params(self.rng), self._sink, force=True)
+            prompt = _prompt(self.rng, self.vocab)
+            self.engine.submit(prompt, _params(self.rng), self._sink, force=True, detokenize=False)
 
     def _sink(self, ev: Event) -> None:
         if isinstance(ev, TokenEvent):

@@ -32,6 +32,7 @@ Both are computed after the op's modelled time has started, inside it: a GPU com
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 import sys
 import threading
@@ -202,10 +203,13 @@ class SyntheticDepths:
         p = min(1.0, max(0.0, (self.mean - lo) / n))
         below = np.uint64(min(math.ceil(p * 2**63), 2**64 - 1))  # integer x < p * 2**63  <=>  x < ceil(p * 2**63)
         base = _splitmix(rids, positions)
-        hits = np.zeros(len(rids), np.int64)
-        for j in range(n):
-            hits += _splitmix(base, np.uint64(j)) < below
-        return hits + lo
+        hits = _splitmix(base, 0) < below
+        if n == 1:
+            return hits + lo
+        counts = hits.astype(np.int64)
+        for j in range(1, n):
+            counts += _splitmix(base, j) < below
+        return counts + lo
 
 
 _M64 = [np.uint64(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB, 0x7FFFFFFFFFFFFFFF)]
@@ -220,26 +224,43 @@ def sampled_ids(
     ids = _splitmix(_splitmix(base, np.array(rids, np.uint64)), np.array(token_index, np.uint64)) % np.uint64(vocab)
     out = ids.astype(np.int64)
     if stops:
-        banned = np.array(sorted(stops), np.int64)
-        for _ in range(len(banned) + 1):
-            hit = np.isin(out, banned)
+        banned = _banned(vocab, stops)
+        for _ in range(len(stops) + 1):
+            hit = banned[out]
             if not hit.any():
                 break
             out[hit] = (out[hit] + 1) % vocab
     return out
 
 
+@functools.lru_cache(maxsize=8)
+def _banned(vocab: int, stops: frozenset[int]) -> np.ndarray:
+    """A mask over the vocabulary, true at the stop ids (one lookup per sampled id instead of a set search)."""
+    mask = np.zeros(vocab, bool)
+    mask[[t for t in stops if 0 <= t < vocab]] = True
+    mask.flags.writeable = False
+    return mask
+
+
 _MASK64 = (1 << 64) - 1
 
 
-def _splitmix(base: np.ndarray, index: np.ndarray | np.uint64) -> np.ndarray:
-    """``derive_seed`` over uint64 arrays (products wrap modulo 2**64, as its masks do)."""
+def _splitmix(base: np.ndarray, index: np.ndarray | int) -> np.ndarray:
+    """``derive_seed`` over uint64 arrays (products wrap modulo 2**64, as its masks do; array arithmetic wraps
+    without a warning, and a scalar ``index`` is folded into the constant as a Python integer)."""
     a, b, c, low63 = _M64
-    with np.errstate(over="ignore"):
+    x: Any  # (uint64 throughout)
+    if isinstance(index, np.ndarray):
         x = base * a + index * b + c
-        x = (x ^ (x >> np.uint64(30))) * b
-        x = (x ^ (x >> np.uint64(27))) * c
-    return (x ^ (x >> np.uint64(31))) & low63
+    else:
+        x = base * a + np.uint64((int(index) * _B + _C) & _MASK64)
+    x = (x ^ (x >> _S30)) * b
+    x = (x ^ (x >> _S27)) * c
+    return (x ^ (x >> _S31)) & low63
+
+
+_B, _C = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+_S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
 
 
 @dataclass(slots=True)
