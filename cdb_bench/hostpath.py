@@ -21,7 +21,9 @@ Per point (family x loop op time x width x consumer), over the steady window:
 - tokens/s, and against the ideal ``width / (mean depth x mean loop op time)`` (a busy loop stage at full width);
 - the loop stage's idle time between ops, by cause: the op arrived late (the scheduler's host path), its fences
   (the head or prelude op it waits on), its preparation on the stage; the reaction time from an op's end to the
-  arrival of the op that its reply lets the scheduler plan (``loop_pipeline_depth`` later);
+  arrival of the op that its reply lets the scheduler plan (``loop_pipeline_depth`` later), and, in-process on
+  rings, that reaction split by hand-over (``reaction_split``: the stage's reply, the ring, the hop to the engine
+  thread, the engine's planning and sending);
 - the scheduler process's CPU per loop step, split by part: planning, submitting ops (transport on the engine
   thread), dispatching tokens (streaming on the engine thread), the engine thread's rest, and the process's other
   threads (gRPC transport threads; with ``api`` also the public front end).
@@ -54,13 +56,13 @@ from typing import Any
 
 from cdb_bench import outputs
 from cdb_engine.config import EngineConfig, RequestParams, Speculative
-from cdb_engine.engine import Engine
+from cdb_engine.engine import Engine, StageSetup
 from cdb_engine.events import Event, FinishEvent, TokenEvent
 from cdb_engine.synthetic import parse_cost
 from cdb_scheduler.plan import Stage
 from services.launcher import ServeHandle, serve_all, start_stages
 from services.settings import load_settings
-from services.transport.executor import GrpcExecutorFactory
+from services.transport.executor import GrpcExecutor, GrpcExecutorFactory, HopLog
 
 FAMILIES = {"ouro": ("ouro-bench", "h200:ouro-1.4b"), "huginn": ("huginn-bench", "h200:huginn-3.5b")}
 CONSUMERS = ("in-process", "api", "http")
@@ -168,7 +170,14 @@ def _window(warmup_s: float, seconds: float) -> Iterator[None]:
 def run_in_process(point: Point, tree: ServeHandle, warmup_s: float, seconds: float, seed: int) -> dict[str, Any]:
     cfg = _config(point)
     factory = GrpcExecutorFactory(tree.stage_addrs, tree.settings)
-    engine = Engine(cfg, factory).start()
+    hops = HopLog()
+
+    def executor(setup: StageSetup) -> GrpcExecutor:
+        ex = factory(setup)
+        ex.hops = hops  # the reaction's hand-overs, timed (``reaction_split``)
+        return ex
+
+    engine = Engine(cfg, executor).start()
     try:
         loop = _ClosedLoop(engine, _concurrency(point.width), seed)
         marks = []
@@ -191,7 +200,7 @@ def run_in_process(point: Point, tree: ServeHandle, warmup_s: float, seconds: fl
     finally:
         engine.shutdown()
     a, b = marks
-    return _figures(a, b) | {"mean_depth": b["mean_depth"]}
+    return _figures(a, b) | {"mean_depth": b["mean_depth"], "hops": hops}
 
 
 def _figures(a: dict[str, float], b: dict[str, float]) -> dict[str, Any]:
@@ -342,8 +351,30 @@ def _config(point: Point) -> EngineConfig:
 # ---------------------------------------------------------------------------------------------------- stage side
 
 
-def loop_timeline(op_log: str, window: tuple[int, int], depth: int) -> dict[str, Any]:
-    """The loop stage's busy fraction and its idle gaps by cause, over ``window`` (perf_counter ns)."""
+def reaction_split(ops: Sequence[Sequence[int]], hops: HopLog, window: tuple[int, int], depth: int) -> dict[str, Any]:
+    """Where the reaction goes, from the end of loop op k to the sending of op k + ``depth`` (the op its reply lets
+    the scheduler plan), hand-over by hand-over: the stage writes its reply (``stage_reply``), the scheduler's link
+    thread reads it off the ring (``ring``), the engine thread takes it (``to_engine``), plans and sends the op
+    (``engine``: 0 when the op had gone before). p50 and mean, µs, over the window's loop replies (rings only)."""
+    t0, t1 = window
+    ended = {r[0]: r[6] for r in ops}
+    sent = {seq: ns for stage, seq, ns in hops.sent if stage == Stage.LOOP}
+    parts: dict[str, list[int]] = {"stage_reply": [], "ring": [], "to_engine": [], "engine": []}
+    for stage, seq, written, read, polled in hops.replies:
+        end, nxt = ended.get(seq), sent.get(seq + depth)
+        if stage != Stage.LOOP or end is None or nxt is None or not t0 <= end <= t1:
+            continue
+        for key, ns in zip(parts, (written - end, read - written, polled - read, nxt - polled)):
+            parts[key].append(max(0, ns))
+    return {
+        key: {"p50": statistics.median(xs) / 1e3, "mean": statistics.fmean(xs) / 1e3} if xs else None
+        for key, xs in parts.items()
+    }
+
+
+def loop_timeline(op_log: str, window: tuple[int, int], depth: int, hops: HopLog | None = None) -> dict[str, Any]:
+    """The loop stage's busy fraction and its idle gaps by cause, over ``window`` (perf_counter ns); with ``hops``
+    (the scheduler in this process) also the reaction's split (``reaction_split``)."""
     ops: list[list[int]] = []
     for path in glob.glob(os.path.join(op_log, "loop-*.json")):
         with open(path) as f:
@@ -377,7 +408,8 @@ def loop_timeline(op_log: str, window: tuple[int, int], depth: int) -> dict[str,
     def q(xs: Sequence[int], p: float) -> float:
         return sorted(xs)[int(p * (len(xs) - 1))] / 1e3 if xs else 0.0
 
-    return {
+    split = {"reaction_split_us": reaction_split(ops, hops, window, depth)} if hops is not None else {}
+    return split | {
         "eta": busy / max(1, t1 - t0),
         "loop_ops": len(by_end),
         "mean_loop_op_us": statistics.fmean(computes) / 1e3 if computes else 0.0,
@@ -404,7 +436,7 @@ def run_point(point: Point, warmup_s: float, seconds: float, seed: int = 0) -> d
         env = {**os.environ, "CDB_STAGE_OP_LOG": op_log}
         with start_stages(_config(point), settings=settings, env=env) as tree:
             fig = run_in_process(point, tree, warmup_s, seconds, seed)
-    fig |= loop_timeline(op_log, fig.pop("window"), _config(point).loop_pipeline_depth)
+    fig |= loop_timeline(op_log, fig.pop("window"), _config(point).loop_pipeline_depth, fig.pop("hops", None))
     fig["ideal_tokens_per_s"] = point.width / max(1e-9, fig["mean_depth"] * fig["mean_loop_op_us"] / 1e6)
     fig["of_ideal"] = fig["tokens_per_s"] / fig["ideal_tokens_per_s"]
     where = {"family": point.family, "cost": point.cost, "op_us": point.op_us, "width": point.width}
@@ -451,6 +483,14 @@ def _table(rows: list[dict[str, Any]]) -> str:
             f"{r['reaction_us']['p50']:>7.0f}  {c['plan']:6.0f} {c['submit']:6.0f} {c['dispatch']:6.0f} "
             f"{c['engine_other']:5.0f} {c['other_threads']:6.0f}"
         )
+    split = [r for r in rows if r.get("reaction_split_us")]
+    if split:  # (in-process points on rings)
+        lines.append("reaction split, p50 / mean us: stage reply, ring, to the engine thread, engine (plan + send)")
+        for r in split:
+            parts = "  ".join(
+                f"{p['p50']:.0f} / {p['mean']:.0f}" if p else "-" for p in r["reaction_split_us"].values()
+            )
+            lines.append(f"{r['family']:<7}{r['op_us'] or r['cost']!s:<8}w{r['width']:<4} {parts}")
     return "\n".join(lines)
 
 

@@ -81,6 +81,27 @@ class StageCounters:
     ping_rtts: list[float] = field(default_factory=list)
 
 
+@dataclass(slots=True)
+class HopLog:
+    """When a benchmark asks (``GrpcExecutor.hops``): when each reply and op crossed each hand-over between the
+    stages and the engine thread, in ``perf_counter_ns`` (``CLOCK_MONOTONIC``: comparable with the stages' op logs).
+    Rings only (the gRPC streams carry no stamps). Bounded: the newest ``size`` of each."""
+
+    size: int = 200_000
+    replies: deque[tuple[int, int, int, int, int]] = field(init=False)  # stage, seq, written, read, polled
+    sent: deque[tuple[int, int, int]] = field(init=False)  # stage, seq, written to its ops ring
+    _read: dict[tuple[int, int], tuple[int, int]] = field(init=False, default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.replies, self.sent = deque(maxlen=self.size), deque(maxlen=self.size)
+
+    def read(self, stage: Stage, seq: int, stamps: tuple[int, int]) -> None:
+        """A reply was read (a link's reader thread); its line is written when the engine polls it."""
+        if len(self._read) >= self.size:  # replies of void ops are never polled
+            self._read.clear()
+        self._read[(stage, seq)] = stamps
+
+
 @dataclass(frozen=True, slots=True)
 class _Pending:
     """An op sent and not yet answered: what it waits for, its work (``op_units``) and its hang budget then."""
@@ -117,6 +138,7 @@ class GrpcExecutor:
         self.settings = settings or load_settings()
         self.observer = observer
         self._sent: dict[tuple[Stage, int], tuple[StageOp, int]] = {}  # with an observer: op, sent at (ns)
+        self.hops: HopLog | None = None  # set by a benchmark: the hand-overs' times
         self.setup = setup
         self.stage_addrs = dict(stage_addrs)  # the address each stage is served from now (a standby may take over)
         # Every address of a role: the first stage process, then its warm standby (model loaded, no session).
@@ -277,6 +299,8 @@ class GrpcExecutor:
                 return
             try:
                 self._links[op.stage].send(msg)
+                if self.hops is not None:
+                    self.hops.sent.append((op.stage, op.seq, time.perf_counter_ns()))
             except ValueError as exc:  # larger than the stage ring: this op fails, nothing else
                 del pending[op.seq]
                 self._sent.pop((op.stage, op.seq), None)
@@ -296,6 +320,9 @@ class GrpcExecutor:
             return None
         if self.observer is not None and (sent := self._sent.pop((item.stage, item.seq), None)) is not None:
             self.observer.on_op_done(sent[0], item, sent[1], time.time_ns())
+        hops = self.hops
+        if hops is not None and (read := hops._read.pop((item.stage, item.seq), None)) is not None:
+            hops.replies.append((item.stage, item.seq, *read, time.perf_counter_ns()))
         return item
 
     def wake(self) -> None:
@@ -338,13 +365,16 @@ class GrpcExecutor:
 
     # --- called by the link threads --------------------------------------------------------------------------
 
-    def on_reply(self, stage: Stage, epoch: int, reply: pb.StageReply) -> None:
+    def on_reply(self, stage: Stage, epoch: int, reply: pb.StageReply, stamps: tuple[int, int] | None = None) -> None:
+        """A stage's reply (``stamps``: when the stage wrote it and when it was read, from a ring)."""
         if reply.pong:
             with self._lock:
                 event = self._pongs.pop(reply.seq, None)
             if event is not None:
                 event.set()
             return
+        if stamps is not None and self.hops is not None:
+            self.hops.read(stage, reply.seq, stamps)
         result = result_from_pb(reply)
         with self._lock:
             if epoch != self._epoch:

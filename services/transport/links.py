@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from typing import Protocol
 
@@ -27,7 +28,9 @@ class LinkOwner(Protocol):
     """What a link reports to (the ``GrpcExecutor``), from its reader thread; ``epoch`` is the link's (replies of
     a link from before the stages were re-attached are void)."""
 
-    def on_reply(self, stage: Stage, epoch: int, reply: pb.StageReply) -> None: ...
+    def on_reply(
+        self, stage: Stage, epoch: int, reply: pb.StageReply, stamps: tuple[int, int] | None = None
+    ) -> None: ...
 
     def on_broken(self, stage: Stage, epoch: int, why: str) -> None: ...
 
@@ -114,7 +117,8 @@ class StageLink:
                     break
                 if got is None:
                     continue
-                self._owner.on_reply(self.stage, self.epoch, pb.StageReply.FromString(got[0]))
+                stamps = (got[1], time.perf_counter_ns())  # written by the stage, read here
+                self._owner.on_reply(self.stage, self.epoch, pb.StageReply.FromString(got[0]), stamps)
         finally:
             ops.shut()
             replies.shut()

@@ -6,7 +6,9 @@ import json
 
 import pytest
 
-from cdb_bench.hostpath import main, scaled_cost
+from cdb_bench.hostpath import main, reaction_split, scaled_cost
+from cdb_scheduler.plan import Stage
+from services.transport.executor import HopLog
 
 
 def test_scaled_costs_keep_the_profile_head_to_loop_ratio() -> None:
@@ -28,3 +30,23 @@ def test_quick_hostpath_reports_the_busy_fraction_and_the_cpu_split(capsys: pyte
         cpu = p["sched_cpu_us_per_step"]
         assert set(cpu) >= {"plan", "submit", "dispatch", "engine_other", "other_threads", "process"}
         assert cpu["plan"] > 0 and cpu["process"] >= cpu["plan"]
+    split = points[0]["reaction_split_us"]  # in-process: the engine's hand-overs are timed
+    assert list(split) == ["stage_reply", "ring", "to_engine", "engine"]
+    assert all(part is not None and part["p50"] >= 0 and part["mean"] >= 0 for part in split.values())
+    assert "reaction_split_us" not in points[1]
+
+
+def test_the_reaction_split_follows_each_loop_reply_to_the_op_it_lets_the_engine_send() -> None:
+    # loop ops 0..3 end at 1000, 2000, 3000, 4000 us; pipeline depth 2: reply k lets op k + 2 go out
+    ops = [[seq, 64, 0, 0, 0, 0, 1_000_000 * (seq + 1), 500_000] for seq in range(4)]
+    hops = HopLog()
+    for seq in range(2):  # written 10 us after the end, read 20 us later, polled 30 us later
+        end = ops[seq][6]
+        hops.replies.append((Stage.LOOP, seq, end + 10_000, end + 30_000, end + 60_000))
+    hops.replies.append((Stage.HEAD, 0, 0, 0, 0))  # not a loop reply: not counted
+    hops.sent.extend([(Stage.LOOP, 2, 1_000_000 + 460_000), (Stage.LOOP, 3, 2_000_000 + 40_000)])  # op 3: early
+    split = reaction_split(ops, hops, (0, 10_000_000), depth=2)
+    assert split["stage_reply"] == {"p50": 10.0, "mean": 10.0}
+    assert split["ring"] == {"p50": 20.0, "mean": 20.0}
+    assert split["to_engine"] == {"p50": 30.0, "mean": 30.0}
+    assert split["engine"] == {"p50": 200.0, "mean": 200.0}  # 400 us after its reply was polled, and 0 (sent before)
