@@ -307,12 +307,14 @@ class StageService(stage_pb2_grpc.StageServicer):
                         if launched is None:
                             outbox.put(grpc.StatusCode.ABORTED)
                             return
-                    # Until op k is done (``ready_at``, when the worker knows it), the next message may arrive.
+                    # Until op k is done (``ready_at``, when the worker knows it), the next message may arrive. The
+                    # executor sleeps meanwhile (a wake is early enough: op k+1 has until op k's end), so that it
+                    # spins only when idle, and leaves the cores to the others while a stage op runs.
                     ready_at = getattr(launched.finish, "ready_at", None)
                     while held is None:
                         left = ready_at - time.perf_counter() if ready_at is not None else 0.0
                         try:
-                            held = inbox.get(timeout=left) if left > 0 else inbox.get_nowait()
+                            held = _sleep_for(inbox, left) if left > 0 else inbox.get_nowait()
                         except queue.Empty:
                             break
                     following = None
@@ -448,6 +450,11 @@ class StageService(stage_pb2_grpc.StageServicer):
             other.close(self.settings.stage_op_log, self.stage.role)  # idempotent: waits while another thread closes
 
 
+def _sleep_for(inbox: Any, timeout: float) -> Any:
+    """The inbox's next item within ``timeout`` s, without a busy-wait (queue.Empty at the timeout)."""
+    return inbox.get(timeout=timeout, spin=False) if isinstance(inbox, _RingInbox) else inbox.get(timeout=timeout)
+
+
 class _RingInbox:
     """The executor's inbox over a session's ops ring: ``(StageBatch, arrived_ns)`` items, ``_END`` at the end of
     the batches (an empty record), when the ring closes, or when ``put(_END)`` stops the stream. A message that
@@ -467,14 +474,16 @@ class _RingInbox:
             self._side.append(item)
         self._ring.interrupt()
 
-    def get(self, timeout: float | None = None) -> Any:
+    def get(self, timeout: float | None = None, spin: bool = True) -> Any:
+        """The next item; ``spin=False``: sleep at once (no busy-wait first), for a wait that has time to spare."""
+        spin_s = self._spin_s if spin else 0.0
         while True:
             if self._stopped:
                 return _END
             if self._side:
                 return self._side.popleft()
             try:
-                got = self._ring.get(timeout, self._spin_s)
+                got = self._ring.get(timeout, spin_s)
             except RingClosed:
                 return _END
             if got is None:
