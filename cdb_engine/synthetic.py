@@ -34,11 +34,13 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
+import operator
 import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from itertools import repeat
 from typing import Any
 
 import numpy as np
@@ -354,7 +356,8 @@ class SyntheticWorker:
             result = self._head_results(op)
         else:
             result = self._nothing()
-        return _Pending(self, replace(result, seq=op.seq, compute_s=seconds), ready_at)
+        result.seq, result.compute_s = op.seq, seconds  # (the op's own result, made above)
+        return _Pending(self, result, ready_at)
 
     def _nothing(self) -> StageResult:
         return StageResult(self.stage, -1, 0.0)
@@ -372,8 +375,8 @@ class SyntheticWorker:
         elif op.rows:
             self._row_depth[list(op.rows)] = np.array(op.steps, np.int64) + 1
         result = self._signals(op) if not op.prefill and op.rows else self._nothing()
-        if sampled is not None:
-            result = replace(result, token_ids=sampled.token_ids, logprobs=sampled.logprobs)
+        if sampled is not None:  # (both results are this op's own, made above)
+            result.token_ids, result.logprobs = sampled.token_ids, sampled.logprobs
         return result
 
     def _drafted(self, h: LoopHead, ids: tuple[int, ...]) -> tuple[int, ...]:
@@ -409,10 +412,12 @@ class SyntheticWorker:
 
     def _seconds(self, rids: Sequence[int], positions: Sequence[int], tokens: int) -> float:
         context = 0
-        if self.has_kv:
-            for rid, pos in zip(rids, positions):
-                self._check(rid, pos)
-                context += pos + 1
+        if self.has_kv and rids:
+            held = self.tables.lengths(rids)  # every position's block is there (C-level maps over the op's rows)
+            if any(map(operator.ge, map(operator.floordiv, positions, repeat(self.block_size)), held)):
+                for rid, pos in zip(rids, positions):
+                    self._check(rid, pos)  # (raises, naming the first that has not)
+            context = sum(positions) + len(positions)
         return self.cost.seconds(tokens, context)
 
     def _head_seconds(self, op: HeadOp) -> float:

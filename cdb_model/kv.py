@@ -86,6 +86,13 @@ class BlockTables:
         except KeyError:
             raise KeyError(f"no block table for request {rid}") from None
 
+    def lengths(self, rids: Iterable[int]) -> list[int]:
+        """The number of blocks of each request (in C-level maps: one op's rows at once)."""
+        try:
+            return list(map(len, map(self._tables.__getitem__, rids)))
+        except KeyError as exc:
+            raise KeyError(f"no block table for request {exc.args[0]}") from None
+
     def __contains__(self, rid: int) -> bool:
         return rid in self._tables
 

@@ -7,13 +7,16 @@ import statistics
 
 import numpy as np
 import pytest
+import torch
 
 from cdb_engine.config import EngineConfig, RequestParams
 from cdb_engine.engine import Engine
-from cdb_engine.synthetic import SyntheticDepths, parse_cost, sampled_ids
+from cdb_engine.synthetic import SyntheticDepths, SyntheticWorker, parse_cost, sampled_ids, synthetic_model
 from cdb_model.config import ModelConfig
+from cdb_model.kv import KVLayout, KVPolicy
+from cdb_model.presets import preset_config
 from cdb_model.released import OURO_14B
-from cdb_scheduler.plan import Stage, derive_seed
+from cdb_scheduler.plan import KVUpdate, LoopOp, Stage, derive_seed
 
 
 def test_an_explicit_spec_costs_what_it_says_and_stages_left_out_cost_nothing() -> None:
@@ -106,3 +109,26 @@ def test_vectorised_head_ids_are_the_integer_mixing_ids_past_the_stop_ids() -> N
         expected.append(token)
     assert sampled_ids(seeds, rids, index, vocab, stops).tolist() == expected
     assert any(derive_seed(derive_seed(s, r), i) % vocab in stops for s, r, i in zip(seeds, rids, index))
+
+
+def _loop_worker() -> SyntheticWorker:
+    cfg = preset_config("ouro-tiny")
+    model = synthetic_model(cfg, "loop=0:0:0", "", "cpu", torch.float32)
+    layout = KVLayout(KVPolicy.DEPTH_INDEXED, 4)
+    return SyntheticWorker(model, Stage.LOOP, torch.zeros(8, cfg.bank_width), layout, 64, 16)
+
+
+def test_a_synthetic_op_over_a_position_without_its_kv_block_fails_naming_the_request() -> None:
+    worker = _loop_worker()
+    worker.tables.apply([KVUpdate(7, (0,)), KVUpdate(9, (1, 2))])  # request 7: positions 0..15; 9: 0..31
+
+    def op(seq: int, positions: tuple[int, int]) -> LoopOp:
+        return LoopOp(seq, (), (), (), (7, 9), positions, (0, 1), (0, 0))
+
+    assert worker.execute(op(0, (15, 31))).signals  # every position has its block
+    with pytest.raises(IndexError, match="request 7: position 16 has no KV block"):
+        worker.execute(op(1, (16, 31)))
+    with pytest.raises(IndexError, match="request 9: position 32 has no KV block"):
+        worker.execute(op(2, (3, 32)))
+    with pytest.raises(KeyError, match="no block table for request 11"):
+        worker.execute(LoopOp(3, (), (), (), (7, 11), (0, 0), (0, 1), (0, 0)))
