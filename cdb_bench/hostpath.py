@@ -26,7 +26,8 @@ Per point (family x loop op time x width x consumer), over the steady window:
   thread, the engine's planning and sending);
 - the scheduler process's CPU per loop step, split by part: planning, submitting ops (transport on the engine
   thread), dispatching tokens (streaming on the engine thread), the engine thread's rest, and the process's other
-  threads (gRPC transport threads; with ``api`` also the public front end).
+  threads (gRPC transport threads; with ``api`` also the public front end); and the loop stage process's CPU per
+  loop op (``loop_stage_cpu_us_per_op``: on a host with few cores, what it takes from the others).
 
 Op times: the loop op costs ``OP`` µs flat (nearly flat in the batch, as on a GPU below saturation); the head
 and prelude ops cost what the family's ``h200`` profile gives them relative to its loop op. ``--profiles`` adds
@@ -193,6 +194,7 @@ def run_in_process(point: Point, tree: ServeHandle, warmup_s: float, seconds: fl
                     "cpu_submit": cpu.submit_s,
                     "cpu_dispatch": cpu.dispatch_s,
                     "cpu_thread": cpu.thread_s,
+                    "loop_stage_cpu_s": _cpu_of(tree.stages[Stage.LOOP].pid),
                     "mean_depth": st.mean_depth,
                 }
             )
@@ -213,6 +215,7 @@ def _figures(a: dict[str, float], b: dict[str, float]) -> dict[str, Any]:
     per_step["other_threads"] = max(0.0, per_step["process"] - thread)
     return {
         "window": (a["t"], b["t"]),
+        "loop_stage_cpu_us_per_op": 1e6 * (b["loop_stage_cpu_s"] - a["loop_stage_cpu_s"]) / steps,
         "wall_s": wall,
         "tokens_per_s": (b["tokens"] - a["tokens"]) / wall,
         "loop_ops_window": steps,
@@ -298,6 +301,7 @@ def run_api(point: Point, warmup_s: float, seconds: float, seed: int, op_log: st
                         "cpu_dispatch": m.get("cpu_dispatch", 0.0),
                         "cpu_thread": sum(m.get(f"cpu_{p}", 0.0) for p in ("plan", "submit", "dispatch", "other")),
                         "frontends_cpu_s": sum(_cpu_of(p.pid) for p in tree.frontends),
+                        "loop_stage_cpu_s": _cpu_of(tree.stages[Stage.LOOP].pid),
                     }
                 )
                 if len(marks) == 1:
@@ -470,6 +474,7 @@ def _table(rows: list[dict[str, Any]]) -> str:
         f"{'family':<7}{'cost':<18}{'w':>4} {'consumer':<11}{'fused':<6}{'data':<8}{'eta':>6}{'of ideal':>9}"
         f"{'tok/s':>9}{'depth':>6}"
         f"{'op us':>8}{'late':>7}{'fence':>7}{'prep':>6}{'react':>7}  cpu us/step: plan submit dispatch rest other"
+        "  loop stage"
     )
     lines = [head]
     for r in rows:
@@ -481,7 +486,7 @@ def _table(rows: list[dict[str, Any]]) -> str:
             f"{r['tokens_per_s']:>9.0f}{r['mean_depth']:>6.2f}{r['mean_loop_op_us']:>8.0f}"
             f"{i['op_arrived_late']:>7.0f}{i['fences']:>7.0f}{i['stage_preparation']:>6.0f}"
             f"{r['reaction_us']['p50']:>7.0f}  {c['plan']:6.0f} {c['submit']:6.0f} {c['dispatch']:6.0f} "
-            f"{c['engine_other']:5.0f} {c['other_threads']:6.0f}"
+            f"{c['engine_other']:5.0f} {c['other_threads']:6.0f}  {r['loop_stage_cpu_us_per_op']:10.0f}"
         )
     split = [r for r in rows if r.get("reaction_split_us")]
     if split:  # (in-process points on rings)

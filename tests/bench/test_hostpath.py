@@ -30,6 +30,7 @@ def test_quick_hostpath_reports_the_busy_fraction_and_the_cpu_split(capsys: pyte
         cpu = p["sched_cpu_us_per_step"]
         assert set(cpu) >= {"plan", "submit", "dispatch", "engine_other", "other_threads", "process"}
         assert cpu["plan"] > 0 and cpu["process"] >= cpu["plan"]
+        assert p["loop_stage_cpu_us_per_op"] > 0
     split = points[0]["reaction_split_us"]  # in-process: the engine's hand-overs are timed
     assert list(split) == ["stage_reply", "ring", "to_engine", "engine"]
     assert all(part is not None and part["p50"] >= 0 and part["mean"] >= 0 for part in split.values())
