@@ -101,6 +101,12 @@ class HopLog:
             self._read.clear()
         self._read[(stage, seq)] = stamps
 
+    def polled(self, stage: Stage, seq: int) -> None:
+        """The engine thread took the reply's result (those of void ops are never taken)."""
+        read = self._read.pop((stage, seq), None)
+        if read is not None:
+            self.replies.append((stage, seq, *read, time.perf_counter_ns()))
+
 
 @dataclass(frozen=True, slots=True)
 class _Pending:
@@ -320,9 +326,8 @@ class GrpcExecutor:
             return None
         if self.observer is not None and (sent := self._sent.pop((item.stage, item.seq), None)) is not None:
             self.observer.on_op_done(sent[0], item, sent[1], time.time_ns())
-        hops = self.hops
-        if hops is not None and (read := hops._read.pop((item.stage, item.seq), None)) is not None:
-            hops.replies.append((item.stage, item.seq, *read, time.perf_counter_ns()))
+        if self.hops is not None:
+            self.hops.polled(item.stage, item.seq)
         return item
 
     def wake(self) -> None:
