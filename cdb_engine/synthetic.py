@@ -214,6 +214,24 @@ class SyntheticDepths:
         return counts + lo
 
 
+def exit_signals(
+    depths: SyntheticDepths,
+    rids: Sequence[int],
+    positions: Sequence[int],
+    steps: Sequence[int],
+    max_depth: int,
+    *,
+    ouro: bool = True,
+) -> tuple[float, ...]:
+    """The exit signal after each token's step that makes it leave at its drawn depth under a one-ahead decision
+    (read one step early): Ouro a hazard that crosses any threshold below 1 (else 0), Huginn a latent difference of
+    0 (else 1)."""
+    drawn = depths.draw_many(np.array(rids, np.uint64), np.array(positions, np.uint64), max_depth)
+    leave = (np.array(steps, np.int64) + 2 >= drawn).tolist()
+    on, off = (_HIGH, 0.0) if ouro else (0.0, 1.0)
+    return tuple(on if x else off for x in leave)
+
+
 _M64 = [np.uint64(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB, 0x7FFFFFFFFFFFFFFF)]
 
 
@@ -428,12 +446,7 @@ class SyntheticWorker:
         """Exit signals that make each token leave at its drawn depth (read one step ahead)."""
         m = self.model
         ouro = m.config.arch == "ouro"
-        depths = m.depths.draw_many(
-            np.array(op.rids, np.uint64), np.array(op.positions, np.uint64), self.kv_layout.max_depth
-        )
-        leave = (np.array(op.steps, np.int64) + 2 >= depths).tolist()
-        on, off = (_HIGH, 0.0) if ouro else (0.0, 1.0)
-        signals = tuple(on if x else off for x in leave)
+        signals = exit_signals(m.depths, op.rids, op.positions, op.steps, self.kv_layout.max_depth, ouro=ouro)
         look = signals if ouro and m.config.has_lookahead_gate else ()
         return StageResult(self.stage, op.seq, 0.0, signals=signals, lookahead=look)
 

@@ -44,6 +44,15 @@ def test_scheduler_cpu_per_step_is_measured_in_steady_state() -> None:
     assert "chunk_ratios" not in fig  # no reference step to divide by
 
 
+def test_live_exits_with_the_fused_head_plan_as_a_deployed_ouro_does() -> None:
+    fig = scheduler_cpu_per_step(max_num_seqs=16, max_depth=4, steps=300, depth_mean=2.5, live=True, fused=True)
+    assert fig["loop_steps"] >= 200 and 0 < fig["sched_cpu_s_per_step"] < 0.05
+    assert fig["occupancy"] > 0.8
+    assert fig["mean_depth"] == pytest.approx(2.5, abs=0.2)  # the drawn depths, through one-ahead gate decisions
+    replayed = scheduler_cpu_per_step(max_num_seqs=16, max_depth=4, steps=300, depth_mean=2.5)
+    assert replayed["mean_depth"] == pytest.approx(2.5, abs=0.3)  # (drawn from 1: a different distribution)
+
+
 def test_the_reference_step_is_timed_after_every_chunk_of_the_steady_window() -> None:
     calls: list[int] = []
 
@@ -64,4 +73,5 @@ def test_the_scheduler_benchmark_writes_json_and_a_plot(tmp_path: Path) -> None:
     assert scheduler_main([*argv, "--no-progress"]) == 0
     data = json.loads((tmp_path / "scheduler.json").read_text())
     assert [w["max_num_seqs"] for w in data["widths"]] == [8, 16]
+    assert (data["exits"], data["fuse_loop_head"]) == ("replay", False)
     assert (tmp_path / "scheduler.png").read_bytes()[:4] == b"\x89PNG"
