@@ -17,7 +17,7 @@ shows them (``config_json``) with their digest and each stage's digest.
 | ``CDB_CONFIG`` | (unset) | config file (TOML; YAML: .yaml/.yml) of any keys below; ``--config`` overrides it |
 | ``CDB_STAGE_THREADS`` | 1 | torch intra-op threads per stage process (three stages share the host's cores) |
 | ``CDB_FENCE_TIMEOUT_S`` | 600 | a stage fails a batch whose fences stay unmet this long (or the batch's own limit) |
-| ``CDB_FENCE_SPIN_S`` | 0.0002 | busy-wait this long on a fence before backing off with tiny sleeps |
+| ``CDB_FENCE_SPIN_S`` | 0.0002 | a stage busy-waits this long on a fence, or idle for its next op, before it sleeps |
 | ``CDB_STAGE_CONNECT_TIMEOUT_S`` | 120 | how long the scheduler waits for its stages to be ready at start |
 | ``CDB_STAGE_KEEPALIVE_S`` | 5 | HTTP/2 keepalive ping interval on stage channels (a frozen stage is detected) |
 | ``CDB_STAGE_PROBE_TIMEOUT_S`` | 2 | deadline of the health probe of each stage |
@@ -151,7 +151,9 @@ class Settings:
     fence_timeout_s: float = _help(
         "a stage fails a batch whose fences stay unmet this long (or the batch's own limit)", 600.0
     )
-    fence_spin_s: float = _help("busy-wait this long on a fence before backing off with tiny sleeps", 2e-4)
+    fence_spin_s: float = _help(
+        "a stage busy-waits this long on a fence, or idle for its next op, before it sleeps", 2e-4
+    )
     stage_connect_timeout_s: float = _help("how long the scheduler waits for its stages to be ready at start", 120.0)
     stage_keepalive_s: float = _help(
         "HTTP/2 keepalive ping interval on stage channels (a frozen stage is detected)", 5.0
