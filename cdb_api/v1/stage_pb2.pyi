@@ -108,12 +108,14 @@ class ConfigureRequest(_message.Message):
     def __init__(self, role: _Optional[_Union[StageRole, str]] = ..., model: _Optional[str] = ..., dtype: _Optional[str] = ..., bank: _Optional[_Union[BankSpec, _Mapping]] = ..., fences: _Optional[_Union[FenceBoardSpec, _Mapping]] = ..., kv: _Optional[_Union[KVSpec, _Mapping]] = ..., token_bank: _Optional[_Union[BankSpec, _Mapping]] = ..., holder: _Optional[str] = ..., device: _Optional[str] = ..., rings: _Optional[_Union[StageRings, _Mapping]] = ...) -> None: ...
 
 class StageRings(_message.Message):
-    __slots__ = ("ops", "replies")
+    __slots__ = ("ops", "replies", "doorbell")
     OPS_FIELD_NUMBER: _ClassVar[int]
     REPLIES_FIELD_NUMBER: _ClassVar[int]
+    DOORBELL_FIELD_NUMBER: _ClassVar[int]
     ops: str
     replies: str
-    def __init__(self, ops: _Optional[str] = ..., replies: _Optional[str] = ...) -> None: ...
+    doorbell: str
+    def __init__(self, ops: _Optional[str] = ..., replies: _Optional[str] = ..., doorbell: _Optional[str] = ...) -> None: ...
 
 class ConfigureResponse(_message.Message):
     __slots__ = ("role", "model", "architecture", "bank_width", "device", "process", "config_digest")

@@ -2,9 +2,9 @@
 
 The executor owns the shared memory: it creates the hidden-state bank and the fence board, ``Configure``s each
 stage to attach them, then opens the three streams. ``submit`` converts an op to a ``StageBatch`` and queues it
-on its stage's stream without waiting (so several batches are in flight per stage); one reader thread per stream
-turns replies into ``StageResult``s on a single result queue that ``poll`` reads, in causal order (a result never
-precedes the results of the ops it was fenced on; per stage, ``seq`` order).
+on its stage's stream without waiting (so several batches are in flight per stage); replies become
+``StageResult``s on a single result queue that ``poll`` reads, in causal order (a result never precedes the
+results of the ops it was fenced on; per stage, ``seq`` order).
 
 Healing (a stage that dies costs latency, not requests): when a stream breaks or ends (stage process killed,
 connection lost, keepalive timeout on a frozen stage), the executor is in an *outage*: the fence board is
@@ -27,8 +27,11 @@ released by the loss well before it.
 
 The data plane: with ``CDB_STAGE_RINGS`` (the default, on x86-64 Linux) each stage's ops and replies travel on
 two shared-memory message rings made with the fence board (``services.transport.ring``): ``submit`` writes the
-serialized batch straight onto the stage's ops ring, and each link's ring thread reads the replies ring; the
+serialized batch straight onto the stage's ops ring, and ``poll`` reads the replies rings on the calling thread
+(the engine's): it sleeps on one doorbell (``ring.Doorbell``) that every stage rings after a reply and that
+everything else posting a result rings too, so a reply reaches the planner with no thread in between. The
 ``Run`` streams stay open beside them as each session's lifeline (their breaking is the loss signal, as before).
+Without rings, one reader thread per stream delivers the replies.
 
 Admission: every Stage call carries the deployment's stage secret (``services.stage_secret``) and this
 executor's ``holder`` id, so a stage serves one scheduler's session at a time.
@@ -59,7 +62,7 @@ from services.transport.bank import SharedBank
 from services.transport.convert import bank_spec_to_pb, op_to_pb, result_from_pb, role_to_pb
 from services.transport.fences import FenceBoard
 from services.transport.links import StageLink, channel_options
-from services.transport.ring import MessageRing
+from services.transport.ring import Doorbell, MessageRing
 from services.transport.watchdog import HangWatch, OldestOp, ProcessId, is_stopped, kill, op_units
 
 _RECONNECT_BACKOFF_MAX_S = 0.5  # a restarted stage is re-attached within this of listening
@@ -96,7 +99,7 @@ class HopLog:
         self.replies, self.sent = deque(maxlen=self.size), deque(maxlen=self.size)
 
     def read(self, stage: Stage, seq: int, stamps: tuple[int, int]) -> None:
-        """A reply was read (a link's reader thread); its line is written when the engine polls it."""
+        """A reply was read from its ring; its line is written when the engine polls it."""
         if len(self._read) >= self.size:  # replies of void ops are never polled
             self._read.clear()
         self._read[(stage, seq)] = stamps
@@ -187,8 +190,12 @@ class GrpcExecutor:
         self.bank = SharedBank.create(setup.bank_rows, setup.bank_width, setup.dtype, bank_device)
         self.tokens = SharedBank.create(setup.bank_rows, 1, "int64", bank_device)
         self.fences = FenceBoard.create()
+        # The stages ring it after each reply (rings only): ``poll`` sleeps on it and reads the replies itself.
+        self._doorbell: Doorbell | None = None
         rings: dict[Stage, tuple[MessageRing, MessageRing]] = {}
         try:
+            if self.settings.stage_rings and ring_transport.SUPPORTED:
+                self._doorbell = Doorbell.create("stages' replies doorbell")
             for stage in Stage:
                 self.channels[stage] = self._connect(stage, self.stage_addrs[stage])
                 self._by_addr[self.stage_addrs[stage]] = self.channels[stage]
@@ -266,6 +273,8 @@ class GrpcExecutor:
         )
         if rings is not None:
             request.rings.ops, request.rings.replies = rings[0].name, rings[1].name
+            if self._doorbell is not None:
+                request.rings.doorbell = self._doorbell.name
         stub = stage_pb2_grpc.StageStub(channel or self.channels[stage])
         reply = stub.Configure(
             request,
@@ -285,7 +294,7 @@ class GrpcExecutor:
         msg = op_to_pb(op, trace_contexts=contexts)
         with self._lock:
             if self.broken is not None or self._closed:
-                self._results.put(StageResult(op.stage, op.seq, 0.0, error=self.broken or "executor closed"))
+                self._post(StageResult(op.stage, op.seq, 0.0, error=self.broken or "executor closed"))
                 return
             if self._loss_pending:  # issued before the scheduler saw the loss: void (StageLoss contract)
                 self._void[op.stage] = max(self._void[op.stage], op.seq)
@@ -311,12 +320,11 @@ class GrpcExecutor:
                 del pending[op.seq]
                 self._sent.pop((op.stage, op.seq), None)
                 why = f"{exc}; raise CDB_STAGE_RING_BYTES"
-                self._results.put(StageResult(op.stage, op.seq, 0.0, error=why))
+                self._post(StageResult(op.stage, op.seq, 0.0, error=why))
 
     def poll(self, timeout: float | None) -> StageResult | StageLoss | None:
-        try:
-            item = self._results.get(timeout=timeout)
-        except queue.Empty:
+        item = self._next(timeout)
+        if item is None:
             return None
         if isinstance(item, StageLoss):
             with self._lock:
@@ -330,8 +338,42 @@ class GrpcExecutor:
             self.hops.polled(item.stage, item.seq)
         return item
 
+    def _next(self, timeout: float | None) -> object:
+        """The next item of the result queue within ``timeout`` (None: none came). With rings, the replies are read
+        here, on the poller's thread, between sleeps on the doorbell."""
+        bell = self._doorbell
+        if bell is None:
+            try:
+                return self._results.get(timeout=timeout)
+            except queue.Empty:
+                return None
+        deadline = None if timeout is None else time.perf_counter() + timeout
+        while True:
+            try:
+                return self._results.get_nowait()
+            except queue.Empty:
+                pass
+            word = bell.word()  # before looking: a reply written after this read changes it
+            if self._drain():
+                continue
+            left = 1.0 if deadline is None else deadline - time.perf_counter()
+            if left <= 0:
+                return None
+            if self._results.empty():
+                bell.wait(word, left)
+
+    def _drain(self) -> int:
+        """Read every reply waiting on the current links' replies rings (they go to the result queue)."""
+        return sum(link.drain() for link in list(self._links.values()))
+
+    def _post(self, item: object) -> None:
+        """Queue ``item`` for ``poll`` and wake a poller sleeping on the doorbell (from any thread)."""
+        self._results.put(item)
+        if self._doorbell is not None:
+            self._doorbell.ring()
+
     def wake(self) -> None:
-        self._results.put(_WAKE)
+        self._post(_WAKE)
 
     def close(self) -> None:
         """End the streams, close the channels, free the shared memory. Idempotent."""
@@ -348,6 +390,9 @@ class GrpcExecutor:
         self.fences.close()
         self.bank.close()
         self.tokens.close()
+        if self._doorbell is not None:
+            self._doorbell.ring()  # a poller asleep on it looks once more and finds nothing
+            self._doorbell.close()
 
     # --- diagnostics -----------------------------------------------------------------------------------------
 
@@ -362,8 +407,15 @@ class GrpcExecutor:
             self._pongs[token] = done
         start = time.perf_counter()
         link.send(pb.StageBatch(seq=token, ping=pb.Ping()))
-        if not done.wait(timeout):
-            raise TimeoutError(f"{stage.role} stage did not answer a ping in {timeout}s")
+        deadline = start + timeout
+        while not done.is_set():  # (with rings the pong is read by a drain: the poller's, or this one when idle)
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                raise TimeoutError(f"{stage.role} stage did not answer a ping in {timeout}s")
+            if self._doorbell is not None:
+                link.drain()
+                left = min(left, 1e-3)
+            done.wait(left)
         rtt = time.perf_counter() - start
         self.counters[stage].ping_rtts.append(rtt)
         return rtt
@@ -412,7 +464,7 @@ class GrpcExecutor:
                 while held and (held[0][0].error or all(self._delivered[f.stage] >= f.seq for f in held[0][1])):
                     result, _ = held.popleft()
                     self._delivered[stage] = result.seq
-                    self._results.put(result)
+                    self._post(result)  # (read by another drain than the poller's, e.g. a ping's: wake it)
                     progress = True
 
     def on_broken(self, stage: Stage, epoch: int, why: str) -> None:
@@ -436,7 +488,7 @@ class GrpcExecutor:
             self._delivered = [self._last_seq[s] for s in Stage]  # void ops count as delivered for fences
             self.watch.reset()
             self.fences.abort()  # stages waiting on a fence of a void op give up now
-            self._results.put(StageLoss(why))
+            self._post(StageLoss(why))
             links, self._links = self._links, {}
             start = not self._recovering
             self._recovering = True
@@ -508,7 +560,7 @@ class GrpcExecutor:
                             links[stage].send(msg)
                         except ValueError as exc:  # larger than the stage ring: this op fails
                             self._outstanding[stage].pop(msg.seq, None)
-                            self._results.put(StageResult(stage, msg.seq, 0.0, error=str(exc)))
+                            self._post(StageResult(stage, msg.seq, 0.0, error=str(exc)))
                     self._backlog.clear()
                     self.recoveries += 1
                     self.takeovers += bool(moved)
@@ -613,7 +665,7 @@ class GrpcExecutor:
         log.error("executor broken: %s", why)
         for stage, seqs in failed:
             for seq in seqs:
-                self._results.put(StageResult(stage, seq, 0.0, error=why))
+                self._post(StageResult(stage, seq, 0.0, error=why))
 
 
 def _close_rings(rings: Mapping[Stage, tuple[MessageRing, MessageRing]]) -> None:

@@ -1,8 +1,9 @@
 """One stage's persistent ``Run`` stream (``StageLink``) and the options of the scheduler's stage channels.
 
 With message rings (``services.transport.ring``) a link writes its ops straight onto the stage's ops ring from
-the calling thread and reads the replies ring on its own thread; the stream then carries nothing and only tells
-that the stage (or the connection) is gone.
+the calling thread, and its replies are read by whichever thread calls :meth:`StageLink.drain` (the executor's
+poller, woken by the doorbell the stages ring); the stream then carries nothing and only tells that the stage (or
+the connection) is gone.
 """
 
 from __future__ import annotations
@@ -77,12 +78,10 @@ class StageLink:
         # gRPC drains the iterator on its own thread
         self.call = stub.Run(iter(self._outbox.get, _END), metadata=tuple(metadata))
         self._owner = owner
+        self._ring_lock = threading.RLock()  # one reader of the replies ring at a time; closing waits for it
+        self._rings_closed = False
         self._thread = threading.Thread(target=self._read, name=f"cdb-link-{stage.role}", daemon=True)
         self._thread.start()
-        self._ring_thread: threading.Thread | None = None
-        if rings is not None:
-            self._ring_thread = threading.Thread(target=self._read_ring, name=f"cdb-ring-{stage.role}", daemon=True)
-            self._ring_thread.start()
 
     @property
     def max_message(self) -> int | None:
@@ -105,25 +104,27 @@ class StageLink:
             why = f"{self.stage.role} stage failed ({exc})"
             threading.Thread(target=self._owner.on_broken, args=(self.stage, self.epoch, why), daemon=True).start()
 
-    def _read_ring(self) -> None:
-        """Replies from the replies ring until the link is cancelled; then the rings are unmapped (and unlinked)."""
-        assert self._rings is not None
-        ops, replies = self._rings
-        try:
+    def drain(self) -> int:
+        """Hand every reply waiting on the replies ring to the owner, on the calling thread; how many there were.
+        0 without rings, and once the link is cancelled (its rings are then unmapped and unlinked)."""
+        if self._rings is None:
+            return 0
+        n = 0
+        with self._ring_lock:
+            if self._rings_closed:
+                return 0
+            replies = self._rings[1]
             while True:
                 try:
-                    got = replies.get()
+                    got = replies.get(timeout=0.0)
                 except RingClosed:
                     break
                 if got is None:
-                    continue
+                    break
                 stamps = (got[1], time.perf_counter_ns())  # written by the stage, read here
                 self._owner.on_reply(self.stage, self.epoch, pb.StageReply.FromString(got[0]), stamps)
-        finally:
-            ops.shut()
-            replies.shut()
-            ops.close()
-            replies.close()
+                n += 1
+        return n
 
     def _read(self) -> None:
         replies: Iterator[pb.StageReply] = self.call
@@ -142,15 +143,21 @@ class StageLink:
         self._outbox.put(_END)
 
     def cancel(self) -> None:
-        """End the stream now (the stage drops what it has); does not wait for the readers."""
-        if self._rings is not None:
-            for ring in self._rings:
+        """End the stream now (the stage drops what it has); the rings are unmapped once no drain reads them.
+        Does not wait for the stream's reader."""
+        rings = self._rings
+        if rings is not None:
+            for ring in rings:
                 ring.shut()
+            with self._ring_lock:
+                if not self._rings_closed:
+                    self._rings_closed = True
+                    for ring in rings:
+                        ring.close()
         self._outbox.put(_END)
         self.call.cancel()
 
     def close(self) -> None:
         self.cancel()
-        for thread in (self._thread, self._ring_thread):
-            if thread is not None and threading.current_thread() is not thread:
-                thread.join(timeout=5)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=5)

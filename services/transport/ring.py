@@ -18,6 +18,11 @@ Records start on 16-byte boundaries, so a record header always fits before the e
 producer's ``time.perf_counter_ns()`` at ``put`` (``CLOCK_MONOTONIC``: comparable across the processes of a
 host): a stage's op log reads an op's arrival from it.
 
+Replies rings share a doorbell (:class:`Doorbell`, a futex word in a segment of its own that the executor makes
+and names in ``Configure``): a stage rings it after each reply it writes, so the scheduler's engine thread waits
+for the replies of all three stages on one word and reads them itself, with no reader thread between a reply and
+the planner (a hand-over through another thread costs the interpreter lock twice and a queue).
+
 Ordering: the producer writes the payload, then the ``written`` total (one aligned 8-byte store), then bumps the
 data word and wakes; the consumer reads the data word, then ``written``, then the payload. That relies on stores
 becoming visible in program order, which x86-64 guarantees (``SUPPORTED``); elsewhere the stages use the gRPC
@@ -100,19 +105,20 @@ class MessageRing:
 
     # --- producer --------------------------------------------------------------------------------------------
 
-    def put(self, payload: bytes, timeout: float) -> None:
-        """Append one record (stamped now) and wake the consumer. Waits up to ``timeout`` seconds for space.
+    def put(self, payload: bytes, timeout: float, wake: bool = True) -> None:
+        """Append one record (stamped now) and wake the consumer (``wake=False``: the caller rings the consumer's
+        :class:`Doorbell` instead). Waits up to ``timeout`` seconds for space.
 
         Raises :class:`RingClosed`, :class:`RingFull`, or ValueError for a payload larger than ``max_record``."""
         n = len(payload)
         if n > self.max_record:
             raise ValueError(f"a {n}-byte message does not fit a {self.capacity}-byte stage ring")
         try:
-            self._put(payload, n, timeout)
+            self._put(payload, n, timeout, wake)
         except ValueError:  # the views were released under this call: the ring was closed here
             raise RingClosed("stage ring closed") from None
 
-    def _put(self, payload: bytes, n: int, timeout: float) -> None:
+    def _put(self, payload: bytes, n: int, timeout: float, wake: bool = True) -> None:
         if self._segment is None:
             raise RingClosed("stage ring closed")
         q, cap = self._q, self.capacity
@@ -143,7 +149,8 @@ class MessageRing:
         start = offset + _REC.size
         data[start : start + n] = payload
         q[_WRITTEN] = written + need  # publishes the record (x86-64: stores are seen in program order)
-        self._bump(_DATA_WORD, self._data_addr)
+        if wake:
+            self._bump(_DATA_WORD, self._data_addr)
 
     def _bump(self, slot: int, addr: int) -> None:
         words = self._words
@@ -226,5 +233,68 @@ class MessageRing:
             return
         for view in (self._q, self._words, self._data):
             view.release()
+        del self._anchor
+        close_segment(segment, unlink=self.owner)
+
+
+class Doorbell:
+    """One futex word in a segment of its own: any number of producers ring it, one consumer waits on it for all
+    of them (the engine thread, for the replies of the three stages). Use :meth:`create` / :meth:`attach`.
+
+    The consumer reads :meth:`word`, then looks at what the producers write (the replies rings), and sleeps in
+    :meth:`wait` only if it found nothing: a producer that wrote meanwhile changed the word, so the sleep returns
+    at once. Sleeps are capped at 5 ms (a missed wake costs at most that)."""
+
+    SIZE = 64
+
+    def __init__(self, segment: shared_memory.SharedMemory, owner: bool) -> None:
+        self.name = segment.name
+        self.owner = owner
+        self._segment: shared_memory.SharedMemory | None = segment
+        buf = segment.buf
+        assert buf is not None
+        self._words = buf[:4].cast("i")
+        self._anchor = ctypes.c_char.from_buffer(buf)  # pins the mapping for the futex address
+        self._addr = ctypes.addressof(self._anchor)
+
+    @classmethod
+    def create(cls, what: str) -> Doorbell:
+        return cls(create_segment("bell", cls.SIZE, what), owner=True)
+
+    @classmethod
+    def attach(cls, name: str) -> Doorbell:
+        return cls(attach_segment(name), owner=False)
+
+    def word(self) -> int:
+        """The word now (read before looking for work; 0 once closed)."""
+        try:
+            return self._words[0]
+        except ValueError:  # closed under the caller
+            return 0
+
+    def ring(self) -> None:
+        """Change the word and wake the sleeper (no-op once closed)."""
+        try:
+            word = self._words[0]
+            self._words[0] = word + 1 if word < 0x7FFFFFFF else 0
+        except ValueError:
+            return
+        futex.wake(self._addr)
+
+    def wait(self, word: int, timeout_s: float) -> None:
+        """Sleep while the word is still ``word``, at most ``timeout_s`` (and 5 ms); may return early."""
+        if timeout_s <= 0:
+            return
+        if self._segment is None:  # closed: nothing will ring it
+            time.sleep(min(_SLICE_S, timeout_s))
+        else:
+            futex.wait(self._addr, word, min(_SLICE_S, timeout_s))
+
+    def close(self) -> None:
+        """Unmap; the owner also unlinks. Idempotent. Call once no thread of this process uses the doorbell."""
+        segment, self._segment = self._segment, None
+        if segment is None:
+            return
+        self._words.release()
         del self._anchor
         close_segment(segment, unlink=self.owner)

@@ -14,9 +14,10 @@ only ever parsed as protobuf.
 A session configured with message rings (``ConfigureRequest.rings``, ``services.transport.ring``) takes its
 batches from the ops ring and writes its replies to the replies ring, both on the executor thread itself:
 
-    ops ring --executor: fences, compute, complete(seq)--> replies ring
+    ops ring --executor: fences, compute, complete(seq)--> replies ring, doorbell
 
-with no thread hop on the way; its Run stream carries nothing and only ends the session when it ends.
+with no thread hop on the way (the doorbell, named in ``StageRings``, wakes the scheduler's engine thread, which
+reads the replies itself); its Run stream carries nothing and only ends the session when it ends.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ from services.transport.convert import (
     role_to_pb,
 )
 from services.transport.fences import FenceAborted, FenceBoard, FenceTimeout
-from services.transport.ring import MessageRing, RingClosed, RingFull
+from services.transport.ring import Doorbell, MessageRing, RingClosed, RingFull
 from services.transport.watchdog import this_process
 
 log = logging.getLogger("cdb.stage")
@@ -90,6 +91,7 @@ class _Session:
     worker: Any  # a StageWorker; None once closed
     holder: str
     rings: tuple[MessageRing, MessageRing] | None = None  # ops, replies (``ConfigureRequest.rings``)
+    doorbell: Doorbell | None = None  # rung after each reply on the replies ring (``StageRings.doorbell``)
     lock: threading.Lock = field(default_factory=threading.Lock)
     streams: int = 0
     closed: bool = False
@@ -110,6 +112,8 @@ class _Session:
             self.fences.close()
             for ring in self.rings or ():
                 ring.close()
+            if self.doorbell is not None:
+                self.doorbell.close()
             if op_log and self.timeline:
                 write_op_log(op_log, role, self.holder, self.timeline)
 
@@ -228,7 +232,7 @@ class StageService(stage_pb2_grpc.StageServicer):
         )
 
     def _attach(self, request: pb.ConfigureRequest, context: grpc.ServicerContext) -> _Session:
-        attached: list[SharedBank | FenceBoard | MessageRing] = []
+        attached: list[SharedBank | FenceBoard | MessageRing | Doorbell] = []
         try:
             bank = SharedBank.attach(bank_spec_from_pb(request.bank))
             attached.append(bank)
@@ -236,13 +240,16 @@ class StageService(stage_pb2_grpc.StageServicer):
             attached.append(tokens)
             fences = FenceBoard.attach(request.fences.name)
             attached.append(fences)
-            rings = None
+            rings, doorbell = None, None
             if request.HasField("rings"):
                 ops = MessageRing.attach(request.rings.ops)
                 attached.append(ops)
                 replies = MessageRing.attach(request.rings.replies)
                 attached.append(replies)
                 rings = (ops, replies)
+                if request.rings.doorbell:
+                    doorbell = Doorbell.attach(request.rings.doorbell)
+                    attached.append(doorbell)
             assert bank.tensor is not None and tokens.tensor is not None
             kv = request.kv
             layout = KVLayout(KVPolicy(kv.policy), kv.max_depth, kv.shared_after)
@@ -255,7 +262,7 @@ class StageService(stage_pb2_grpc.StageServicer):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"cannot attach the shared memory: {exc}")
             raise  # not reached: abort raises
         timeline: list[tuple[int, ...]] | None = [] if self.settings.stage_op_log else None
-        return _Session(bank, tokens, fences, worker, request.holder, rings, timeline=timeline)
+        return _Session(bank, tokens, fences, worker, request.holder, rings, doorbell, timeline=timeline)
 
     def Run(self, request_iterator: Iterator[pb.StageBatch], context: grpc.ServicerContext) -> Iterator[pb.StageReply]:
         with self._lock:
@@ -272,7 +279,7 @@ class StageService(stage_pb2_grpc.StageServicer):
             inbox, sink = queue.SimpleQueue(), outbox
         else:  # the executor reads its ops and writes its replies itself; the stream is the session's lifeline
             inbox = _RingInbox(session.rings[0], self.settings.fence_spin_s)
-            sink = _RingOutbox(session.rings[1], outbox, self.settings.stage_hang_floor_s)
+            sink = _RingOutbox(session.rings[1], outbox, self.settings.stage_hang_floor_s, session.doorbell)
         stop = threading.Event()
 
         def on_done() -> None:
@@ -507,17 +514,22 @@ class _RingOutbox:
     """Replies go onto a session's replies ring from the executor thread; stream items (the end, an abort) go to
     the stream's own queue. A replies ring its scheduler stops reading ends the stream (ABORTED)."""
 
-    def __init__(self, ring: MessageRing, stream: queue.SimpleQueue[Any], timeout: float) -> None:
+    def __init__(
+        self, ring: MessageRing, stream: queue.SimpleQueue[Any], timeout: float, doorbell: Doorbell | None = None
+    ) -> None:
         self._ring = ring
         self._stream = stream
         self._timeout = timeout
+        self._doorbell = doorbell  # the scheduler waits on it for every stage's replies (else on the ring's word)
 
     def put(self, item: Any) -> None:
         if not isinstance(item, pb.StageReply):
             self._stream.put(item)
             return
         try:
-            self._ring.put(item.SerializeToString(), self._timeout)
+            self._ring.put(item.SerializeToString(), self._timeout, wake=self._doorbell is None)
+            if self._doorbell is not None:
+                self._doorbell.ring()
         except RingClosed:
             self._stream.put(_END)  # the scheduler closed the session: nothing more to say
         except (RingFull, ValueError) as exc:
