@@ -10,7 +10,7 @@
 # --tmpfs /tmp: `cdb serve` keeps its sockets and stage secret in a private folder there.
 ARG PYTHON_VERSION=3.11
 
-FROM python:${PYTHON_VERSION}-slim
+FROM python:${PYTHON_VERSION}-slim AS base
 
 ARG TORCH_VERSION=2.13.0
 # The CPU wheel index keeps the image small (the default PyPI torch pulls the CUDA libraries).
@@ -30,6 +30,21 @@ RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
 COPY . /app
 RUN pip install /app \
     && python -c "import cdb.processes, services.scheduler.server, services.transport.stage_server, services.healthcheck"
+
+# The scheduler compiled with mypyc (cdb_scheduler/_native.py), in a stage of its own: the compiler and mypy stay
+# out of the image, only the built modules come over (they are used while they match the installed sources).
+FROM base AS native
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/* \
+    && pip install "mypy==2.4.1" "setuptools>=68" \
+    && cdb native build \
+    && cp -r "$(python -c 'from cdb_scheduler import _native; print(_native.BUILD)')" /native
+
+FROM base
+COPY --from=native /native /tmp/native
+RUN mv /tmp/native "$(python -c 'from cdb_scheduler import _native; print(_native.BUILD)')" \
+    && cdb native status | grep -q "compiled (mypyc)"
 
 # A numeric user (Kubernetes' runAsNonRoot can check it) and the paths it writes besides /tmp and /dev/shm:
 # /models is where checkpoint folders are mounted (CDB_MODEL=/models/NAME); /var/lib/cdb/secret is where

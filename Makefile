@@ -6,7 +6,12 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install run serve test lint typecheck stubs-check pytest protos bench clean
+.PHONY: install native run serve test lint typecheck stubs-check pytest protos bench clean
+
+# The scheduler compiled with mypyc (cdb_scheduler/_native.py): rebuilt when a compiled module changes. Without a C
+# compiler the build fails and the scheduler runs interpreted, as it does whenever the build does not match.
+NATIVE := cdb_scheduler/_native_build/manifest.json
+NATIVE_SOURCES := $(filter-out %/__init__.py %/_native.py %/prefill.py %/invariants.py,$(wildcard cdb_scheduler/*.py))
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -16,7 +21,12 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e ".[dev,eval]"
 	touch $(STAMP)
 
-install: $(STAMP)
+$(NATIVE): $(STAMP) $(NATIVE_SOURCES) cdb_scheduler/_native.py
+	$(BIN)/cdb native build || echo "cdb native build failed: the scheduler runs interpreted"
+
+native: $(NATIVE)
+
+install: $(STAMP) $(NATIVE)
 
 run: install
 	$(BIN)/cdb demo
@@ -48,4 +58,4 @@ bench: install
 	$(BIN)/cdb bench offline
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis .pycache
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis .pycache cdb_scheduler/_native_build

@@ -1,5 +1,5 @@
-"""The ``cdb`` command: serve, demo, generate, stage, scheduler, frontend, secret, trace, train, bench, eval,
-presets."""
+"""The ``cdb`` command: serve, demo, generate, stage, scheduler, frontend, secret, trace, native, train, bench,
+eval, presets."""
 
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ COMMANDS = {
     ),
     "secret": ("cdb.processes", "secret_main", "make the stage plane's secret file (0600) if it does not exist"),
     "trace": ("services.telemetry.trace_cli", "main", "receive OTLP spans here and print each request's trace tree"),
+    "native": ("cdb.native", "main", "the scheduler compiled with mypyc: build | status | clean"),
 }
 
 

@@ -55,6 +55,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import cdb_scheduler
 from cdb_bench import outputs
 from cdb_engine.config import EngineConfig, RequestParams, Speculative
 from cdb_engine.engine import Engine, StageSetup
@@ -570,6 +571,7 @@ def main(argv: list[str] | None = None) -> int:
     for point in outputs.progress(todo, len(todo), "hostpath", enabled=not args.json):
         rows.append(run_point(point, args.warmup, args.seconds))
     summary = {"points": rows, "seconds": args.seconds, "warmup_s": args.warmup}
+    summary["native_scheduler"] = cdb_scheduler.NATIVE
     print(json.dumps(summary, indent=2) if args.json else _table(rows))
     if args.out:
         for path in write_outputs(summary, args.out):

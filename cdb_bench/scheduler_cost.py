@@ -24,6 +24,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import cdb_scheduler
 from cdb_bench import outputs
 from cdb_bench.step_time import LoopStepTimer
 from cdb_bench.workload import depth_sampler
@@ -174,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(fig)
     summary = {"model": args.model, "depth_mean": args.depth_mean, "exits": args.exits, "widths": rows}
     summary["fuse_loop_head"] = args.fuse_loop_head == "on"
+    summary["native_scheduler"] = cdb_scheduler.NATIVE  # compiled (mypyc) or interpreted: ``cdb native status``
     if args.out:
         outputs.write_json(args.out, "scheduler", summary)
         labels = [str(r["max_num_seqs"]) for r in rows]

@@ -77,6 +77,18 @@ class SamplingParams:
     return_logprob: bool = False
     processing: LogitsProcessing | None = None  # penalties, logit bias, min_tokens (None: the logits as they are)
 
+    def __reduce__(self) -> tuple[type[SamplingParams], tuple[object, ...]]:
+        """Pickled as its fields (the front-end link), as a compiled frozen class must be."""
+        return SamplingParams, (
+            self.temperature,
+            self.top_k,
+            self.top_p,
+            self.seed,
+            self.logprobs,
+            self.return_logprob,
+            self.processing,
+        )
+
 
 @dataclass(frozen=True, slots=True)
 class LogitsProcessing:
@@ -92,6 +104,17 @@ class LogitsProcessing:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
     min_tokens: int = 0
     stop_ids: tuple[int, ...] = ()  # banned while the token index < min_tokens
+
+    def __reduce__(self) -> tuple[type[LogitsProcessing], tuple[object, ...]]:
+        """Pickled as its fields (the front-end link), as a compiled frozen class must be."""
+        return LogitsProcessing, (
+            self.presence_penalty,
+            self.frequency_penalty,
+            self.repetition_penalty,
+            self.logit_bias,
+            self.min_tokens,
+            self.stop_ids,
+        )
 
     @property
     def penalized(self) -> bool:

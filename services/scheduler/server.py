@@ -47,6 +47,7 @@ from cdb_engine.errors import EngineStopped
 from cdb_engine.isolation import isolating
 from cdb_engine.limits import describe
 from cdb_engine.setup import StageSetup
+from cdb_scheduler import _native as native
 from cdb_scheduler.plan import Executor, Stage
 from services import telemetry
 from services.net import NO_REUSEPORT, bound_address, is_host_port, listen_on, require_loopback, write_ready_file
@@ -181,6 +182,7 @@ async def serve(
     address = bound_address(listen, port)
     log.info("cdb.v1.Generation (%s) serving on %s (%s)", service.deployment, address, security.describe())
     log.info("%s: %s", engine.config.model, describe(engine.limits))
+    log.info("scheduler: %s", native.describe())
     if ready_file:
         write_ready_file(ready_file, address)
     await stop.wait()

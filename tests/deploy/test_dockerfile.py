@@ -120,12 +120,30 @@ def test_ports_agree_with_compose(instructions: list[tuple[str, str]]) -> None:
 
 
 def test_build_arguments(instructions: list[tuple[str, str]]) -> None:
-    assert _all(instructions, "FROM") == ["python:${PYTHON_VERSION}-slim"]
+    assert _all(instructions, "FROM") == ["python:${PYTHON_VERSION}-slim AS base", "base AS native", "base"]
     args = set(_all(instructions, "ARG"))
     assert {"PYTHON_VERSION=3.11", "TORCH_VERSION=2.13.0"} <= args
     assert "TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu" in args, "CPU torch by default"
     script = " ".join(_all(instructions, "RUN"))
     assert '"torch==${TORCH_VERSION}"' in script and "pip install /app" in script
+
+
+def test_the_image_runs_the_compiled_scheduler(instructions: list[tuple[str, str]]) -> None:
+    """Built in a stage of its own (the compiler and mypy stay out of the image), checked in use in the image."""
+    stages: list[str] = [""]  # the preamble (ARGs), then each stage's instructions from its FROM
+    for inst, rest in instructions:
+        if inst == "FROM":
+            stages.append("")
+        stages[-1] += f"{inst} {rest}\n"
+    native = next(stage for stage in stages if stage.startswith("FROM base AS native"))
+    assert "gcc" in native and "cdb native build" in native
+    mypy = re.search(r'"mypy==([\d.]+)"', native)
+    assert mypy and f'"mypy=={mypy.group(1)}"' in (ROOT / "pyproject.toml").read_text(), "the dev extra's mypy"
+    final = stages[-1]
+    assert final.startswith("FROM base\n") and "COPY --from=native" in final and "gcc" not in final
+    assert 'cdb native status | grep -q "compiled (mypyc)"' in final
+    ignored = (ROOT / ".dockerignore").read_text().split()
+    assert "cdb_scheduler/_native_build" in ignored, "never a build made for the host's interpreter"
 
 
 def test_dockerignore_keeps_only_the_shipped_model() -> None:

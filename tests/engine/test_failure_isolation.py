@@ -7,6 +7,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable
+from typing import Any, cast
 
 import pytest
 
@@ -19,6 +20,7 @@ from cdb_engine.isolation import IsolatingExecutor, isolating, stand_in
 from cdb_engine.setup import StageSetup
 from cdb_scheduler.plan import Fence, HeadOp, KVUpdate, LoopOp, SamplingParams, Stage, StageLoss, StageOp, StageResult
 from cdb_scheduler.request import FinishReason
+from cdb_scheduler.scheduler import Scheduler
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -157,6 +159,21 @@ def test_a_request_whose_op_cannot_be_sent_fails_and_the_others_are_untouched() 
         ]
 
 
+class _FailsOnceRunning:
+    """A scheduler whose planning raises once a request runs; everything else is the wrapped one's."""
+
+    def __init__(self, inner: Scheduler) -> None:
+        self._inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def schedule(self) -> list[StageOp]:
+        if self._inner.running:
+            raise RuntimeError("injected scheduler failure")
+        return self._inner.schedule()
+
+
 def test_an_engine_loop_that_fails_fails_every_live_request_then_calls_on_fatal() -> None:
     order: list[str] = []
     fatal = threading.Event()
@@ -165,16 +182,10 @@ def test_an_engine_loop_that_fails_fails_every_live_request_then_calls_on_fatal(
         order.append(f"fatal: {error}")
         fatal.set()
 
-    engine = Engine(CFG, on_fatal=on_fatal).start()
+    engine = Engine(CFG, on_fatal=on_fatal)
+    engine.scheduler = cast(Scheduler, _FailsOnceRunning(engine.scheduler))  # (a compiled class takes no patch)
+    engine.start()
     try:
-        original = engine.scheduler.schedule
-
-        def schedule() -> list[StageOp]:
-            if engine.scheduler.running:
-                raise RuntimeError("injected scheduler failure")
-            return original()
-
-        engine.scheduler.schedule = schedule  # type: ignore[method-assign]
 
         def sink(ev: Event) -> None:  # on the engine thread, like on_fatal: the order is the engine's
             if isinstance(ev, FinishEvent):

@@ -5,15 +5,21 @@ lone stream's chain of loop ops."""
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib.util
 import random
+import sys
 import threading
 import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+import cdb_engine.engine
+import cdb_scheduler
 from cdb_engine.config import EngineConfig, RequestParams
 from cdb_engine.engine import Engine, FinishEvent
 from cdb_engine.inprocess import shared_model_factory
@@ -43,10 +49,26 @@ def kjv_on(**fields: Any) -> EngineConfig:
     )
 
 
+@functools.cache
+def interpreted_scheduler() -> type[Scheduler]:
+    """The ``Scheduler`` class run from its source by the interpreter, even where the compiled build is imported
+    (``cdb_scheduler._native``): a compiled class's methods cannot be wrapped."""
+    name = "cdb_scheduler._interpreted_scheduler"
+    spec = importlib.util.spec_from_file_location(name, Path(cdb_scheduler.__file__).parent / "scheduler.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # (dataclasses look their module up)
+    spec.loader.exec_module(module)
+    cls: type[Scheduler] = module.Scheduler
+    return cls
+
+
 @contextlib.contextmanager
 def watching_drafts(seen: Callable[[Scheduler, list[Item], list[Item]], None]) -> Iterator[None]:
-    """Call ``seen(scheduler, items, drafts)`` whenever the scheduler forms a loop op's drafts."""
-    original = Scheduler._draft
+    """Call ``seen(scheduler, items, drafts)`` whenever the scheduler forms a loop op's drafts (engines made meanwhile
+    run the interpreted scheduler, whose ``_draft`` is wrapped)."""
+    cls = interpreted_scheduler()
+    original = cls._draft
 
     def record(self: Scheduler, items: list[Item], width: int) -> list[Item]:
         drafts = original(self, items, width)
@@ -54,7 +76,8 @@ def watching_drafts(seen: Callable[[Scheduler, list[Item], list[Item]], None]) -
         return drafts
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(Scheduler, "_draft", record)
+        mp.setattr(cls, "_draft", record)
+        mp.setattr(cdb_engine.engine, "Scheduler", cls)
         yield
 
 

@@ -24,7 +24,7 @@ from cdb_engine.config import RequestParams
 from cdb_engine.engine import Engine
 from cdb_engine.errors import InvalidRequest
 from cdb_engine.events import FinishEvent, TokenEvent
-from cdb_scheduler.plan import SamplingParams
+from cdb_scheduler.plan import LogitsProcessing, SamplingParams
 from cdb_scheduler.request import FinishReason
 from services.frontend.remote import LinkClient, MetricsRelay, RemoteEngine
 from services.scheduler.handlers import GenerationService
@@ -246,7 +246,9 @@ class _Evil:
 
 
 def test_frames_carry_data_not_code() -> None:
-    params = RequestParams(max_tokens=3, sampling=SamplingParams(temperature=0.5, seed=1), stop_strings=("a",))
+    processing = LogitsProcessing(presence_penalty=0.5, logit_bias=((3, 1.0),), min_tokens=2, stop_ids=(0,))
+    sampling = SamplingParams(temperature=0.5, top_k=4, top_p=0.9, seed=1, logprobs=2, processing=processing)
+    params = RequestParams(max_tokens=3, sampling=sampling, stop_strings=("a",))
     event = FinishEvent("k", FinishReason.STOP, 1, 2, 3)
     assert loads(dumps(("submit", 1, "k", [1, 2], params, ""))) == ("submit", 1, "k", [1, 2], params, "")
     token = TokenEvent("k", 0, 5, "a", 3, None, 7)
