@@ -17,7 +17,7 @@ shows them (``config_json``) with their digest and each stage's digest.
 | ``CDB_CONFIG`` | (unset) | config file (TOML; YAML: .yaml/.yml) of any keys below; ``--config`` overrides it |
 | ``CDB_STAGE_THREADS`` | 1 | torch intra-op threads per stage process (three stages share the host's cores) |
 | ``CDB_FENCE_TIMEOUT_S`` | 600 | a stage fails a batch whose fences stay unmet this long (or the batch's own limit) |
-| ``CDB_FENCE_SPIN_S`` | 0.0002 | a stage busy-waits this long on a fence, or idle for its next op, before it sleeps |
+| ``CDB_FENCE_SPIN_S`` | auto | spin on a fence or for the next op before sleeping; auto: 2e-4 s on 8+ cores, else 0 |
 | ``CDB_STAGE_CONNECT_TIMEOUT_S`` | 120 | how long the scheduler waits for its stages to be ready at start |
 | ``CDB_STAGE_KEEPALIVE_S`` | 5 | HTTP/2 keepalive ping interval on stage channels (a frozen stage is detected) |
 | ``CDB_STAGE_PROBE_TIMEOUT_S`` | 2 | deadline of the health probe of each stage |
@@ -143,6 +143,10 @@ def _help(text: str, default: Any = dataclasses.MISSING, **kw: Any) -> Any:
     return field(default=default, metadata={"help": text}, **kw)
 
 
+SPIN_MIN_CPUS = 8  # ``fence_spin_s`` auto: spin only where the tree's processes leave cores to spare
+_SPIN_S = 2e-4
+
+
 @dataclass(frozen=True, slots=True)
 class Settings:
     """Operational knobs of the stage servers, the scheduler service and the launcher."""
@@ -151,8 +155,9 @@ class Settings:
     fence_timeout_s: float = _help(
         "a stage fails a batch whose fences stay unmet this long (or the batch's own limit)", 600.0
     )
-    fence_spin_s: float = _help(
-        "a stage busy-waits this long on a fence, or idle for its next op, before it sleeps", 2e-4
+    fence_spin_s: float | None = _help(
+        f"spin on a fence or for the next op before sleeping; auto: 2e-4 s on {SPIN_MIN_CPUS}+ cores, else 0",
+        None,
     )
     stage_connect_timeout_s: float = _help("how long the scheduler waits for its stages to be ready at start", 120.0)
     stage_keepalive_s: float = _help(
@@ -243,6 +248,14 @@ class Settings:
         if self.tls_client_ca and not self.tls_cert:
             raise SettingsError("CDB_TLS_CLIENT_CA needs CDB_TLS_CERT and CDB_TLS_KEY (mTLS is TLS first)")
 
+    @property
+    def spin_s(self) -> float:
+        """``fence_spin_s`` resolved on this host (auto: spin only where there are cores to spare)."""
+        if self.fence_spin_s is not None:
+            return self.fence_spin_s
+        usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        return _SPIN_S if usable >= SPIN_MIN_CPUS else 0.0
+
 
 _ADDRESSES = frozenset({"metrics_addr", "http_addr"})
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -274,6 +287,8 @@ def _problem(name: str, value: Any) -> str | None:
     if isinstance(value, str):
         return "must be HOST:PORT (or :PORT)" if name in _ADDRESSES and value and not is_host_port(value) else None
     if isinstance(value, bool):
+        return None
+    if value is None:  # auto
         return None
     if name in ("fence_spin_s", "throughput_log_interval_s", "frontends"):
         return None if value >= 0 else "must be >= 0"

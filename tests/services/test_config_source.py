@@ -257,3 +257,19 @@ def test_every_process_of_a_served_tree_runs_the_one_resolved_configuration(tmp_
     for role, cmdline in cmdlines.items():
         assert b"--resolved-config" in cmdline, (role, cmdline)
         assert not any(a.startswith((b"--max-num-seqs", b"--model", b"--config")) for a in cmdline), (role, cmdline)
+
+
+def test_the_stage_spin_is_auto_by_core_count_unless_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``CDB_FENCE_SPIN_S`` auto: a stage spins only on a host with cores to spare (on fewer, the spin takes the
+    core the scheduler needs); a value given is used as given, 0 included."""
+    from services.settings import SPIN_MIN_CPUS, Settings
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(SPIN_MIN_CPUS)))
+    assert Settings().fence_spin_s is None and Settings().spin_s == 2e-4
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(SPIN_MIN_CPUS - 1)))
+    assert Settings().spin_s == 0.0
+    assert Settings(fence_spin_s=5e-5).spin_s == 5e-5 and Settings(fence_spin_s=0.0).spin_s == 0.0
+    assert load_settings(environ={"CDB_FENCE_SPIN_S": "auto"}).fence_spin_s is None
+    assert load_settings(environ={"CDB_FENCE_SPIN_S": "1e-4"}).spin_s == 1e-4
+    with pytest.raises(SettingsError, match="CDB_FENCE_SPIN_S='-1': must be >= 0"):
+        load_settings(environ={"CDB_FENCE_SPIN_S": "-1"})
