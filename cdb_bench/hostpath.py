@@ -358,9 +358,10 @@ def _config(point: Point) -> EngineConfig:
 
 def reaction_split(ops: Sequence[Sequence[int]], hops: HopLog, window: tuple[int, int], depth: int) -> dict[str, Any]:
     """Where the reaction goes, from the end of loop op k to the sending of op k + ``depth`` (the op its reply lets
-    the scheduler plan), hand-over by hand-over: the stage writes its reply (``stage_reply``), the scheduler's link
-    thread reads it off the ring (``ring``), the engine thread takes it (``to_engine``), plans and sends the op
-    (``engine``: 0 when the op had gone before). p50 and mean, µs, over the window's loop replies (rings only)."""
+    the scheduler plan), hand-over by hand-over: the stage writes its reply (``stage_reply``), the engine thread
+    reads it off the ring when it next polls (``ring``: mostly the engine busy with other work), takes its result
+    (``to_engine``), plans and sends the op (``engine``: 0 when the op had gone before). p50 and mean, µs, over the
+    window's loop replies (rings only)."""
     t0, t1 = window
     ended = {r[0]: r[6] for r in ops}
     sent = {seq: ns for stage, seq, ns in hops.sent if stage == Stage.LOOP}

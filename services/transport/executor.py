@@ -420,7 +420,7 @@ class GrpcExecutor:
         self.counters[stage].ping_rtts.append(rtt)
         return rtt
 
-    # --- called by the link threads --------------------------------------------------------------------------
+    # --- called by the links (the poller's drain; without rings, the stream reader threads) ---------------------
 
     def on_reply(self, stage: Stage, epoch: int, reply: pb.StageReply, stamps: tuple[int, int] | None = None) -> None:
         """A stage's reply (``stamps``: when the stage wrote it and when it was read, from a ring)."""

@@ -26,8 +26,8 @@ _END = object()
 
 
 class LinkOwner(Protocol):
-    """What a link reports to (the ``GrpcExecutor``), from its reader thread; ``epoch`` is the link's (replies of
-    a link from before the stages were re-attached are void)."""
+    """What a link reports to (the ``GrpcExecutor``), from its stream's reader thread or the thread that drains its
+    replies ring; ``epoch`` is the link's (replies of a link from before the stages were re-attached are void)."""
 
     def on_reply(
         self, stage: Stage, epoch: int, reply: pb.StageReply, stamps: tuple[int, int] | None = None
@@ -57,7 +57,8 @@ def channel_options(settings: Settings) -> list[tuple[str, int]]:
 
 class StageLink:
     """One stage's persistent Run stream: a send queue feeding gRPC, and a reader thread; with ``rings`` (the
-    session's ops and replies rings, which the link then owns) the data goes on the rings instead."""
+    session's ops and replies rings, which the link then owns) the data goes on the rings instead (replies are
+    read by :meth:`drain`)."""
 
     def __init__(
         self,
