@@ -178,7 +178,7 @@ class PreludeBatch(_message.Message):
     def __init__(self, rids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., positions: _Optional[_Iterable[int]] = ..., rows: _Optional[_Iterable[int]] = ..., init_seeds: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class LoopBatch(_message.Message):
-    __slots__ = ("rids", "positions", "rows", "steps", "prefill", "num_steps", "copy_rids", "copy_positions", "copy_from_slots", "head")
+    __slots__ = ("rids", "positions", "rows", "steps", "prefill", "num_steps", "copy_rids", "copy_positions", "copy_from_slots", "head", "columns")
     RIDS_FIELD_NUMBER: _ClassVar[int]
     POSITIONS_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
@@ -189,6 +189,7 @@ class LoopBatch(_message.Message):
     COPY_POSITIONS_FIELD_NUMBER: _ClassVar[int]
     COPY_FROM_SLOTS_FIELD_NUMBER: _ClassVar[int]
     HEAD_FIELD_NUMBER: _ClassVar[int]
+    COLUMNS_FIELD_NUMBER: _ClassVar[int]
     rids: _containers.RepeatedScalarFieldContainer[int]
     positions: _containers.RepeatedScalarFieldContainer[int]
     rows: _containers.RepeatedScalarFieldContainer[int]
@@ -199,10 +200,11 @@ class LoopBatch(_message.Message):
     copy_positions: _containers.RepeatedScalarFieldContainer[int]
     copy_from_slots: _containers.RepeatedScalarFieldContainer[int]
     head: HeadBatch
-    def __init__(self, rids: _Optional[_Iterable[int]] = ..., positions: _Optional[_Iterable[int]] = ..., rows: _Optional[_Iterable[int]] = ..., steps: _Optional[_Iterable[int]] = ..., prefill: _Optional[bool] = ..., num_steps: _Optional[int] = ..., copy_rids: _Optional[_Iterable[int]] = ..., copy_positions: _Optional[_Iterable[int]] = ..., copy_from_slots: _Optional[_Iterable[int]] = ..., head: _Optional[_Union[HeadBatch, _Mapping]] = ...) -> None: ...
+    columns: bytes
+    def __init__(self, rids: _Optional[_Iterable[int]] = ..., positions: _Optional[_Iterable[int]] = ..., rows: _Optional[_Iterable[int]] = ..., steps: _Optional[_Iterable[int]] = ..., prefill: _Optional[bool] = ..., num_steps: _Optional[int] = ..., copy_rids: _Optional[_Iterable[int]] = ..., copy_positions: _Optional[_Iterable[int]] = ..., copy_from_slots: _Optional[_Iterable[int]] = ..., head: _Optional[_Union[HeadBatch, _Mapping]] = ..., columns: _Optional[bytes] = ...) -> None: ...
 
 class HeadBatch(_message.Message):
-    __slots__ = ("rids", "positions", "rows", "sample", "token_index", "temperature", "top_k", "top_p", "seed", "logprobs", "return_logprob", "embed", "embed_ids", "score_ids", "processing", "history", "embed_rows")
+    __slots__ = ("rids", "positions", "rows", "sample", "token_index", "temperature", "top_k", "top_p", "seed", "logprobs", "return_logprob", "embed", "embed_ids", "score_ids", "processing", "history", "embed_rows", "columns")
     RIDS_FIELD_NUMBER: _ClassVar[int]
     POSITIONS_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
@@ -220,6 +222,7 @@ class HeadBatch(_message.Message):
     PROCESSING_FIELD_NUMBER: _ClassVar[int]
     HISTORY_FIELD_NUMBER: _ClassVar[int]
     EMBED_ROWS_FIELD_NUMBER: _ClassVar[int]
+    COLUMNS_FIELD_NUMBER: _ClassVar[int]
     rids: _containers.RepeatedScalarFieldContainer[int]
     positions: _containers.RepeatedScalarFieldContainer[int]
     rows: _containers.RepeatedScalarFieldContainer[int]
@@ -237,7 +240,8 @@ class HeadBatch(_message.Message):
     processing: _containers.RepeatedCompositeFieldContainer[LogitsProcessing]
     history: _containers.RepeatedCompositeFieldContainer[HistorySeed]
     embed_rows: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, rids: _Optional[_Iterable[int]] = ..., positions: _Optional[_Iterable[int]] = ..., rows: _Optional[_Iterable[int]] = ..., sample: _Optional[_Iterable[bool]] = ..., token_index: _Optional[_Iterable[int]] = ..., temperature: _Optional[_Iterable[float]] = ..., top_k: _Optional[_Iterable[int]] = ..., top_p: _Optional[_Iterable[float]] = ..., seed: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[int]] = ..., return_logprob: _Optional[_Iterable[bool]] = ..., embed: _Optional[_Iterable[bool]] = ..., embed_ids: _Optional[_Iterable[int]] = ..., score_ids: _Optional[_Iterable[int]] = ..., processing: _Optional[_Iterable[_Union[LogitsProcessing, _Mapping]]] = ..., history: _Optional[_Iterable[_Union[HistorySeed, _Mapping]]] = ..., embed_rows: _Optional[_Iterable[int]] = ...) -> None: ...
+    columns: bytes
+    def __init__(self, rids: _Optional[_Iterable[int]] = ..., positions: _Optional[_Iterable[int]] = ..., rows: _Optional[_Iterable[int]] = ..., sample: _Optional[_Iterable[bool]] = ..., token_index: _Optional[_Iterable[int]] = ..., temperature: _Optional[_Iterable[float]] = ..., top_k: _Optional[_Iterable[int]] = ..., top_p: _Optional[_Iterable[float]] = ..., seed: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[int]] = ..., return_logprob: _Optional[_Iterable[bool]] = ..., embed: _Optional[_Iterable[bool]] = ..., embed_ids: _Optional[_Iterable[int]] = ..., score_ids: _Optional[_Iterable[int]] = ..., processing: _Optional[_Iterable[_Union[LogitsProcessing, _Mapping]]] = ..., history: _Optional[_Iterable[_Union[HistorySeed, _Mapping]]] = ..., embed_rows: _Optional[_Iterable[int]] = ..., columns: _Optional[bytes] = ...) -> None: ...
 
 class LogitsProcessing(_message.Message):
     __slots__ = ("index", "presence_penalty", "frequency_penalty", "repetition_penalty", "bias_ids", "bias_values", "min_tokens", "stop_ids")

@@ -9,7 +9,7 @@ network:
 The executor thread runs batches back to back in ``seq`` order; it marks completion on the fence board BEFORE
 the reply is sent, so a stage waiting on this one starts without a round trip through the scheduler. A batch
 that fails (an exception, a fence timeout) gets a reply with ``error``; the stage keeps serving. Network bytes are
-only ever parsed as protobuf.
+only ever parsed as protobuf (and its packed columns as fixed-width numbers: ``convert``), never as code.
 
 A session configured with message rings (``ConfigureRequest.rings``, ``services.transport.ring``) takes its
 batches from the ops ring and writes its replies to the replies ring, both on the executor thread itself:

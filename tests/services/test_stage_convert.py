@@ -171,6 +171,43 @@ def test_op_round_trip_is_exact(op: StageOp) -> None:
     assert type(back) is type(op)
 
 
+@pytest.mark.parametrize("op", [op for op in OPS if not isinstance(op, PreludeOp)], ids=lambda op: f"{op.seq}")
+def test_packed_columns_and_repeated_fields_read_as_the_same_op(op: StageOp) -> None:
+    """The scheduler packs a loop op's and a head's columns; a batch with the repeated fields filled (another
+    sender's) reads as the same op."""
+    msg = op_to_pb(op)
+    heads = [msg.head] if msg.HasField("head") else [msg.loop.head] if msg.loop.HasField("head") else []
+    assert (msg.loop.columns if msg.HasField("loop") else msg.head.columns) or heads
+    if msg.HasField("loop"):
+        lp = msg.loop
+        lp.rids[:], lp.positions[:], lp.rows[:], lp.steps[:] = op.rids, op.positions, op.rows, op.steps
+        lp.columns = b""
+    for h, src in zip(heads, [op if isinstance(op, HeadOp) else op.head]):
+        assert src is not None and h.columns
+        h.rids[:], h.positions[:], h.rows[:], h.token_index[:] = src.rids, src.positions, src.rows, src.token_index
+        h.temperature[:] = [p.temperature for p in src.sampling]
+        h.top_k[:], h.top_p[:] = [p.top_k for p in src.sampling], [p.top_p for p in src.sampling]
+        h.seed[:] = [p.seed & (2**64 - 1) for p in src.sampling]
+        h.logprobs[:], h.return_logprob[:] = (
+            [p.logprobs for p in src.sampling],
+            [p.return_logprob for p in src.sampling],
+        )
+        h.columns = b""
+    assert op_from_pb(pb.StageBatch.FromString(msg.SerializeToString())) == op
+
+
+def test_truncated_columns_fail_the_op_naming_them() -> None:
+    loop = next(op for op in OPS if isinstance(op, LoopOp) and op.head is not None)
+    msg = op_to_pb(loop)
+    msg.loop.columns = msg.loop.columns[:-1]
+    with pytest.raises(ValueError, match=r"loop columns: \d+ bytes is not a whole number of 32-byte tokens"):
+        op_from_pb(msg)
+    msg = op_to_pb(loop)
+    msg.loop.head.columns = msg.loop.head.columns[:-3]
+    with pytest.raises(ValueError, match=r"head columns: \d+ bytes is not a whole number of 73-byte tokens"):
+        op_from_pb(msg)
+
+
 def test_ping_is_not_an_op() -> None:
     msg = pb.StageBatch(seq=-1, ping=pb.Ping())
     with pytest.raises(ValueError, match="no stage work"):
