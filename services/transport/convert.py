@@ -85,7 +85,15 @@ def role_from_pb(role: pb.StageRole) -> Stage:
 
 
 def op_to_pb(op: StageOp, traceparent: str = "", trace_contexts: Mapping[int, str] | None = None) -> pb.StageBatch:
-    """One stage op as the batch message of its stage's Run stream (with optional W3C trace context)."""
+    """One stage op as the batch message of its stage's Run stream (with optional W3C trace context). ValueError
+    for a value its field cannot carry (its packed column's or its protobuf field's range)."""
+    try:
+        return _op_to_pb(op, traceparent, trace_contexts)
+    except struct.error as exc:
+        raise ValueError(f"{op.stage.role} op {op.seq}: a column value out of range ({exc})") from None
+
+
+def _op_to_pb(op: StageOp, traceparent: str, trace_contexts: Mapping[int, str] | None) -> pb.StageBatch:
     msg = pb.StageBatch(seq=op.seq, released=op.released, traceparent=traceparent)
     if trace_contexts:
         msg.trace_contexts.update(trace_contexts)

@@ -45,7 +45,7 @@ class Collect:
 
 def test_an_op_that_overflows_its_wire_field_fails_only_its_request(tmp_path: Path) -> None:
     long = RequestParams(max_tokens=24, ignore_eos=True)
-    overflow = RequestParams(max_tokens=4, sampling=SamplingParams(temperature=1.0, top_k=2**31))  # int32 on the wire
+    overflow = RequestParams(max_tokens=4, sampling=SamplingParams(temperature=1.0, top_k=2**63))  # int64 on the wire
     with Engine(CFG) as local:
         (expected,) = local.generate([[10, 11, 12]], long)
     config = load_config("ouro-tiny")
@@ -58,7 +58,7 @@ def test_an_op_that_overflows_its_wire_field_fails_only_its_request(tmp_path: Pa
             assert other.first.wait(60)  # decoding: the overflowing request is prefilled in its own ops
             engine.submit([20, 21], overflow, bad)  # past Engine.validate, which would refuse it
             failed = bad.done.get(timeout=60)
-            assert failed.finish_reason is FinishReason.ERROR and "Value out of range" in (failed.error or "")
+            assert failed.finish_reason is FinishReason.ERROR and "a column value out of range" in (failed.error or "")
             assert other.done.get(timeout=60).finish_reason is FinishReason.LENGTH
             assert other.tokens == expected.token_ids
             again = Collect()
