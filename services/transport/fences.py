@@ -17,14 +17,13 @@ On CUDA a stage synchronizes its device work before ``complete``; interprocess C
 
 from __future__ import annotations
 
-import ctypes
 import time
 from collections.abc import Iterable, Mapping
 from multiprocessing import shared_memory
 
 from cdb_scheduler.plan import Fence, Stage
 from services.transport import futex
-from services.transport.segments import attach_segment, close_segment, create_segment
+from services.transport.segments import MappedSegment, attach_segment, create_segment
 
 _N = len(Stage)
 _ABORT = _N  # int64 index of the abort flag, after the counters
@@ -41,20 +40,14 @@ class FenceAborted(RuntimeError):
     """The fence board was aborted (the scheduler saw a stage fail): waiting is pointless."""
 
 
-class FenceBoard:
+class FenceBoard(MappedSegment):
     """Completion counters, wake words and an abort flag in shared memory. Use :meth:`create` / :meth:`attach`."""
 
     def __init__(self, segment: shared_memory.SharedMemory, owner: bool) -> None:
-        self.name = segment.name
-        self.owner = owner
-        self._segment: shared_memory.SharedMemory | None = segment
-        buf = segment.buf
-        assert buf is not None
+        buf = self._map(segment, owner)
         self._counters = buf[:_WAKE_OFFSET].cast("q")  # (_N + 1,) int64: counters, abort flag
         self._wake = buf[_WAKE_OFFSET : _WAKE_OFFSET + 4 * _N].cast("i")  # (_N,) int32
-        self._anchor = ctypes.c_char.from_buffer(buf)  # pins the mapping for the futex addresses
-        base = ctypes.addressof(self._anchor)
-        self._wake_addr = [base + _WAKE_OFFSET + 4 * i for i in range(_N)]
+        self._wake_addr = [self._base + _WAKE_OFFSET + 4 * i for i in range(_N)]
 
     @classmethod
     def create(cls, completed: Mapping[Stage, int] | None = None) -> FenceBoard:
@@ -136,10 +129,4 @@ class FenceBoard:
 
     def close(self) -> None:
         """Unmap; the owner also unlinks. Idempotent."""
-        if self._segment is None:
-            return
-        self._counters.release()
-        self._wake.release()
-        del self._anchor
-        close_segment(self._segment, unlink=self.owner)
-        self._segment = None
+        self._unmap(self._counters, self._wake)

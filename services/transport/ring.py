@@ -32,7 +32,6 @@ stream for data, as before.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import platform
 import struct
 import sys
@@ -40,7 +39,7 @@ import time
 from multiprocessing import shared_memory
 
 from services.transport import futex
-from services.transport.segments import attach_segment, close_segment, create_segment
+from services.transport.segments import MappedSegment, attach_segment, create_segment
 
 SUPPORTED = sys.platform == "linux" and platform.machine() in ("x86_64", "AMD64") and futex.AVAILABLE
 
@@ -65,27 +64,22 @@ def _aligned(n: int) -> int:
     return (n + _ALIGN - 1) & ~(_ALIGN - 1)
 
 
-class MessageRing:
+class MessageRing(MappedSegment):
     """A single-producer single-consumer ring of byte records in shared memory. Use :meth:`create` /
     :meth:`attach`."""
 
     def __init__(self, segment: shared_memory.SharedMemory, owner: bool) -> None:
-        self.name = segment.name
-        self.owner = owner
-        self._segment: shared_memory.SharedMemory | None = segment
-        buf = segment.buf
-        assert buf is not None
-        self.capacity = len(buf) - _HEADER
-        if self.capacity <= 0 or self.capacity % _ALIGN:
-            raise ValueError(f"shared-memory segment {segment.name} is not a message ring ({len(buf)} bytes)")
+        capacity = len(segment.buf or b"") - _HEADER
+        if capacity <= 0 or capacity % _ALIGN:
+            raise ValueError(f"shared-memory segment {segment.name} is not a message ring ({capacity + _HEADER} bytes)")
+        buf = self._map(segment, owner)
+        self.capacity = capacity
         self._buf = buf
         self._data = buf[_HEADER:]
         self._q = buf[:24].cast("q")
         self._words = buf[:32].cast("i")
-        self._anchor = ctypes.c_char.from_buffer(buf)  # pins the mapping for the futex addresses
-        base = ctypes.addressof(self._anchor)
-        self._data_addr = base + 4 * _DATA_WORD
-        self._space_addr = base + 4 * _SPACE_WORD
+        self._data_addr = self._base + 4 * _DATA_WORD
+        self._space_addr = self._base + 4 * _SPACE_WORD
         self._interrupted = False  # this process's consumer was told to stop waiting (``interrupt``)
 
     @classmethod
@@ -228,16 +222,10 @@ class MessageRing:
 
     def close(self) -> None:
         """Unmap; the owner also unlinks. Idempotent. Call once no thread of this process uses the ring."""
-        segment, self._segment = self._segment, None
-        if segment is None:
-            return
-        for view in (self._q, self._words, self._data):
-            view.release()
-        del self._anchor
-        close_segment(segment, unlink=self.owner)
+        self._unmap(self._q, self._words, self._data)
 
 
-class Doorbell:
+class Doorbell(MappedSegment):
     """One futex word in a segment of its own: any number of producers ring it, one consumer waits on it for all
     of them (the engine thread, for the replies of the three stages). Use :meth:`create` / :meth:`attach`.
 
@@ -248,14 +236,8 @@ class Doorbell:
     SIZE = 64
 
     def __init__(self, segment: shared_memory.SharedMemory, owner: bool) -> None:
-        self.name = segment.name
-        self.owner = owner
-        self._segment: shared_memory.SharedMemory | None = segment
-        buf = segment.buf
-        assert buf is not None
-        self._words = buf[:4].cast("i")
-        self._anchor = ctypes.c_char.from_buffer(buf)  # pins the mapping for the futex address
-        self._addr = ctypes.addressof(self._anchor)
+        self._words = self._map(segment, owner)[:4].cast("i")
+        self._addr = self._base
 
     @classmethod
     def create(cls, what: str) -> Doorbell:
@@ -292,9 +274,4 @@ class Doorbell:
 
     def close(self) -> None:
         """Unmap; the owner also unlinks. Idempotent. Call once no thread of this process uses the doorbell."""
-        segment, self._segment = self._segment, None
-        if segment is None:
-            return
-        self._words.release()
-        del self._anchor
-        close_segment(segment, unlink=self.owner)
+        self._unmap(self._words)

@@ -20,6 +20,7 @@ reserved up front, and swept once their owner is gone.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import fcntl
 import functools
@@ -176,3 +177,35 @@ def sweep_stale_segments(shm_dir: str = SHM_DIR) -> list[str]:
             " ".join(sorted(removed)),
         )
     return removed
+
+
+class MappedSegment:
+    """A shared-memory segment this process maps, with its first byte's address pinned (the futex words of a ring,
+    a doorbell or the fence board live in it). A subclass calls :meth:`_map` first, casts its views of the buffer
+    it returns, and passes them to :meth:`_unmap` in its ``close``."""
+
+    name: str
+    owner: bool
+    _segment: shared_memory.SharedMemory | None
+    _base: int
+
+    def _map(self, segment: shared_memory.SharedMemory, owner: bool) -> memoryview:
+        """Hold ``segment`` (``owner``: this process made it and unlinks it at close); its buffer."""
+        self.name = segment.name
+        self.owner = owner
+        self._segment = segment
+        buf = segment.buf
+        assert buf is not None
+        self._anchor = ctypes.c_char.from_buffer(buf)  # pins the mapping: the futex addresses stay valid
+        self._base = ctypes.addressof(self._anchor)
+        return buf
+
+    def _unmap(self, *views: memoryview) -> None:
+        """Release ``views``, unmap the segment; the owner also unlinks it. Idempotent."""
+        segment, self._segment = self._segment, None
+        if segment is None:
+            return
+        for view in views:
+            view.release()
+        del self._anchor
+        close_segment(segment, unlink=self.owner)

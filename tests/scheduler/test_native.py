@@ -3,17 +3,23 @@ interpreter, never stale, and off with ``CDB_NATIVE=off``."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import pickle
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
 import cdb_scheduler
 from cdb_scheduler import _native
+from cdb_scheduler.plan import LogitsProcessing, SamplingParams
+
+_T = TypeVar("_T")
 
 _PROBE = "import cdb_scheduler, cdb_scheduler.scheduler as s; print(cdb_scheduler.NATIVE, s.__file__)"
 
@@ -86,3 +92,41 @@ def test_the_scheduler_runs_compiled_exactly_where_its_build_is_fresh() -> None:
 def test_the_compiled_scheduler_is_the_build_in_the_package() -> None:
     native, path = _probe()
     assert native and Path(path).parent == _native.BUILD / "cdb_scheduler"
+
+
+def test_frozen_plan_classes_pickle_every_field() -> None:
+    """``SamplingParams`` / ``LogitsProcessing`` pickle as a hand-written field list (a compiled frozen class must):
+    every field, set away from its default, comes back; a field added to the class and not to its ``__reduce__``
+    fails here (the values below must name every field)."""
+    processing = _every_field(
+        LogitsProcessing,
+        presence_penalty=0.5,
+        frequency_penalty=-0.25,
+        repetition_penalty=1.5,
+        logit_bias=((3, 2.0), (7, -1.0)),
+        min_tokens=4,
+        stop_ids=(0, 2),
+    )
+    params = _every_field(
+        SamplingParams,
+        temperature=0.7,
+        top_k=40,
+        top_p=0.9,
+        seed=12345,
+        logprobs=3,
+        return_logprob=True,
+        processing=processing,
+    )
+    for value in (processing, params):
+        back = pickle.loads(pickle.dumps(value))
+        assert type(back) is type(value)
+        assert {f.name: getattr(back, f.name) for f in dataclasses.fields(back)} == {
+            f.name: getattr(value, f.name) for f in dataclasses.fields(value)
+        }
+
+
+def _every_field(cls: type[_T], **values: object) -> _T:
+    fields = dataclasses.fields(cls)  # type: ignore[arg-type]
+    assert {f.name for f in fields} == set(values), f"set every field of {cls.__name__}"
+    assert all(values[f.name] != f.default for f in fields), "away from its default"
+    return cls(**values)
