@@ -192,7 +192,6 @@ class GrpcExecutor:
         self.fences = FenceBoard.create()
         # The stages ring it after each reply (rings only): ``poll`` sleeps on it and reads the replies itself.
         self._doorbell: Doorbell | None = None
-        self._poller = 0  # the thread that polls (``threading.get_ident``): its own drains need no doorbell
         rings: dict[Stage, tuple[MessageRing, MessageRing]] = {}
         try:
             if self.settings.stage_rings and ring_transport.SUPPORTED:
@@ -348,7 +347,6 @@ class GrpcExecutor:
                 return self._results.get(timeout=timeout)
             except queue.Empty:
                 return None
-        self._poller = threading.get_ident()
         deadline = None if timeout is None else time.perf_counter() + timeout
         while True:
             try:
@@ -415,7 +413,8 @@ class GrpcExecutor:
             if left <= 0:
                 raise TimeoutError(f"{stage.role} stage did not answer a ping in {timeout}s")
             if self._doorbell is not None:
-                link.drain()
+                if link.drain():
+                    self._doorbell.ring()  # what this drain read may be a poller's: wake it
                 left = min(left, 1e-3)
             done.wait(left)
         rtt = time.perf_counter() - start
@@ -459,7 +458,6 @@ class GrpcExecutor:
         guarantees for dependencies: never before the results of the ops it was fenced on (failed ops excepted:
         their requests fail either way), and in ``seq`` order per stage.
         """
-        delivered = False
         progress = True
         while progress:
             progress = False
@@ -467,10 +465,8 @@ class GrpcExecutor:
                 while held and (held[0][0].error or all(self._delivered[f.stage] >= f.seq for f in held[0][1])):
                     result, _ = held.popleft()
                     self._delivered[stage] = result.seq
-                    self._results.put(result)
-                    delivered = progress = True
-        if delivered and self._doorbell is not None and threading.get_ident() != self._poller:
-            self._doorbell.ring()  # read by another drain than the poller's (a ping's): wake the poller
+                    self._results.put(result)  # (read by the poller's drain; a ping's drain rings the doorbell)
+                    progress = True
 
     def on_broken(self, stage: Stage, epoch: int, why: str) -> None:
         """A link's stream broke or ended: void every outstanding op and start re-attaching the stages."""

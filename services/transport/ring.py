@@ -69,9 +69,9 @@ class MessageRing(MappedSegment):
     :meth:`attach`."""
 
     def __init__(self, segment: shared_memory.SharedMemory, owner: bool) -> None:
-        capacity = len(segment.buf or b"") - _HEADER
+        capacity = segment.size - _HEADER
         if capacity <= 0 or capacity % _ALIGN:
-            raise ValueError(f"shared-memory segment {segment.name} is not a message ring ({capacity + _HEADER} bytes)")
+            raise ValueError(f"shared-memory segment {segment.name} is not a message ring ({segment.size} bytes)")
         buf = self._map(segment, owner)
         self.capacity = capacity
         self._buf = buf

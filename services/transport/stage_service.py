@@ -178,6 +178,7 @@ class StageService(stage_pb2_grpc.StageServicer):
         self.dtype = dtype
         self.model = model
         self.settings = settings
+        self._spin_s = settings.spin_s  # resolved once (auto reads this host's usable cores)
         self._lock = threading.Lock()
         self._session: _Session | None = None
         self._dropping: list[_Session] = []  # sessions whose stream ended, being closed by its executor thread
@@ -278,7 +279,7 @@ class StageService(stage_pb2_grpc.StageServicer):
         if session.rings is None:
             inbox, sink = queue.SimpleQueue(), outbox
         else:  # the executor reads its ops and writes its replies itself; the stream is the session's lifeline
-            inbox = _RingInbox(session.rings[0], self.settings.spin_s)
+            inbox = _RingInbox(session.rings[0], self._spin_s)
             sink = _RingOutbox(session.rings[1], outbox, self.settings.stage_hang_floor_s, session.doorbell)
         stop = threading.Event()
 
@@ -400,7 +401,7 @@ class StageService(stage_pb2_grpc.StageServicer):
             limit = self.settings.fence_timeout_s
             if msg.fence_timeout_s > 0:  # the scheduler's bound on the ops waited for (its watchdog acts first)
                 limit = min(limit, msg.fence_timeout_s)
-            launched.fence_wait = session.fences.wait(op.fences, limit, self.settings.spin_s)
+            launched.fence_wait = session.fences.wait(op.fences, limit, self._spin_s)
             launched.fenced, launched.start_ns = time.perf_counter_ns(), time.time_ns()
             worker = session.worker
             if hasattr(worker, "launch"):
