@@ -41,17 +41,24 @@ class InstantStages:
     """Completes every op when polled, in submission order; no model (a head op samples token 5). With ``depths``, a
     decode loop op answers exit signals that make each token leave at its drawn depth (``exit_signals``)."""
 
+    concurrent_stages = False  # in submission order
+
     def __init__(self, depths: SyntheticDepths | None = None, max_depth: int = 1) -> None:
         self.queue: deque[StageOp] = deque()
         self.depths, self.max_depth = depths, max_depth
+        self._done = [-1, -1, -1]  # last op polled, per stage
 
     def submit(self, op: StageOp) -> None:
         self.queue.append(op)
+
+    def completed(self, stage: Stage) -> int:
+        return self._done[stage]
 
     def poll(self, timeout: float | None) -> StageResult | None:
         if not self.queue:
             return None
         op = self.queue.popleft()
+        self._done[op.stage] = op.seq
         if isinstance(op, LoopOp):
             sampled = (5,) * len(op.head.rows) if op.head is not None else ()
             if op.prefill:

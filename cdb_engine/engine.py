@@ -101,6 +101,8 @@ class Engine:
             self._executor = in_process_executor(self.config, self.setup, self.model_config)
         else:
             self._executor = self._factory(self.setup)
+        if self._executor.concurrent_stages:
+            self.scheduler.stage_progress = self._executor.completed
         self._thread = threading.Thread(target=self._run, name="cdb-scheduler", daemon=True)
         self._thread.start()
         return self

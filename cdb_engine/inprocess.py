@@ -31,6 +31,8 @@ _WAKE = object()
 class InProcessExecutor:
     """``Executor`` over direct calls. ``model`` may be passed in to share weights between engines."""
 
+    concurrent_stages = False  # one in-order worker: every fence is met by the time its op runs
+
     def __init__(
         self,
         setup: StageSetup,
@@ -67,6 +69,9 @@ class InProcessExecutor:
         except queue.Empty:
             return None
         return res if isinstance(res, StageResult) else None
+
+    def completed(self, stage: Stage) -> int:
+        return self._done[stage]
 
     def wake(self) -> None:
         self._results.put(_WAKE)

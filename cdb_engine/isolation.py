@@ -73,6 +73,13 @@ class IsolatingExecutor:
             return StageResult(res.stage, res.seq, res.compute_s, error=error)
         return res
 
+    @property
+    def concurrent_stages(self) -> bool:
+        return self.inner.concurrent_stages
+
+    def completed(self, stage: Stage) -> int:
+        return self.inner.completed(stage)
+
     def wake(self) -> None:
         self.inner.wake()
 

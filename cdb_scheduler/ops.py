@@ -39,6 +39,10 @@ class OpBuilder:
         self._seeded: list[dict[int, int]] = [{}, {}, {}]  # stage -> penalized request -> the row its history is in
         self.pending_copies: list[KVCopy] = []
 
+    def next_seq(self, stage: Stage) -> int:
+        """The sequence number the next op of ``stage`` gets."""
+        return self._next_seq[stage]
+
     def forget(self, req: Request) -> None:
         """The request's block table is gone (finished or preempted): stages drop their mirror."""
         for stage in _STAGES:

@@ -300,6 +300,16 @@ class Executor(Protocol):
     over separate processes) when the stages lost their state.
     """
 
+    @property
+    def concurrent_stages(self) -> bool:
+        """Whether the stages run their ops concurrently (separate processes), so that an op waiting on a fence
+        can leave its stage idle; False for one in-order worker (``Scheduler.stage_progress``)."""
+        ...
+
+    def completed(self, stage: Stage) -> int:
+        """The last op of ``stage`` known complete (-1: none); it may run ahead of the results polled so far."""
+        ...
+
     def submit(self, op: StageOp) -> None: ...
 
     def poll(self, timeout: float | None) -> StageResult | StageLoss | None: ...

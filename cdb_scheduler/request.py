@@ -102,6 +102,12 @@ class Item:
     exited_at: int = 0  # loop ops issued when it joined the head queue
     embedded: bool = False  # its input's embedding is already in its row (written by the head op that sampled it)
     row: int = -1  # the bank row it runs in (its request's ``row``, or one of its ``spec_rows``)
+    # The op that writes its input into its row: a prelude op (``gate_head`` False) or the head op that samples and
+    # embeds it (True); -1: none (known written, or written by the loop op that takes it); and the first loop op that
+    # takes it before that op is known complete. See ``Scheduler.stage_progress``.
+    gate_seq: int = -1
+    gate_head: bool = False
+    gate_loop: int = 0
     # Speculation: ``pred`` is the unverified predecessor whose sample is this item's input: its draft (``draft``,
     # -1 until the drafting op returns) or, ``FOLLOWS_REAL``, its real sample (the predecessor is unverified itself);
     # ``succ`` the item that follows this one that way; ``sampled``: its own real token and logprobs, sampled before

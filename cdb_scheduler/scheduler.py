@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import islice
 
@@ -68,6 +69,15 @@ class Scheduler:
         self._prelude: dict[int, list[Item]] = {}
         self._prefill: PrefillFlight | None = None
         self._prefill_starved = False
+        # Set by the engine where the stages run concurrently (separate processes): the last op of a stage known
+        # complete (``Executor.completed``). A refill's input is written by its prelude op (or the head op that
+        # embeds it), which waits for the loop op its predecessor left, the last one issued; the loop op formed
+        # next starts right after that one, and would idle the loop stage through the whole chain. Tokens whose
+        # input is not yet written skip that loop op where that wait costs more than their slots left empty for
+        # one op (``_wait_pays``), and join the one after. None (one in-order worker, in-process): no fence idles a
+        # stage, and every ready token joins the next op.
+        self.stage_progress: Callable[[Stage], int] | None = None
+        self._op_s = [0.0, 0.0, 0.0]  # per stage: moving average of its decode ops' compute time (s)
 
     # ----------------------------------------------------------------- requests
     def add(self, req: Request) -> None:
@@ -175,7 +185,10 @@ class Scheduler:
             ops.append(op)
             for it, f, k, e in zip(items, follows, known, embed):
                 if f:
-                    self._spawn(it.req, it.index + 1, k, embedded=e)
+                    succ = self._spawn(it.req, it.index + 1, k, embedded=e)
+                    if e:  # its input is written by this op (else by its prelude: ``_issue_refills``)
+                        succ.gate_seq, succ.gate_head = op.seq, True
+                        succ.gate_loop = self.ops.next_seq(Stage.LOOP) + 1
 
     def _issue_refills(self, ops: list[StageOp]) -> None:
         self._drop_stale(self.refills)
@@ -188,7 +201,9 @@ class Scheduler:
         op = self.ops.prelude(reqs, tokens, [it.position for it in items], [it.row for it in items])
         self._prelude[op.seq] = items
         ops.append(op)
+        seq, gate_loop = op.seq, self.ops.next_seq(Stage.LOOP) + 1
         for it in items:  # the loop op that takes them will fence on this prelude op
+            it.gate_seq, it.gate_head, it.gate_loop = seq, False, gate_loop
             self.refill.place(it, self.ready, self.stats)
 
     def _issue_loop(self) -> StageOp | None:
@@ -197,6 +212,12 @@ class Scheduler:
         ready, width = self.ready, self.cfg.max_num_seqs
         items: list[Item] = []
         early: list[Item] = []  # speculative items whose next step would read KV not yet written
+        unwritten: list[Item] = []  # items whose input's writer is not yet complete (``stage_progress``)
+        progress = self.stage_progress
+        done_prelude = done_head = 0
+        forming = self.ops.next_seq(Stage.LOOP)
+        if progress is not None:
+            done_prelude, done_head = progress(Stage.PRELUDE), progress(Stage.HEAD)
         take = min(width, len(ready))
         while take and ready:
             it = ready.popleft()
@@ -209,8 +230,19 @@ class Scheduler:
                     if pred is not None and it.next_step >= pred.next_step:
                         early.append(it)  # the nearest one still looping has not run that step yet
                         continue
+                if progress is not None and it.gate_seq >= 0 and forming < it.gate_loop:
+                    if it.gate_seq > (done_head if it.gate_head else done_prelude):
+                        unwritten.append(it)
+                        continue
+                    it.gate_seq = -1  # written: no later op waits for it either
                 items.append(it)
                 take -= 1
+        if unwritten:  # taken where waiting for their input pays; else they lead the queue for the next op
+            room = min(width - len(items), len(unwritten))
+            if items and not self._wait_pays(unwritten, room, len(items)):
+                room = 0
+            items.extend(unwritten[:room])
+            early.extend(unwritten[room:])
         if early:
             ready.extendleft(reversed(early))
         drafts = self._draft(items, width) if self.cfg.spec_supported and not self.waiting else []
@@ -244,6 +276,17 @@ class Scheduler:
                 cont.append(it)
         ready.extendleft(reversed(cont))
         return op
+
+    def _wait_pays(self, unwritten: list[Item], n: int, others: int) -> bool:
+        """Whether a loop op of ``others`` tokens should take the first ``n`` of ``unwritten`` too and wait for their
+        writers (the head op, and the prelude op after it) behind the loop op now running: that wait holds every
+        token of the op (and idles the loop stage), leaving them out holds those ``n`` for one op. Estimated from
+        the stages' recent decode ops (none yet: it waits, as with an in-order executor)."""
+        est = self._op_s
+        if est[Stage.LOOP] == 0.0:
+            return True
+        chain = est[Stage.HEAD] + (est[Stage.PRELUDE] if any(not it.gate_head for it in unwritten[:n]) else 0.0)
+        return chain * (others + n) <= n * est[Stage.LOOP]
 
     def _fused_head(self) -> tuple[list[Item], list[int]]:
         """Take every exited token into the loop op being formed (``LoopHead``) and queue its successor, whose
@@ -376,15 +419,19 @@ class Scheduler:
         pf = self._prefill
         if pf is not None and pf.seqs.get(res.stage) == res.seq:
             self._on_prefill(pf, res, events)
-        elif res.stage is Stage.LOOP:
-            self.stats.loop_decode_compute_s += res.compute_s
-            self._on_loop(res, events)
-        elif res.stage is Stage.HEAD:
-            self._on_head(res, events)
         else:
-            items = self._prelude.pop(res.seq)
-            if res.error:
-                self.residency.fail({it.req.rid: it.req for it in items if it.live}.values(), res.error, events)
+            if not res.error:  # a decode op's time (``_wait_pays``)
+                est, s = self._op_s, int(res.stage)
+                est[s] = res.compute_s if est[s] == 0.0 else est[s] + 0.125 * (res.compute_s - est[s])
+            if res.stage is Stage.LOOP:
+                self.stats.loop_decode_compute_s += res.compute_s
+                self._on_loop(res, events)
+            elif res.stage is Stage.HEAD:
+                self._on_head(res, events)
+            else:
+                items = self._prelude.pop(res.seq)
+                if res.error:
+                    self.residency.fail({it.req.rid: it.req for it in items if it.live}.values(), res.error, events)
         self.stats.sched_cpu_s += time.thread_time() - t0
         return events
 

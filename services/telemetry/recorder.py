@@ -72,6 +72,13 @@ class ObservedExecutor:
             self.observer.on_op_done(sent[0], result, sent[1], time.time_ns())
         return result
 
+    @property
+    def concurrent_stages(self) -> bool:
+        return self.inner.concurrent_stages
+
+    def completed(self, stage: Stage) -> int:
+        return self.inner.completed(stage)
+
     def wake(self) -> None:
         self.inner.wake()
 

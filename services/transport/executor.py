@@ -136,6 +136,8 @@ class OpObserver(Protocol):
 class GrpcExecutor:
     """Executes stage ops on three stage servers. Thread-safe ``submit``/``wake``; one poller at a time."""
 
+    concurrent_stages = True  # three processes: an op whose fence is not met leaves its stage idle
+
     def __init__(
         self,
         setup: StageSetup,
@@ -371,6 +373,13 @@ class GrpcExecutor:
         self._results.put(item)
         if self._doorbell is not None:
             self._doorbell.ring()
+
+    def completed(self, stage: Stage) -> int:
+        """The last op of ``stage`` whose completion its stage published on the fence board (before its reply)."""
+        try:
+            return self.fences.completed(stage)
+        except ValueError:  # the board was replaced and the old one closed just now (recovery): nothing is known
+            return -1
 
     def wake(self) -> None:
         self._post(_WAKE)

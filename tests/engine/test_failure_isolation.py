@@ -31,6 +31,8 @@ MARK = 424242  # a top_k that no real request here uses: the flaky executor refu
 class FakeExecutor:
     """Completes every submitted op in order; ``submit`` raises for the seqs in ``refuse``."""
 
+    concurrent_stages = False
+
     def __init__(self, refuse: Callable[[StageOp], bool]) -> None:
         self.refuse = refuse
         self.submitted: list[StageOp] = []

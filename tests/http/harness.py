@@ -40,6 +40,8 @@ TINY = EngineConfig(
 class GatedExecutor:
     """An in-process executor whose ``submit`` waits until ``gate`` is set (the engine thread stalls there)."""
 
+    concurrent_stages = False
+
     def __init__(self, setup: StageSetup) -> None:
         self.inner = InProcessExecutor(setup, num_threads=1)
         self.gate = threading.Event()

@@ -38,10 +38,12 @@ def score(rid: int, position: int, target: int) -> TokenLogprobs:
 
 class FakeExecutor:
     """With ``rng``, the three stages run concurrently: each poll runs the next op of a random stage whose fences
-    are satisfied (like separate stage processes), so results of different stages arrive in varying order."""
+    are satisfied (like separate stage processes), so results of different stages arrive in varying order.
+    ``times``: the compute seconds its results report for a decode op of each stage (prelude, loop, head)."""
 
-    def __init__(self, rng: random.Random | None = None) -> None:
+    def __init__(self, rng: random.Random | None = None, times: tuple[float, float, float] = (0.001, 0.002, 0.001)):
         self.rng = rng
+        self.times = times
         self.queue: deque[StageOp] = deque()
         self.done = [-1, -1, -1]
         self.submitted: list[StageOp] = []
@@ -77,16 +79,16 @@ class FakeExecutor:
         self.done[op.stage] = op.seq
         self.delivered.append(op)
         if isinstance(op, PreludeOp):
-            return StageResult(Stage.PRELUDE, op.seq, 0.001)
+            return StageResult(Stage.PRELUDE, op.seq, self.times[Stage.PRELUDE])
         if isinstance(op, LoopOp):
             if op.prefill:
                 return StageResult(Stage.LOOP, op.seq, 0.004)
             sig = tuple(signal(r, p, s) for r, p, s in zip(op.rids, op.positions, op.steps))
-            return StageResult(Stage.LOOP, op.seq, 0.002, signals=sig)
+            return StageResult(Stage.LOOP, op.seq, self.times[Stage.LOOP], signals=sig)
         assert isinstance(op, HeadOp)
         ids = tuple(token(r, p) for r, p, s in zip(op.rids, op.positions, op.sample) if s)
         scored = tuple(score(r, p, t) for r, p, t in zip(op.rids, op.positions, op.score_ids) if t >= 0)
-        return StageResult(Stage.HEAD, op.seq, 0.001, token_ids=ids, prompt_logprobs=scored)
+        return StageResult(Stage.HEAD, op.seq, self.times[Stage.HEAD], token_ids=ids, prompt_logprobs=scored)
 
     def overtakes(self) -> list[tuple[StageOp, StageOp]]:
         """``(later, earlier)`` pairs: the result of ``later`` was delivered while ``earlier``, submitted before it,

@@ -8,7 +8,7 @@ import pytest
 
 from cdb_scheduler.config import Mode, SchedulerConfig
 from cdb_scheduler.exit_policy import FixedDepth, Horizon, OuroHazard
-from cdb_scheduler.plan import LoopOp, Stage
+from cdb_scheduler.plan import LoopOp, Stage, StageOp
 from cdb_scheduler.request import Finished, FinishReason, Request, TokenOut
 from cdb_scheduler.scheduler import Scheduler
 from tests.scheduler.fake import STOP_ID, FakeExecutor, expected, score
@@ -216,6 +216,8 @@ def test_concurrent_stages_deliver_results_out_of_submission_order(seed: int) ->
             reqs = make_requests(random.Random(seed), 24, Horizon.ONE_AHEAD)
             sched = Scheduler(config(mode=mode, num_kv_blocks=40, kv_margin=0.0))
             ex = FakeExecutor(random.Random(seed) if concurrent else None)
+            if concurrent:  # (as the engine sets it for such an executor)
+                sched.stage_progress = ex.done.__getitem__
             events = drive(sched, ex, reqs, arrivals=3)
             check_against_expected(reqs, events)
             runs[concurrent] = ex.overtakes(), tokens_by_request(events)
@@ -224,6 +226,61 @@ def test_concurrent_stages_deliver_results_out_of_submission_order(seed: int) ->
         assert overtakes, "no result overtook an earlier submitted op"
         assert all(later.stage != earlier.stage for later, earlier in overtakes), "a stage ran its ops out of order"
         assert got == want
+
+
+class _WaitRecorder(FakeExecutor):
+    """Concurrent stages that record, for each decode loop op as it is submitted, how many of its rows wait for a
+    prelude or head op submitted since the loop op before it and still running (such an op waits for that loop op:
+    the loop stage would idle through the whole chain), and how many rows it has."""
+
+    def __init__(self, rng: random.Random, times: tuple[float, float, float]) -> None:
+        super().__init__(rng, times)
+        self.waits: list[tuple[int, int]] = []
+
+    def submit(self, op: StageOp) -> None:
+        if isinstance(op, LoopOp) and not op.prefill:
+            since = max((i for i, o in enumerate(self.submitted) if o.stage is Stage.LOOP), default=-1)
+            # (a stage runs its ops in order: a fence on op f waits for every op of that stage up to f)
+            upto = {f.stage: f.seq for f in op.fences if f.stage is not Stage.LOOP}
+            pending = [o for o in self.submitted[since + 1 :] if self.done[o.stage] < o.seq <= upto.get(o.stage, -1)]
+            written = {row for o in pending for row in o.rows}
+            self.waits.append((len(written & set(op.rows)), len(op.rows)))
+        super().submit(op)
+
+
+def _run_refills(fuse_refill_embed: bool, times: tuple[float, float, float], concurrent: bool) -> _WaitRecorder:
+    reqs = make_requests(random.Random(11), 40, Horizon.ONE_AHEAD)
+    sched = Scheduler(config(fuse_refill_embed=fuse_refill_embed))
+    ex = _WaitRecorder(random.Random(11), times)
+    if concurrent:  # (as the engine sets it for an executor whose stages run concurrently)
+        sched.stage_progress = ex.done.__getitem__
+    check_against_expected(reqs, drive(sched, ex, reqs, arrivals=8))
+    return ex
+
+
+# (prelude, loop, head) compute seconds: refills through prelude ops after the head, or embedded by a slow head
+@pytest.mark.parametrize(("fuse_refill_embed", "times"), [(False, (0.001, 0.002, 0.001)), (True, (0.0, 0.002, 0.003))])
+def test_with_concurrent_stages_ready_tokens_do_not_wait_behind_a_refills_long_chain(
+    fuse_refill_embed: bool, times: tuple[float, float, float]
+) -> None:
+    """A refill's prelude (or the head op embedding it) waits for the loop op its predecessor left: the loop op
+    formed right after would idle the loop stage through that chain. Where the chain takes as long as a loop op,
+    tokens ready to run never wait for it (the refills join the next op), unless nothing else is ready; results
+    are unchanged."""
+    held = _run_refills(fuse_refill_embed, times, concurrent=False).waits
+    assert any(0 < w < n for w, n in held), "no loop op held ready tokens behind a refill (the case is not exercised)"
+    waits = _run_refills(fuse_refill_embed, times, concurrent=True).waits
+    assert all(w in (0, n) for w, n in waits), "ready tokens waited behind a refill's chain"
+    assert any(w > 0 for w, _ in waits), "refills never ran fenced, even with nothing else to run"
+
+
+def test_with_concurrent_stages_a_short_chain_changes_no_op() -> None:
+    """Where a refill's writer is short against a loop op (Ouro's head: final norm and LM head), waiting for it costs
+    less than leaving the refill out for an op: every op is formed as with an in-order executor."""
+    times = (0.0, 0.002, 0.0001)
+    ops = [_run_refills(True, times, concurrent).submitted for concurrent in (False, True)]
+    formed = [[(o.stage, o.seq, sorted(o.rows), o.fences) for o in run] for run in ops]  # (rows in any order)
+    assert formed[0] == formed[1]
 
 
 @pytest.mark.parametrize("mode", [Mode.CDB, Mode.NO_REFILL])

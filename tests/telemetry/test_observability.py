@@ -65,6 +65,7 @@ def test_op_observer_feeds_stage_and_loop_batch_metrics() -> None:
 class FakeExecutor:
     submitted: list[StageOp] = field(default_factory=list)
     closed: bool = False
+    concurrent_stages = False
 
     def submit(self, op: StageOp) -> None:
         self.submitted.append(op)
