@@ -31,7 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from cdb_engine.stage_worker import StageWorker
 from cdb_model.config import ModelConfig
 from cdb_model.kv import KVLayout, KVPolicy
-from cdb_model.loader import build_model
+from cdb_model.models import build_model
 from cdb_model.presets import build_preset, preset_config
 from cdb_model.released import HUGINN_0125, OURO_14B
 from cdb_scheduler.plan import KVUpdate, LoopHead, LoopOp, SamplingParams, Stage

@@ -12,7 +12,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-from cdb_model.kv import KVPolicy
+from cdb_model.kv_layout import KVPolicy
 from cdb_scheduler.config import Mode
 from cdb_scheduler.exit_policy import ExitRule, Horizon
 from cdb_scheduler.plan import LogitsProcessing, SamplingParams

@@ -45,7 +45,7 @@ from dataclasses import dataclass, replace
 
 from cdb_engine.config import EngineConfig, Speculative
 from cdb_model.config import ModelConfig
-from cdb_model.kv import KVPolicy
+from cdb_model.kv_layout import KVPolicy
 from cdb_model.loader import is_preset
 from cdb_scheduler.config import Mode, SchedulerConfig
 from cdb_scheduler.exit_policy import ExitPolicy, ExitRule, FixedDepth, Horizon, LatentDiff, OuroHazard, ReplayDepth

@@ -3,26 +3,23 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from cdb_engine.config import DType, EngineConfig
 from cdb_model.config import ModelConfig
-from cdb_model.kv import KVPolicy
+from cdb_model.kv_layout import KVPolicy
 
-_DTYPES = {
-    DType.FLOAT32: torch.float32,
-    DType.FLOAT64: torch.float64,
-    DType.BFLOAT16: torch.bfloat16,
-    DType.FLOAT16: torch.float16,
-}
+if TYPE_CHECKING:  # (imported by the stages that compute: the scheduler's process starts without torch)
+    import torch
 
 
 def torch_dtype(name: str) -> torch.dtype:
+    import torch
+
     try:
-        return _DTYPES[DType(name)]
+        return getattr(torch, DType(name).value)
     except ValueError:
-        raise ValueError(f"unknown dtype {name!r} (one of {', '.join(_DTYPES)})") from None
+        raise ValueError(f"unknown dtype {name!r} (one of {', '.join(DType)})") from None
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from cdb_engine.config import RequestParams
 from cdb_engine.errors import InvalidRequest
 from cdb_engine.limits import REQUEST_BOUNDS, Limits, RequestBounds, build_policy
-from cdb_model.kv import KVPolicy
+from cdb_model.kv_layout import KVPolicy
 from cdb_model.tokenizer import Tokenizer, use_request_error
 from cdb_scheduler.exit_policy import ExitRule
 

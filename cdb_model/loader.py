@@ -16,15 +16,10 @@ import sys
 from collections.abc import Iterable
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from safetensors import safe_open
-from tqdm import tqdm
-
-from cdb_model.base import LoopedLM
 from cdb_model.config import CheckpointError, ModelConfig, UnknownModelTypeError
 from cdb_model.generation import GenerationConfigError, GenerationDefaults, read_generation_defaults
-from cdb_model.models import build_model
 from cdb_model.presets import build_preset, preset_config, preset_names
 from cdb_model.tokenizer import (
     TOKENIZER_CONFIG,
@@ -35,6 +30,12 @@ from cdb_model.tokenizer import (
     TokenizerLoadError,
 )
 from cdb_scheduler.plan import Stage
+
+if TYPE_CHECKING:  # (torch, safetensors and the model classes are imported where weights are read: a process that
+    # reads only configs and tokenizers, the scheduler's, starts without them)
+    import torch
+
+    from cdb_model.base import LoopedLM
 
 __all__ = [
     "CheckpointError",
@@ -47,7 +48,6 @@ __all__ = [
     "TokenizerLoadError",
     "UnexpectedTensorsError",
     "UnknownModelTypeError",
-    "build_model",
     "check_source",
     "expected_tensors",
     "is_preset",
@@ -186,12 +186,18 @@ def check_source(source: str | Path) -> ModelConfig:
 def expected_tensors(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor name of the full model under its upstream name, with the shape ``config`` implies (built on
     the meta device: no memory, no weights)."""
+    import torch
+
+    from cdb_model.models import build_model
+
     with torch.device("meta"):
         return {k: tuple(t.shape) for k, t in build_model(config).state_dict().items()}
 
 
 def _weight_files(path: Path) -> dict[str, Path]:
     """Tensor name -> file holding it (from the index, or the single ``model.safetensors``)."""
+    from safetensors import safe_open
+
     index = path / INDEX_FILE
     if index.is_file():
         weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
@@ -212,6 +218,8 @@ def _weight_files(path: Path) -> dict[str, Path]:
 
 
 def _shapes(located: dict[str, Path]) -> dict[str, tuple[int, ...]]:
+    from safetensors import safe_open
+
     out: dict[str, tuple[int, ...]] = {}
     for p in set(located.values()):
         with safe_open(str(p), framework="pt") as f:
@@ -221,6 +229,12 @@ def _shapes(located: dict[str, Path]) -> dict[str, tuple[int, ...]]:
 
 
 def _load_folder(path: Path, dtype: torch.dtype, device: torch.device | str, stages: set[Stage] | None) -> LoopedLM:
+    import torch
+    from safetensors import safe_open
+    from tqdm import tqdm
+
+    from cdb_model.models import build_model
+
     config = load_config(path)
     located = _weight_files(path)
     if config.arch == "ouro" and "model.lookahead_exit_gate.weight" in located:
@@ -277,15 +291,17 @@ def _load_folder(path: Path, dtype: torch.dtype, device: torch.device | str, sta
 def load_model(
     source: str,
     *,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | None = None,
     device: torch.device | str = "cpu",
     stages: set[Stage] | None = None,
 ) -> LoopedLM:
     """A preset name (``preset_names()``) or a local checkpoint folder -> ``LoopedLM`` holding only ``stages``
-    (None: all). Raises a ``CheckpointError`` subclass naming the problem."""
+    (None: all), in ``dtype`` (None: float32). Raises a ``CheckpointError`` subclass naming the problem."""
     if source in preset_names():
         return build_preset(source, dtype=dtype, device=device, stages=stages)
-    return _load_folder(Path(resolve_source(source)), dtype, device, stages)
+    import torch
+
+    return _load_folder(Path(resolve_source(source)), torch.float32 if dtype is None else dtype, device, stages)
 
 
 def load_tokenizer(source: str) -> Tokenizer:

@@ -25,14 +25,15 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from cdb_model.base import LoopedLM
 from cdb_model.config import ModelConfig
-from cdb_model.models import build_model
 from cdb_scheduler.plan import Stage
+
+if TYPE_CHECKING:  # (torch is imported where a model is built: the presets' configs are read without it)
+    import torch
+
+    from cdb_model.base import LoopedLM
 
 
 def _ouro(**kw: Any) -> ModelConfig:
@@ -133,6 +134,8 @@ def preset_config(name: str) -> ModelConfig:
 
 def init_tensor(preset: str, name: str, shape: tuple[int, ...], c: ModelConfig) -> torch.Tensor:
     """Deterministic float32 values of one tensor."""
+    import torch
+
     g = torch.Generator().manual_seed(zlib.crc32(f"{preset}/{name}".encode()))
 
     def normal(std: float, *size: int) -> torch.Tensor:
@@ -158,11 +161,16 @@ def init_tensor(preset: str, name: str, shape: tuple[int, ...], c: ModelConfig) 
 
 def build_preset(
     name: str,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | None = None,
     device: torch.device | str = "cpu",
     stages: Iterable[Stage] | None = None,
 ) -> LoopedLM:
-    """A preset model holding only ``stages`` (None: all)."""
+    """A preset model holding only ``stages`` (None: all), in ``dtype`` (None: float32)."""
+    import torch
+
+    from cdb_model.models import build_model
+
+    dtype = torch.float32 if dtype is None else dtype
     c = preset_config(name)
     with torch.device("meta"):
         model = build_model(c, stages)

@@ -23,20 +23,24 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from multiprocessing import shared_memory
-
-import torch
+from typing import TYPE_CHECKING
 
 from services.transport.segments import attach_segment, close_segment, create_segment, forget_segment, still_linked
 
+if TYPE_CHECKING:  # (a CPU bank's owner, the scheduler's process, maps its segment without torch: ``tensor`` is lazy)
+    import torch
+
 log = logging.getLogger("cdb.bank")
 
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float64": torch.float64,
-    "int64": torch.int64,  # the token bank
-}
+ITEMSIZE: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int64": 8}  # int64: token bank
+
+
+def _dtype(name: str) -> torch.dtype:
+    import torch
+
+    if name not in ITEMSIZE:
+        raise KeyError(name)
+    return getattr(torch, name)
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,39 +75,55 @@ class SharedBank:
     def __init__(
         self,
         spec: BankSpec,
-        tensor: torch.Tensor,
+        tensor: torch.Tensor | None,
         segment: shared_memory.SharedMemory | None,
         owner: bool,
     ) -> None:
+        """``tensor`` None: a shared-memory bank, viewed when ``tensor`` is first read."""
         self.spec = spec
-        self.tensor: torch.Tensor | None = tensor  # (rows, width)
+        self._tensor = tensor  # (rows, width)
         self._segment = segment
         self.owner = owner
+
+    @property
+    def tensor(self) -> torch.Tensor | None:
+        """The ``[rows, width]`` view (None once closed)."""
+        if self._tensor is None and self._segment is not None:
+            import torch
+
+            spec = self.spec
+            self._tensor = torch.frombuffer(self._segment.buf, dtype=_dtype(spec.dtype), count=spec.rows * spec.width)
+            self._tensor = self._tensor.view(spec.rows, spec.width)
+        return self._tensor
 
     @classmethod
     def create(cls, rows: int, width: int, dtype: str = "float32", device: str = "cpu") -> SharedBank:
         """Allocate a zeroed bank owned by this process: shared memory on CPU, CUDA IPC on a CUDA device."""
         if rows <= 0 or width <= 0:
             raise ValueError(f"bank shape must be positive, got ({rows}, {width})")
-        tdtype = DTYPES[dtype]
-        dev = torch.device(device)
-        if dev.type == "cuda":
-            tensor = torch.zeros((rows, width), dtype=tdtype, device=dev)
+        if dtype not in ITEMSIZE:
+            raise KeyError(dtype)
+        if device.startswith("cuda"):
+            import torch
+
+            dev = torch.device(device)
+            tensor = torch.zeros((rows, width), dtype=_dtype(dtype), device=dev)
             fields = tensor.untyped_storage()._share_cuda_()
             cuda = CudaIpcHandle(*fields)
             spec = BankSpec("cuda_ipc", "", rows, width, dtype, cuda)
             return cls(spec, tensor, None, owner=True)
-        if dev.type != "cpu":
+        if device != "cpu":
             raise ValueError(f"unsupported bank device {device!r} (cpu or cuda)")
         # A new segment reads as zeros: no write here (touching every page of a large bank costs time).
-        seg = create_segment("bank", rows * width * tdtype.itemsize, f"{rows} x {width} {dtype} bank")
-        tensor = torch.frombuffer(seg.buf, dtype=tdtype, count=rows * width).view(rows, width)
-        return cls(BankSpec("shm", seg.name, rows, width, dtype), tensor, seg, owner=True)
+        seg = create_segment("bank", rows * width * ITEMSIZE[dtype], f"{rows} x {width} {dtype} bank")
+        return cls(BankSpec("shm", seg.name, rows, width, dtype), None, seg, owner=True)
 
     @classmethod
     def attach(cls, spec: BankSpec) -> SharedBank:
         """Open a bank created by another process; closing it never frees the memory."""
-        tdtype = DTYPES[spec.dtype]
+        import torch
+
+        tdtype = _dtype(spec.dtype)
         if spec.kind == "cuda_ipc":
             if spec.cuda is None:
                 raise ValueError("cuda_ipc bank spec without a CUDA IPC handle")
@@ -142,15 +162,15 @@ class SharedBank:
             return False
         fresh = SharedBank.create(self.spec.rows, self.spec.width, self.spec.dtype)
         old = self.spec.name
-        self.tensor = None  # drop the old view before unmapping
+        self._tensor = None  # drop the old view before unmapping
         forget_segment(seg)
-        self.spec, self.tensor, self._segment = fresh.spec, fresh.tensor, fresh._segment
+        self.spec, self._tensor, self._segment = fresh.spec, None, fresh._segment
         log.warning("bank %s was unlinked by someone else; re-created it as %s", old, self.spec.name)
         return True
 
     def close(self) -> None:
         """Drop this process's view; the owner also frees the memory. Idempotent."""
-        self.tensor = None
+        self._tensor = None
         if self._segment is not None:
             close_segment(self._segment, unlink=self.owner)
             self._segment = None

@@ -62,6 +62,8 @@ def link() -> Iterator[Link]:
         finally:
             for client in out.clients:
                 client.close()
+            # (each reader logs its front end's departure: done before the test's log capture ends)
+            _wait(lambda: server.peers == 0, "the link server saw every front end leave")
             server.close()
 
 
