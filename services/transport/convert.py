@@ -44,7 +44,10 @@ _TEMPERATURE, _TOP_K, _TOP_P, _SEED, _LOGPROBS, _RETURN_LOGPROB, _PROCESSING = (
 
 _LOOP_COLUMNS = 4  # rids, positions, rows, steps: int64
 _HEAD_COLUMNS = "qqqqdqdQq?"  # rids, positions, rows, token_index, temperature, top_k, top_p, seed, logprobs, ret.
-_HEAD_ROW_BYTES = struct.calcsize("<" + _HEAD_COLUMNS)
+_LAYOUT = {  # kind -> bytes per token, columns
+    "loop": (8 * _LOOP_COLUMNS, _LOOP_COLUMNS),
+    "head": (struct.calcsize("<" + _HEAD_COLUMNS), len(_HEAD_COLUMNS)),
+}
 _STRUCTS: dict[tuple[str, int], struct.Struct] = {}  # (kind, tokens) -> its packing
 
 
@@ -58,8 +61,10 @@ def _columns(kind: str, n: int) -> struct.Struct:
     return packing
 
 
-def _unpacked(kind: str, data: bytes, row_bytes: int, count: int) -> tuple[tuple[int | float | bool, ...], ...]:
-    """The ``count`` columns of a packed block of ``row_bytes`` per token; ValueError for a truncated block."""
+def _unpacked(kind: str, data: bytes) -> tuple[tuple[int | float | bool, ...], ...]:
+    """The columns of a packed ``kind`` block (``_LAYOUT``: its bytes per token, its columns); ValueError for a
+    truncated block."""
+    row_bytes, count = _LAYOUT[kind]
     n, extra = divmod(len(data), row_bytes)
     if extra:
         raise ValueError(f"{kind} columns: {len(data)} bytes is not a whole number of {row_bytes}-byte tokens")
@@ -193,7 +198,7 @@ def _head_of(
 ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], tuple[int, ...], tuple[SamplingParams, ...]]:
     """A head's rids, positions, rows, token indices and sampling settings (packed, or in repeated fields)."""
     if h.columns:
-        rids, positions, rows, token_index, *settings = _unpacked("head", h.columns, _HEAD_ROW_BYTES, 10)
+        rids, positions, rows, token_index, *settings = _unpacked("head", h.columns)
     else:
         rids, positions, rows, token_index = tuple(h.rids), tuple(h.positions), tuple(h.rows), tuple(h.token_index)
         settings = [h.temperature, h.top_k, h.top_p, h.seed, h.logprobs, h.return_logprob]
@@ -246,7 +251,7 @@ def op_from_pb(msg: pb.StageBatch) -> StageOp:
     if which == "loop":
         lp = msg.loop
         if lp.columns:
-            rids, positions, rows, steps = _unpacked("loop", lp.columns, 8 * _LOOP_COLUMNS, _LOOP_COLUMNS)
+            rids, positions, rows, steps = _unpacked("loop", lp.columns)
         else:
             rids, positions, rows, steps = tuple(lp.rids), tuple(lp.positions), tuple(lp.rows), tuple(lp.steps)
         return LoopOp(
