@@ -214,10 +214,8 @@ class Scheduler:
         early: list[Item] = []  # speculative items whose next step would read KV not yet written
         unwritten: list[Item] = []  # items whose input's writer is not yet complete (``stage_progress``)
         progress = self.stage_progress
-        done_prelude = done_head = 0
+        done_prelude = done_head = -2  # (read from ``progress`` once per op, and only if a token needs them)
         forming = self.ops.next_seq(Stage.LOOP)
-        if progress is not None:
-            done_prelude, done_head = progress(Stage.PRELUDE), progress(Stage.HEAD)
         take = min(width, len(ready))
         while take and ready:
             it = ready.popleft()
@@ -231,6 +229,8 @@ class Scheduler:
                         early.append(it)  # the nearest one still looping has not run that step yet
                         continue
                 if progress is not None and it.gate_seq >= 0 and forming < it.gate_loop:
+                    if done_head == -2:
+                        done_prelude, done_head = progress(Stage.PRELUDE), progress(Stage.HEAD)
                     if it.gate_seq > (done_head if it.gate_head else done_prelude):
                         unwritten.append(it)
                         continue

@@ -91,9 +91,9 @@ class SharedBank:
         if self._tensor is None and self._segment is not None:
             import torch
 
-            spec = self.spec
-            self._tensor = torch.frombuffer(self._segment.buf, dtype=_dtype(spec.dtype), count=spec.rows * spec.width)
-            self._tensor = self._tensor.view(spec.rows, spec.width)
+            rows, width = self.spec.rows, self.spec.width
+            flat = torch.frombuffer(self._segment.buf, dtype=_dtype(self.spec.dtype), count=rows * width)
+            self._tensor = flat.view(rows, width)
         return self._tensor
 
     @classmethod
