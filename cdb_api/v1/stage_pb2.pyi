@@ -118,7 +118,7 @@ class StageRings(_message.Message):
     def __init__(self, ops: _Optional[str] = ..., replies: _Optional[str] = ..., doorbell: _Optional[str] = ...) -> None: ...
 
 class ConfigureResponse(_message.Message):
-    __slots__ = ("role", "model", "architecture", "bank_width", "device", "process", "config_digest")
+    __slots__ = ("role", "model", "architecture", "bank_width", "device", "process", "config_digest", "op_records")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
@@ -126,6 +126,7 @@ class ConfigureResponse(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     PROCESS_FIELD_NUMBER: _ClassVar[int]
     CONFIG_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    OP_RECORDS_FIELD_NUMBER: _ClassVar[int]
     role: StageRole
     model: str
     architecture: str
@@ -133,7 +134,8 @@ class ConfigureResponse(_message.Message):
     device: str
     process: StageProcess
     config_digest: str
-    def __init__(self, role: _Optional[_Union[StageRole, str]] = ..., model: _Optional[str] = ..., architecture: _Optional[str] = ..., bank_width: _Optional[int] = ..., device: _Optional[str] = ..., process: _Optional[_Union[StageProcess, _Mapping]] = ..., config_digest: _Optional[str] = ...) -> None: ...
+    op_records: int
+    def __init__(self, role: _Optional[_Union[StageRole, str]] = ..., model: _Optional[str] = ..., architecture: _Optional[str] = ..., bank_width: _Optional[int] = ..., device: _Optional[str] = ..., process: _Optional[_Union[StageProcess, _Mapping]] = ..., config_digest: _Optional[str] = ..., op_records: _Optional[int] = ...) -> None: ...
 
 class StageProcess(_message.Message):
     __slots__ = ("pid", "pid_namespace", "start_ticks")

@@ -183,7 +183,8 @@ _PARAMS: dict[tuple[float, int, float, int, int, bool], SamplingParams] = {}  # 
 _PARAMS_KEPT = 8192  # distinct settings kept (each request has its own seed): emptied when full
 
 
-def _params(key: tuple[float, int, float, int, int, bool]) -> SamplingParams:
+def sampling_params(key: tuple[float, int, float, int, int, bool]) -> SamplingParams:
+    """The settings ``(temperature, top_k, top_p, seed, logprobs, return_logprob)`` as one shared object."""
     params = _PARAMS.get(key)
     if params is None:
         if len(_PARAMS) >= _PARAMS_KEPT:
@@ -208,7 +209,7 @@ def _head_of(
 def _sampling_of(h: pb.HeadBatch, settings: Sequence[Sequence[Any]]) -> tuple[SamplingParams, ...]:
     # A request's settings arrive with every op that samples it: made into an object once (a frozen dataclass
     # costs more to build than to look up), not once per op.
-    params = list(map(_params, zip(*settings)))
+    params = list(map(sampling_params, zip(*settings)))
     for proc in h.processing:
         params[proc.index] = dataclasses.replace(
             params[proc.index],

@@ -57,6 +57,7 @@ from cdb_engine.setup import StageSetup
 from cdb_scheduler.plan import Fence, Stage, StageLoss, StageOp, StageResult
 from services.settings import Settings, load_settings
 from services.stage_secret import call_metadata, load_stage_secret
+from services.transport import records
 from services.transport import ring as ring_transport
 from services.transport.bank import SharedBank
 from services.transport.convert import bank_spec_to_pb, op_to_pb, result_from_pb, role_to_pb
@@ -174,7 +175,7 @@ class GrpcExecutor:
         self._delivered = [-1] * len(Stage)  # seq of the last result delivered, per stage
         self._last_seq = {stage: -1 for stage in Stage}  # seq of the last op submitted, per stage
         self._void = {stage: -1 for stage in Stage}  # the last void op per stage (issued before the last loss)
-        self._backlog: list[tuple[Stage, pb.StageBatch]] = []  # submitted during an outage, in order
+        self._backlog: list[tuple[StageOp, Mapping[int, str] | None, float]] = []  # submitted during an outage
         self._epoch = 0  # bumped at every loss: replies of older links are void
         self._loss_pending = False  # a StageLoss is queued and not yet polled: submits are pre-recovery, dropped
         self._lost_at = 0.0
@@ -188,6 +189,7 @@ class GrpcExecutor:
         self.watch = HangWatch(self.settings.stage_hang_floor_s, self.settings.stage_hang_factor)
         self._procs: dict[Stage, ProcessId] = {}  # each stage's process, from its last Configure reply
         self._config_digests: dict[Stage, str] = {}  # each stage process's configuration digest, from the same
+        self._op_records: dict[Stage, bool] = {}  # whether each stage reads op records on its ring (same reply)
         bank_device = setup.device if setup.device.startswith("cuda") else "cpu"
         self.bank = SharedBank.create(setup.bank_rows, setup.bank_width, setup.dtype, bank_device)
         self.tokens = SharedBank.create(setup.bank_rows, 1, "int64", bank_device)
@@ -225,7 +227,8 @@ class GrpcExecutor:
 
     def _link(self, stage: Stage, epoch: int, rings: tuple[MessageRing, MessageRing] | None) -> StageLink:
         timeout = self.settings.stage_hang_floor_s
-        return StageLink(stage, self.channels[stage], self, epoch, self._metadata, rings, timeout)
+        op_records = self._op_records.get(stage, False)
+        return StageLink(stage, self.channels[stage], self, epoch, self._metadata, rings, timeout, op_records)
 
     def _new_rings(self) -> dict[Stage, tuple[MessageRing, MessageRing]]:
         """A fresh ops ring and replies ring per stage (none where rings are off or unsupported)."""
@@ -286,14 +289,15 @@ class GrpcExecutor:
         )
         p = reply.process
         self._procs[stage] = ProcessId(p.pid, p.pid_namespace, p.start_ticks)
+        self._op_records[stage] = rings is not None and reply.op_records == records.VERSION
         self._config_digests[stage] = reply.config_digest
 
     # --- Executor protocol -----------------------------------------------------------------------------------
 
     def submit(self, op: StageOp) -> None:
-        """Queue ``op`` on its stage's stream (or the outage backlog); never blocks on compute or the network."""
+        """Queue ``op`` on its stage's stream (or the outage backlog); never blocks on compute or the network.
+        ValueError, before anything is queued, for an op that a value of does not fit on the wire."""
         contexts = self.observer.contexts_for_op(op) if self.observer is not None else None
-        msg = op_to_pb(op, trace_contexts=contexts)
         with self._lock:
             if self.broken is not None or self._closed:
                 self._post(StageResult(op.stage, op.seq, 0.0, error=self.broken or "executor closed"))
@@ -304,18 +308,21 @@ class GrpcExecutor:
                 return
             units = op_units(op)
             pending = self._outstanding[op.stage]
+            fence_timeout_s = 0.0
             if op.fences:  # bound its fence wait by the budgets of every op it could be waiting for
                 waits = sum(p.budget for ops in self._outstanding.values() for p in ops.values())
-                msg.fence_timeout_s = 2 * (self.watch.floor_s + waits)
+                fence_timeout_s = 2 * (self.watch.floor_s + waits)
+            link = self._links.get(op.stage) if self.outage is None else None
+            wire = _wire(op, contexts, fence_timeout_s, link) if link is not None else None  # (may raise)
             pending[op.seq] = _Pending(op.fences, units, self.watch.budget(op.stage, units))
             self._last_seq[op.stage] = op.seq
             if self.observer is not None:
                 self._sent[(op.stage, op.seq)] = (op, time.time_ns())
-            if self.outage is not None:
-                self._backlog.append((op.stage, msg))
+            if link is None or wire is None:  # an outage: sent once the stages are back
+                self._backlog.append((op, contexts, fence_timeout_s))
                 return
             try:
-                self._links[op.stage].send(msg)
+                link.send(wire)
                 if self.hops is not None:
                     self.hops.sent.append((op.stage, op.seq, time.perf_counter_ns()))
             except ValueError as exc:  # larger than the stage ring: this op fails, nothing else
@@ -565,12 +572,12 @@ class GrpcExecutor:
                 if install:
                     old, self.fences, self._links = self.fences, board, links
                     self.outage = None  # the recovery loop sees it and ends (or serves a newer loss)
-                    for stage, msg in self._backlog:
+                    for op, contexts, fence_timeout_s in self._backlog:
                         try:
-                            links[stage].send(msg)
+                            links[op.stage].send(_wire(op, contexts, fence_timeout_s, links[op.stage]))
                         except ValueError as exc:  # larger than the stage ring: this op fails
-                            self._outstanding[stage].pop(msg.seq, None)
-                            self._post(StageResult(stage, msg.seq, 0.0, error=str(exc)))
+                            self._outstanding[op.stage].pop(op.seq, None)
+                            self._post(StageResult(op.stage, op.seq, 0.0, error=str(exc)))
                     self._backlog.clear()
                     self.recoveries += 1
                     self.takeovers += bool(moved)
@@ -676,6 +683,20 @@ class GrpcExecutor:
         for stage, seqs in failed:
             for seq in seqs:
                 self._post(StageResult(stage, seq, 0.0, error=why))
+
+
+def _wire(
+    op: StageOp, contexts: Mapping[int, str] | None, fence_timeout_s: float, link: StageLink
+) -> pb.StageBatch | bytearray:
+    """``op`` as ``link`` carries it: an op record where its stage reads them and the op fits one, else a message
+    (ValueError for a value that neither can carry)."""
+    if link.op_records and not contexts:
+        record = records.encode(op, fence_timeout_s)
+        if record is not None:
+            return record
+    msg = op_to_pb(op, trace_contexts=contexts)
+    msg.fence_timeout_s = fence_timeout_s
+    return msg
 
 
 def _close_rings(rings: Mapping[Stage, tuple[MessageRing, MessageRing]]) -> None:

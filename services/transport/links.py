@@ -69,9 +69,11 @@ class StageLink:
         metadata: Sequence[tuple[str, str]] = (),
         rings: tuple[MessageRing, MessageRing] | None = None,
         ring_timeout_s: float = 30.0,
+        op_records: bool = False,
     ) -> None:
         self.stage = stage
         self.epoch = epoch
+        self.op_records = op_records and rings is not None  # its stage reads op records (``records``) on the ring
         self._outbox: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._rings = rings
         self._ring_timeout_s = ring_timeout_s
@@ -89,13 +91,17 @@ class StageLink:
         """The largest serialized batch the link can carry (None: gRPC's own limit)."""
         return self._rings[0].max_record if self._rings is not None else None
 
-    def send(self, msg: pb.StageBatch) -> None:
-        if self._rings is None:
+    def send(self, msg: pb.StageBatch | bytearray) -> None:
+        """Send a batch message, or an op record (only where ``op_records``)."""
+        if isinstance(msg, bytearray):
+            assert self.op_records, "an op record on a link whose stage does not read them"
+            self._put(msg)
+        elif self._rings is None:
             self._outbox.put(msg)
         else:
             self._put(msg.SerializeToString())
 
-    def _put(self, payload: bytes) -> None:
+    def _put(self, payload: bytes | bytearray) -> None:
         assert self._rings is not None
         try:
             self._rings[0].put(payload, self._ring_timeout_s)

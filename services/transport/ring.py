@@ -99,7 +99,7 @@ class MessageRing(MappedSegment):
 
     # --- producer --------------------------------------------------------------------------------------------
 
-    def put(self, payload: bytes, timeout: float, wake: bool = True) -> None:
+    def put(self, payload: bytes | bytearray, timeout: float, wake: bool = True) -> None:
         """Append one record (stamped now) and wake the consumer (``wake=False``: the caller rings the consumer's
         :class:`Doorbell` instead). Waits up to ``timeout`` seconds for space.
 
@@ -112,7 +112,7 @@ class MessageRing(MappedSegment):
         except ValueError:  # the views were released under this call: the ring was closed here
             raise RingClosed("stage ring closed") from None
 
-    def _put(self, payload: bytes, n: int, timeout: float, wake: bool = True) -> None:
+    def _put(self, payload: bytes | bytearray, n: int, timeout: float, wake: bool = True) -> None:
         if self._segment is None:
             raise RingClosed("stage ring closed")
         q, cap = self._q, self.capacity

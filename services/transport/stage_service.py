@@ -9,7 +9,8 @@ network:
 The executor thread runs batches back to back in ``seq`` order; it marks completion on the fence board BEFORE
 the reply is sent, so a stage waiting on this one starts without a round trip through the scheduler. A batch
 that fails (an exception, a fence timeout) gets a reply with ``error``; the stage keeps serving. Network bytes are
-only ever parsed as protobuf (and its packed columns as fixed-width numbers: ``convert``), never as code.
+only ever parsed as protobuf (and its packed columns as fixed-width numbers: ``convert``) or as op records
+(fixed-width numbers: ``records``), never as code.
 
 A session configured with message rings (``ConfigureRequest.rings``, ``services.transport.ring``) takes its
 batches from the ops ring and writes its replies to the replies ring, both on the executor thread itself:
@@ -43,10 +44,10 @@ from cdb_engine.stage_worker import StageWorker
 from cdb_model.kv import KVLayout, KVPolicy
 from cdb_scheduler.plan import Stage, StageOp, StageResult
 from services.settings import Settings
+from services.transport import records
 from services.transport.bank import SharedBank
 from services.transport.convert import (
     bank_spec_from_pb,
-    fences_from_pb,
     op_from_pb,
     result_to_pb,
     role_from_pb,
@@ -63,11 +64,44 @@ _T = TypeVar("_T")
 
 
 @dataclass(slots=True)
+class Batch:
+    """A batch as the executor takes it off the inbox, whichever form it came in (a ``StageBatch`` message, or an op
+    record on the ops ring): its op, or why the op could not be read (it fails with that), or a ping."""
+
+    seq: int
+    op: StageOp | None = None
+    error: Exception | None = None
+    fence_timeout_s: float = 0.0  # the scheduler's bound on the op's fence wait (0: the stage's own)
+    trace_contexts: Mapping[int, str] = field(default_factory=dict)
+    ping: bool = False
+
+    @classmethod
+    def of_message(cls, msg: pb.StageBatch) -> Batch:
+        if msg.WhichOneof("work") == "ping":
+            return cls(msg.seq, ping=True)
+        try:
+            op = op_from_pb(msg)
+        except Exception as exc:  # the op fails, naming why; the stage keeps serving
+            return cls(msg.seq, error=exc)
+        return cls(msg.seq, op, fence_timeout_s=msg.fence_timeout_s, trace_contexts=msg.trace_contexts)
+
+    @classmethod
+    def of_record(cls, payload: bytes) -> Batch:
+        """Raises ValueError for a record whose header cannot be read (the session cannot go on)."""
+        try:
+            op, fence_timeout_s = records.decode(payload)
+        except ValueError as exc:
+            seq = records.seq_of(payload)  # (raises ValueError too where even the header is unreadable)
+            return cls(seq, error=exc)
+        return cls(op.seq, op, fence_timeout_s=fence_timeout_s)
+
+
+@dataclass(slots=True)
 class _Launched:
     """A batch taken off the inbox: launched on the worker (``finish`` waits for it and gives its result), or
     failed before it ran (``result``); a ping has neither."""
 
-    msg: pb.StageBatch
+    batch: Batch
     arrived: int  # perf_counter_ns stamps of the op timeline (OP_LOG_FIELDS)
     dequeued: int = 0
     fenced: int = 0
@@ -230,6 +264,7 @@ class StageService(stage_pb2_grpc.StageServicer):
                 start_ticks=self._process.start_ticks,
             ),
             config_digest=self.config_digest,
+            op_records=records.VERSION if session.rings is not None else 0,
         )
 
     def _attach(self, request: pb.ConfigureRequest, context: grpc.ServicerContext) -> _Session:
@@ -293,7 +328,7 @@ class StageService(stage_pb2_grpc.StageServicer):
             clock = time.perf_counter_ns
             try:
                 for msg in request_iterator:
-                    inbox.put((msg, clock()))
+                    inbox.put((Batch.of_message(msg), clock()))
             except grpc.RpcError:
                 pass  # the caller went away; the callback stops the executor
             if session.rings is None:
@@ -374,33 +409,36 @@ class StageService(stage_pb2_grpc.StageServicer):
             return step(session, arg)
 
     @staticmethod
-    def _launchable(session: _Session, msg: pb.StageBatch) -> bool:
-        """Whether ``msg`` may be launched now, behind the op in progress: the worker launches without waiting for
-        the op (``launch``) and ``msg``'s fences are already met."""
+    def _launchable(session: _Session, batch: Batch) -> bool:
+        """Whether ``batch`` may be launched now, behind the op in progress: the worker launches without waiting for
+        the op (``launch``) and the batch's fences are already met."""
         if not hasattr(session.worker, "launch"):
             return False  # ``execute`` runs an op whole: the op in progress is replied to first
-        return msg.WhichOneof("work") == "ping" or session.fences.ready(fences_from_pb(msg))
+        return batch.op is None or session.fences.ready(batch.op.fences)
 
     def _execute(self, session: _Session, msg: pb.StageBatch, arrived: int = 0) -> pb.StageReply:
         """Run one batch whole (launch, then finish); never raises."""
-        return self._finish(session, self._launch(session, (msg, arrived)))
+        return self._finish(session, self._launch(session, (Batch.of_message(msg), arrived)))
 
-    def _launch(self, session: _Session, got: tuple[pb.StageBatch, int]) -> _Launched:
+    def _launch(self, session: _Session, got: tuple[Batch, int]) -> _Launched:
         """Wait for the batch's fences and launch it on the worker; never raises (a failure is the result)."""
-        msg, arrived = got
-        launched = _Launched(msg, arrived)
-        if msg.WhichOneof("work") == "ping":
+        batch, arrived = got
+        launched = _Launched(batch, arrived)
+        if batch.ping:
             return launched
         launched.dequeued = launched.fenced = time.perf_counter_ns()
         try:
-            op = launched.op = op_from_pb(msg)
+            if batch.error is not None:
+                raise batch.error
+            op = launched.op = batch.op
+            assert op is not None
             if op.stage is not self.stage:
                 raise ValueError(f"{op.stage.name} batch sent to the {self.stage.name} stage")
             if self.observer is not None:
-                self.observer.update(msg.trace_contexts, op.released)
+                self.observer.update(batch.trace_contexts, op.released)
             limit = self.settings.fence_timeout_s
-            if msg.fence_timeout_s > 0:  # the scheduler's bound on the ops waited for (its watchdog acts first)
-                limit = min(limit, msg.fence_timeout_s)
+            if batch.fence_timeout_s > 0:  # the scheduler's bound on the ops waited for (its watchdog acts first)
+                limit = min(limit, batch.fence_timeout_s)
             launched.fence_wait = session.fences.wait(op.fences, limit, self._spin_s)
             launched.fenced, launched.start_ns = time.perf_counter_ns(), time.time_ns()
             worker = session.worker
@@ -410,21 +448,21 @@ class StageService(stage_pb2_grpc.StageServicer):
                 done = worker.execute(op)
                 launched.finish = lambda: done
         except Exception as exc:
-            launched.result = self._failed(msg, exc)
+            launched.result = self._failed(batch.seq, exc)
         return launched
 
     def _finish(self, session: _Session, launched: _Launched) -> pb.StageReply:
         """Wait for a launched batch, publish its completion, build its reply; never raises."""
-        msg, op = launched.msg, launched.op
-        if msg.WhichOneof("work") == "ping":
-            return pb.StageReply(seq=msg.seq, stage=role_to_pb(self.stage), pong=True)
+        batch, op = launched.batch, launched.op
+        if batch.ping:
+            return pb.StageReply(seq=batch.seq, stage=role_to_pb(self.stage), pong=True)
         result = launched.result
         if result is None:
             assert launched.finish is not None and op is not None
             try:
                 result = launched.finish()  # compute_s: device-synchronised (or modelled) by the worker
             except Exception as exc:
-                result = self._failed(msg, exc)
+                result = self._failed(batch.seq, exc)
             if session.timeline is not None and not result.error:
                 tokens = len(op.rows)
                 ended = time.perf_counter_ns()
@@ -434,17 +472,17 @@ class StageService(stage_pb2_grpc.StageServicer):
         if self.observer is not None and op is not None and op.stage is self.stage:
             end_ns = time.time_ns()
             self.observer.record_op(op, launched.start_ns or end_ns, end_ns, result.compute_s, result.error)
-        session.fences.complete(self.stage, msg.seq)
+        session.fences.complete(self.stage, batch.seq)
         reply = result_to_pb(result)
         reply.fence_wait_s = launched.fence_wait
         return reply
 
-    def _failed(self, msg: pb.StageBatch, exc: Exception) -> StageResult:
-        """The result of a batch that failed: its requests fail, the stage keeps serving."""
+    def _failed(self, seq: int, exc: Exception) -> StageResult:
+        """The result of batch ``seq`` that failed: its requests fail, the stage keeps serving."""
         if isinstance(exc, FenceTimeout | FenceAborted):
-            return StageResult(self.stage, msg.seq, 0.0, error=f"{self.stage.name} stage: {exc}")
-        log.error("%s batch %d failed:\n%s", self.stage.name, msg.seq, traceback.format_exc())
-        return StageResult(self.stage, msg.seq, 0.0, error=f"{self.stage.name} stage: {type(exc).__name__}: {exc}")
+            return StageResult(self.stage, seq, 0.0, error=f"{self.stage.name} stage: {exc}")
+        log.error("%s batch %d failed:\n%s", self.stage.name, seq, traceback.format_exc())
+        return StageResult(self.stage, seq, 0.0, error=f"{self.stage.name} stage: {type(exc).__name__}: {exc}")
 
     def close(self) -> None:
         """Close the live session, and wait for sessions other threads are closing (their op logs written)."""
@@ -464,7 +502,7 @@ def _sleep_for(inbox: Any, timeout: float) -> Any:
 
 
 class _RingInbox:
-    """The executor's inbox over a session's ops ring: ``(StageBatch, arrived_ns)`` items, ``_END`` at the end of
+    """The executor's inbox over a session's ops ring: ``(Batch, arrived_ns)`` items, ``_END`` at the end of
     the batches (an empty record), when the ring closes, or when ``put(_END)`` stops the stream. A message that
     comes on the stream itself (not sent by the project's executor) is taken too, before the ring's next one."""
 
@@ -502,9 +540,11 @@ class _RingInbox:
             if not payload:
                 return _END  # the scheduler ended its batches (half-close)
             try:
-                return pb.StageBatch.FromString(payload), arrived
-            except Exception:  # a record that is not a batch: the session cannot go on
-                log.error("a record on the ops ring is not a StageBatch (%d bytes): ending the session", len(payload))
+                if records.is_record(payload):
+                    return Batch.of_record(payload), arrived
+                return Batch.of_message(pb.StageBatch.FromString(payload)), arrived
+            except Exception:  # neither a batch nor a record: the session cannot go on
+                log.error("a record on the ops ring is not a stage batch (%d bytes): ending the session", len(payload))
                 return _END
 
     def get_nowait(self) -> Any:

@@ -90,6 +90,7 @@ def fake_stages(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[tupl
     with stage_servers(tmp_path, lambda s: fake_model(), worker_factory=FakeWorker, settings=settings) as running:
         ex = GrpcExecutor(fake_setup(), {s: r.address for s, r in running.items()}, settings)
         assert all(link.max_message is not None for link in ex._links.values()) == (request.param == "rings")
+        assert all(link.op_records for link in ex._links.values()) == (request.param == "rings")  # records on rings
         try:
             yield running, ex
         finally:

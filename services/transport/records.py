@@ -1,0 +1,228 @@
+"""Binary op records: how a stage op travels on a shared-memory ops ring (``services.transport.ring``).
+
+A stage op crosses the ring on every loop step, and both ends of it are on the critical path: the scheduler's engine
+thread encodes op k+2 while op k+1 runs, and the stage decodes it before it can launch it. As a ``StageBatch``
+message a width-64 loop op with a fused head costs ≈ 30 µs to build and serialize and ≈ 33 µs to parse and read back
+(most of it per-field protobuf work around the packed columns); as a record it is three flat arrays, written and read
+by one C call each.
+
+Layout (little-endian)::
+
+    header  u8 0 (a protobuf message never starts with a zero byte: field number 0 does not exist), u8 version,
+            u8 kind (0 prelude, 1 loop, 2 head), u8 flags (1 prefill, 2 fused head, 4 head embeds),
+            u32 ints, u32 doubles, u32 seeds, f64 fence_timeout_s
+    int64[ints]     seq, num_steps, then the counts (fences, updates, their blocks, released, tokens, copies, head
+                    tokens), then each section: fences (stage, seq), updates (rid, reset, blocks), every update's
+                    blocks, released, the token columns, KV copies (rid, position, from slot), the head's integer
+                    columns (its own rids, positions, rows, token indices and embedded ids for a fused head), then
+                    top_k, logprobs and return_logprob per sampled token
+    float64[doubles] temperature, then top_p, per sampled token
+    uint64[seeds]   the sampling seeds (modulo 2**64, as ``StageBatch`` carries them)
+
+What a record does not carry, an op with it travels as a ``StageBatch`` (the ring takes both): logits processing,
+penalty history, prompt scoring, draft embeds and trace contexts. A stage says which record version it reads in its
+Configure reply (``ConfigureResponse.op_records``); a scheduler sends records only to a stage that reads them.
+"""
+
+from __future__ import annotations
+
+import struct
+from operator import attrgetter
+
+from cdb_scheduler.plan import (
+    Fence,
+    HeadOp,
+    KVCopy,
+    KVUpdate,
+    LoopHead,
+    LoopOp,
+    PreludeOp,
+    SamplingParams,
+    Stage,
+    StageOp,
+)
+from services.transport.convert import sampling_params
+
+VERSION = 1
+_HEADER = struct.Struct("<BBBBIIId")  # marker, version, kind, flags, ints, doubles, seeds, fence_timeout_s
+_TIMEOUT_AT = 16  # byte offset of fence_timeout_s (``with_fence_timeout``)
+_PRELUDE, _LOOP, _HEAD = 0, 1, 2
+_PREFILL, _FUSED, _EMBED = 1, 2, 4
+_COUNTS = 7  # fences, updates, blocks, released, tokens, copies, head tokens
+_MASK64 = (1 << 64) - 1
+_STAGES = (Stage.PRELUDE, Stage.LOOP, Stage.HEAD)
+_TEMPERATURE, _TOP_K, _TOP_P, _SEED, _LOGPROBS, _RETURN_LOGPROB, _PROCESSING = (
+    attrgetter(name) for name in ("temperature", "top_k", "top_p", "seed", "logprobs", "return_logprob", "processing")
+)
+
+
+def is_record(payload: bytes) -> bool:
+    """Whether a ring payload is an op record (else a serialized ``StageBatch``, or empty: the end)."""
+    return payload[:1] == b"\x00"
+
+
+def encode(op: StageOp, fence_timeout_s: float = 0.0) -> bytearray | None:
+    """The op as a record; None where the op needs what only a ``StageBatch`` carries (module docstring) or holds an
+    integer beyond int64 (the message path then names it)."""
+    if isinstance(op, LoopOp):
+        kind, flags = _LOOP, _PREFILL if op.prefill else 0
+        columns = (*op.rids, *op.positions, *op.rows, *op.steps)
+        copies = [v for c in op.kv_copies for v in (c.rid, c.position, c.from_slot)]
+        h = op.head
+        if h is None:
+            sampling: tuple[SamplingParams, ...] = ()
+            head_ints: tuple[int, ...] = ()
+        else:
+            if h.history or h.embed_rows:
+                return None
+            flags |= _FUSED
+            sampling = h.sampling
+            head_ints = (*h.rids, *h.positions, *h.rows, *h.token_index, *h.embed_ids)
+    elif isinstance(op, HeadOp):
+        if op.history or op.score_ids:
+            return None
+        kind, flags, copies, head_ints = _HEAD, _EMBED if op.embed else 0, [], ()
+        columns = (*op.rids, *op.positions, *op.rows, *op.token_index, *op.sample, *op.embed)
+        sampling = op.sampling
+    else:
+        assert isinstance(op, PreludeOp)
+        kind, flags, copies, head_ints, sampling = _PRELUDE, 0, [], (), ()
+        columns = (*op.rids, *op.token_ids, *op.positions, *op.rows, *op.init_seeds)
+    if any(map(_PROCESSING, sampling)):
+        return None
+    updates = op.kv_updates
+    blocks = [b for u in updates for b in u.append]
+    ints = [
+        op.seq,
+        op.num_steps if isinstance(op, LoopOp) else 1,
+        len(op.fences),
+        len(updates),
+        len(blocks),
+        len(op.released),
+        len(op.rows),
+        len(copies) // 3,
+        len(op.head.rows) if isinstance(op, LoopOp) and op.head is not None else 0,
+        *[v for f in op.fences for v in (int(f.stage), f.seq)],
+        *[v for u in updates for v in (u.rid, u.reset, len(u.append))],
+        *blocks,
+        *op.released,
+        *columns,
+        *copies,
+        *head_ints,
+        *map(_TOP_K, sampling),
+        *map(_LOGPROBS, sampling),
+        *map(_RETURN_LOGPROB, sampling),
+    ]
+    seeds = [_MASK64 & s for s in map(_SEED, sampling)]
+    doubles = [*map(_TEMPERATURE, sampling), *map(_TOP_P, sampling)]
+    try:
+        body = _body(len(ints), len(doubles), len(seeds)).pack(*ints, *doubles, *seeds)
+    except struct.error:  # an integer beyond int64
+        return None
+    return bytearray(_HEADER.pack(0, VERSION, kind, flags, len(ints), len(doubles), len(seeds), fence_timeout_s) + body)
+
+
+_BODIES: dict[tuple[int, int, int], struct.Struct] = {}  # (ints, doubles, seeds) -> the packing of a record's body
+
+
+def _body(ints: int, doubles: int, seeds: int) -> struct.Struct:
+    packing = _BODIES.get((ints, doubles, seeds))
+    if packing is None:
+        if len(_BODIES) >= 4096:  # op shapes are bounded; a burst of odd ones does not grow this for ever
+            _BODIES.clear()
+        packing = _BODIES[(ints, doubles, seeds)] = struct.Struct(f"<{ints}q{doubles}d{seeds}Q")
+    return packing
+
+
+def with_fence_timeout(record: bytearray, fence_timeout_s: float) -> None:
+    """Set a record's ``fence_timeout_s`` in place (known only once the op is queued behind the ops it waits for)."""
+    struct.pack_into("<d", record, _TIMEOUT_AT, fence_timeout_s)
+
+
+def seq_of(payload: bytes) -> int:
+    """The seq of a record whose header is whole (ValueError if it is not): an unreadable op still fails by seq."""
+    if len(payload) < _HEADER.size + 8 or payload[:1] != b"\x00":
+        raise ValueError(f"op record: {len(payload)} bytes hold no header")
+    return int(struct.unpack_from("<q", payload, _HEADER.size)[0])
+
+
+def decode(payload: bytes) -> tuple[StageOp, float]:
+    """A record's op and fence timeout. ValueError (naming what is wrong) for a record that is not a whole,
+    consistent op of this version."""
+    view = memoryview(payload)
+    if len(view) < _HEADER.size:
+        raise ValueError(f"op record: {len(view)} bytes is shorter than its {_HEADER.size}-byte header")
+    marker, version, kind, flags, n_ints, n_doubles, n_seeds, timeout = _HEADER.unpack_from(view)
+    if marker != 0 or version != VERSION:
+        raise ValueError(f"op record: version {version}, this stage reads version {VERSION}")
+    if kind not in (_PRELUDE, _LOOP, _HEAD):
+        raise ValueError(f"op record: unknown kind {kind}")
+    end = _HEADER.size + 8 * (n_ints + n_doubles + n_seeds)
+    if len(view) != end or n_ints < 2 + _COUNTS:
+        raise ValueError(f"op record: {len(view)} bytes, its header says {end}")
+    values = _body(n_ints, n_doubles, n_seeds).unpack_from(view, _HEADER.size)
+    ints, doubles, seeds = values[:n_ints], values[n_ints : n_ints + n_doubles], values[n_ints + n_doubles :]
+    seq, num_steps, nf, nu, nb, nr, n, nc, nh = ints[: 2 + _COUNTS]
+    sampled = nh if kind == _LOOP else n if kind == _HEAD else 0
+    width = (5, 4, 5 + bool(flags & _EMBED))[kind]
+    need = 2 + _COUNTS + 2 * nf + 3 * nu + nb + nr + width * n + 3 * nc + 5 * nh + 3 * sampled
+    if min(nf, nu, nb, nr, n, nc, nh) < 0 or n_ints != need or n_doubles != 2 * sampled or n_seeds != sampled:
+        raise ValueError(f"op record: its counts do not match its {n_ints} integers")
+    if (kind != _LOOP and (nc or nh)) or bool(flags & _FUSED) != (nh > 0):
+        raise ValueError("op record: copies or a fused head in an op that has none")
+    at = 2 + _COUNTS
+    try:
+        fences = tuple(Fence(_STAGES[ints[at + 2 * i]], ints[at + 2 * i + 1]) for i in range(nf))
+    except IndexError:
+        raise ValueError("op record: a fence names no stage") from None
+    at += 2 * nf
+    heads, at = ints[at : at + 3 * nu], at + 3 * nu
+    updates = []
+    for i in range(nu):
+        rid, reset, length = heads[3 * i : 3 * i + 3]
+        if length < 0 or at + length > need:
+            raise ValueError("op record: an update's blocks run past the record")
+        updates.append(KVUpdate(rid, ints[at : at + length], bool(reset)))
+        at += length
+    if sum(heads[2::3]) != nb:
+        raise ValueError("op record: the updates' blocks do not add up")
+    released = ints[at : at + nr]
+    at += nr
+    cols = [ints[at + i * n : at + (i + 1) * n] for i in range(width)]
+    at += width * n
+    sampling: tuple[SamplingParams, ...] = ()
+    if sampled:
+        tail = ints[at + 3 * nc + 5 * nh :]
+        sampling = tuple(
+            map(
+                sampling_params,
+                zip(
+                    doubles[:sampled],
+                    tail[:sampled],
+                    doubles[sampled:],
+                    seeds,
+                    tail[sampled : 2 * sampled],
+                    map(bool, tail[2 * sampled :]),
+                ),
+            )
+        )
+    common = (seq, fences, tuple(updates), released)
+    if kind == _PRELUDE:
+        rids, tokens, positions, rows, init_seeds = cols
+        return PreludeOp(*common, rids, tokens, positions, rows, init_seeds), timeout
+    if kind == _HEAD:
+        rids, positions, rows, token_index, sample, *embed = cols
+        sample_b = tuple(map(bool, sample))
+        embed_b = tuple(map(bool, embed[0])) if embed else ()
+        return HeadOp(*common, rids, positions, rows, sample_b, sampling, token_index, embed_b), timeout
+    copies = tuple(KVCopy(*ints[at + 3 * i : at + 3 * i + 3]) for i in range(nc))
+    at += 3 * nc
+    head = None
+    if flags & _FUSED:
+        hr, hp, hrows, hidx, hemb = (ints[at + i * nh : at + (i + 1) * nh] for i in range(5))
+        head = LoopHead(rids=hr, positions=hp, rows=hrows, sampling=sampling, token_index=hidx, embed_ids=hemb)
+    rids, positions, rows, steps = cols
+    return (
+        LoopOp(*common, rids, positions, rows, steps, bool(flags & _PREFILL), num_steps, copies, head),
+        timeout,
+    )
