@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import glob
 import itertools
 import json
@@ -62,6 +63,7 @@ from cdb_engine.engine import Engine, StageSetup
 from cdb_engine.events import Event, FinishEvent, TokenEvent
 from cdb_engine.synthetic import parse_cost
 from cdb_scheduler.plan import Stage
+from services import heap
 from services.launcher import ServeHandle, serve_all, start_stages
 from services.settings import load_settings
 from services.transport.executor import GrpcExecutor, GrpcExecutorFactory, HopLog
@@ -180,6 +182,9 @@ def run_in_process(point: Point, tree: ServeHandle, warmup_s: float, seconds: fl
         return ex
 
     engine = Engine(cfg, executor).start()
+    heap.settle()  # as the scheduler's process does once started (``run_scheduler``)
+    pauses = _GcPauses()
+    gc.callbacks.append(pauses)
     try:
         loop = _ClosedLoop(engine, _concurrency(point.width), seed)
         marks = []
@@ -201,9 +206,37 @@ def run_in_process(point: Point, tree: ServeHandle, warmup_s: float, seconds: fl
             )
         loop.stopping = True
     finally:
+        gc.callbacks.remove(pauses)
         engine.shutdown()
     a, b = marks
-    return _figures(a, b) | {"mean_depth": b["mean_depth"], "hops": hops}
+    return _figures(a, b) | {"mean_depth": b["mean_depth"], "hops": hops, "gc": pauses.within(a["t"], b["t"])}
+
+
+class _GcPauses:
+    """The cyclic collector's pauses in this process (the scheduler's, with tokens consumed in-process): each
+    collection's generation and start and end (perf_counter ns)."""
+
+    def __init__(self) -> None:
+        self.started = 0
+        self.pauses: list[tuple[int, int, int]] = []
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        now = time.perf_counter_ns()
+        if phase == "start":
+            self.started = now
+        elif self.started:
+            self.pauses.append((info["generation"], self.started, now))
+
+    def within(self, t0: float, t1: float) -> dict[str, float]:
+        """Collections that ended in ``[t0, t1]``: how many, the full ones (generation 2), the longest pause and the
+        total (ms)."""
+        got = [(g, (end - start) / 1e6) for g, start, end in self.pauses if t0 <= end <= t1]
+        return {
+            "collections": len(got),
+            "full": sum(g == 2 for g, _ in got),
+            "max_ms": max((ms for _, ms in got), default=0.0),
+            "total_ms": sum(ms for _, ms in got),
+        }
 
 
 def _figures(a: dict[str, float], b: dict[str, float]) -> dict[str, Any]:
@@ -427,6 +460,7 @@ def loop_timeline(op_log: str, window: tuple[int, int], depth: int, hops: HopLog
             "stage_preparation": sum(prep) / n / 1e3,
         },
         "reaction_us": {"p50": q(reaction, 0.5), "p90": q(reaction, 0.9)},
+        "idle_max_us": max(idle, default=0) / 1e3,  # the loop stage's longest gap (a pause anywhere on its path)
     }
 
 

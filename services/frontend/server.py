@@ -19,7 +19,7 @@ import grpc
 from cdb_api.v1 import generation_pb2 as pb
 from cdb_engine.config import EngineConfig
 from cdb_engine.engine import Engine
-from services import telemetry
+from services import heap, telemetry
 from services.frontend.remote import LinkClient, MetricsRelay, RemoteEngine
 from services.http import serve_api
 from services.scheduler.errors import mapped_errors
@@ -82,6 +82,7 @@ def run_frontend(
         shared = settings.frontends > 1
         front = FrontEnd(service, readiness, reuse_port=shared, join=join)
         companion = functools.partial(serve_api, address=http, reuse_port=shared) if http else None
+        heap.settle()  # what startup loaded stays: no collection scans it while streaming
         with event_loop_runner(settings) as runner:
             runner.run(
                 serve(

@@ -49,7 +49,7 @@ from cdb_engine.limits import describe
 from cdb_engine.setup import StageSetup
 from cdb_scheduler import _native as native
 from cdb_scheduler.plan import Executor, Stage
-from services import telemetry
+from services import heap, telemetry
 from services.net import NO_REUSEPORT, bound_address, is_host_port, listen_on, require_loopback, write_ready_file
 from services.reflection import enable_reflection
 from services.scheduler.fatal import ExitOnEngineFailure
@@ -280,6 +280,7 @@ def run_scheduler(
         if factory is not None:
             factory.observer = observer
         engine.start()
+        heap.settle()  # what startup loaded stays: no collection scans it while the engine plans
         throughput_log = ThroughputLog(metrics, settings.throughput_log_interval_s).start()
         if settings.metrics_addr:
             metrics_server = serve_metrics(metrics, settings.metrics_addr)

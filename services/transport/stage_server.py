@@ -34,7 +34,7 @@ from cdb_engine.synthetic import SyntheticWorker, synthetic_model
 from cdb_model.config import ModelConfig
 from cdb_model.loader import load_config, load_model
 from cdb_scheduler.plan import Stage
-from services import telemetry
+from services import heap, telemetry
 from services.net import NO_REUSEPORT, bound_address, listen_on, require_loopback, write_ready_file
 from services.settings import Settings, load_settings
 from services.stage_secret import load_stage_secret, secret_matches
@@ -144,6 +144,7 @@ def run_stage(
         done = threading.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: done.set())
+        heap.settle()  # the model, torch and the server stay: no collection scans them while serving
         if ready_file:
             write_ready_file(ready_file, address)
         done.wait()
