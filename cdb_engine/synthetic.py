@@ -297,17 +297,28 @@ _libc = ctypes.CDLL(None) if sys.platform == "linux" else None
 _HIGH = 0.999999  # an Ouro hazard that crosses any threshold q < 1 (q = 1.0 still means full depth)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _Pending:
-    """A launched synthetic op: calling it waits for its modelled end (``ready_at``, perf_counter) and gives its
-    result; the stage may take its next op off the wire until then."""
+    """A launched synthetic op: ``prepare`` makes what the device computes (the op's signals and tokens); calling it
+    prepares it if not done yet, waits for its modelled end (``ready_at``, perf_counter) and gives its result. The
+    stage prepares an op once the op before it is replied to, and may launch the next op until its end; ops are
+    prepared in launch order, so their results are made in it too."""
 
     worker: SyntheticWorker
-    result: StageResult
+    op: StageOp
+    seconds: float
     ready_at: float
+    result: StageResult | None = None
+
+    def prepare(self) -> None:
+        if self.result is None:
+            self.result = self.worker._results(self.op)
+            self.result.seq, self.result.compute_s = self.op.seq, self.seconds  # (the op's own result)
 
     def __call__(self) -> StageResult:
+        self.prepare()
         self.worker._wait_until(self.ready_at)
+        assert self.result is not None
         return self.result
 
 
@@ -351,8 +362,8 @@ class SyntheticWorker:
             raise ValueError(f"{op.stage.name} op sent to the {self.stage.name} worker")
         self.tables.release(op.released)
         self.tables.apply(op.kv_updates)
-        # Host work first (tables, checks, the op's modelled time); what the device computes (signals, tokens) is
-        # modelled after the op's modelled time has started, inside it, as a GPU computes while its host goes on.
+        # Host work only (tables, checks, the op's modelled time): what the device computes (signals, tokens) is
+        # modelled later (``_Pending.prepare``), inside its modelled time, as a GPU computes it while its host goes on.
         if isinstance(op, LoopOp):
             for c in op.kv_copies:
                 self._check(c.rid, c.position)
@@ -365,15 +376,17 @@ class SyntheticWorker:
         else:
             assert isinstance(op, PreludeOp)
             seconds = self._seconds(op.rids, op.positions, len(op.rows))
-        ready_at = self._enqueue(seconds)
+        return _Pending(self, op, seconds, self._enqueue(seconds))
+
+    def _results(self, op: StageOp) -> StageResult:
+        """What the device computes for ``op``: made once the op before it is replied to (``_Pending.prepare``), not
+        at launch, as a GPU computes it after the launch returns (a launch made while the op before runs does not
+        hold that op's reply)."""
         if isinstance(op, LoopOp):
-            result = self._loop_results(op)
-        elif isinstance(op, HeadOp):
-            result = self._head_results(op)
-        else:
-            result = self._nothing()
-        result.seq, result.compute_s = op.seq, seconds  # (the op's own result, made above)
-        return _Pending(self, result, ready_at)
+            return self._loop_results(op)
+        if isinstance(op, HeadOp):
+            return self._head_results(op)
+        return self._nothing()
 
     def _nothing(self) -> StageResult:
         return StageResult(self.stage, -1, 0.0)

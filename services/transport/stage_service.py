@@ -23,6 +23,7 @@ reads the replies itself); its Run stream carries nothing and only ends the sess
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -352,7 +353,9 @@ class StageService(stage_pb2_grpc.StageServicer):
                             return
                     # Until op k is done (``ready_at``, when the worker knows it), the next message may arrive. The
                     # executor sleeps meanwhile (a wake is early enough: op k+1 has until op k's end), so that it
-                    # spins only when idle, and leaves the cores to the others while a stage op runs.
+                    # spins only when idle, and leaves the cores to the others while a stage op runs. Host work on
+                    # op k that no reply waits for (``prepare``, where the worker has it) is done first.
+                    self._guarded(session, self._prepare, launched)
                     ready_at = getattr(launched.finish, "ready_at", None)
                     while held is None:
                         left = ready_at - time.perf_counter() if ready_at is not None else 0.0
@@ -407,6 +410,15 @@ class StageService(stage_pb2_grpc.StageServicer):
             if session.closed or self._session is not session:
                 return None
             return step(session, arg)
+
+    @staticmethod
+    def _prepare(session: _Session, launched: _Launched) -> None:
+        """Host work on a launched op that no reply waits for (the worker's ``prepare``, where it has one); a failure
+        is left to the op's finish, which reports it."""
+        prepare = getattr(launched.finish, "prepare", None)
+        if prepare is not None:
+            with contextlib.suppress(Exception):
+                prepare()
 
     @staticmethod
     def _launchable(session: _Session, batch: Batch) -> bool:

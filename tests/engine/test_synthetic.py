@@ -16,7 +16,7 @@ from cdb_model.config import ModelConfig
 from cdb_model.kv import KVLayout, KVPolicy
 from cdb_model.presets import preset_config
 from cdb_model.released import OURO_14B
-from cdb_scheduler.plan import KVUpdate, LoopOp, Stage, derive_seed
+from cdb_scheduler.plan import KVUpdate, LoopHead, LoopOp, SamplingParams, Stage, derive_seed
 
 
 def test_an_explicit_spec_costs_what_it_says_and_stages_left_out_cost_nothing() -> None:
@@ -132,3 +132,24 @@ def test_a_synthetic_op_over_a_position_without_its_kv_block_fails_naming_the_re
         worker.execute(op(2, (3, 32)))
     with pytest.raises(KeyError, match="no block table for request 11"):
         worker.execute(LoopOp(3, (), (), (), (7, 11), (0, 0), (0, 1), (0, 0)))
+
+
+def test_a_launch_leaves_what_the_device_computes_to_the_ops_finish() -> None:
+    """A GPU computes an op's tokens after its launch returns: a synthetic launch writes no token, so launching
+    op k+1 while op k runs does not hold op k's reply; preparing or finishing the op writes them, in launch order."""
+    worker = _loop_worker()
+    worker.tables.apply([KVUpdate(7, (0,)), KVUpdate(9, (1,))])
+    head = LoopHead(
+        rids=(7, 9),
+        positions=(3, 5),
+        rows=(2, 3),
+        sampling=(SamplingParams(seed=4),) * 2,
+        token_index=(0, 1),
+        embed_ids=(-1, -1),
+    )
+    first = worker.launch(LoopOp(0, (), (), (), (7, 9), (3, 5), (0, 1), (0, 0), head=head))
+    second = worker.launch(LoopOp(1, (), (), (), (7, 9), (4, 6), (0, 1), (0, 0)))
+    assert worker.tokens[2:4].tolist() == [0, 0]  # launched, not computed
+    done = first()
+    assert done.seq == 0 and len(done.token_ids) == 2 and worker.tokens[2:4].tolist() == list(done.token_ids)
+    assert second().seq == 1
