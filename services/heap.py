@@ -8,15 +8,13 @@ so often: each one a pause of the thread that triggered it, landing on the loop 
 that no collection scans again). The young generations are collected as before, so cyclic garbage made while
 serving is still freed; only objects allocated before ``settle`` are never collected, and they are not garbage.
 
-``python -m services.heap`` measures a full collection in a stage's and in the scheduler's process, unsettled and
-settled (JSON; ``docs/benchmarks.md``).
+``cdb bench heap`` measures a full collection in a stage's and in the scheduler's process, unsettled and settled
+(``docs/benchmarks.md``).
 """
 
 from __future__ import annotations
 
-import argparse
 import gc
-import json
 import time
 
 
@@ -37,30 +35,3 @@ def full_collection_ms(repeat: int = 3) -> float:
         gc.collect()
         best = min(best, time.perf_counter() - start)
     return best * 1e3
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m services.heap", description="a full collection, unsettled and settled")
-    p.add_argument("process", choices=["stage", "scheduler"], help="whose modules (and model) to load first")
-    p.add_argument("--model", default="ouro-tiny", help="the stage process's model")
-    args = p.parse_args(argv)
-    if args.process == "stage":
-        from cdb_model.loader import load_model
-        from services.transport import stage_server  # noqa: F401 (what a stage process imports)
-
-        loaded = [load_model(args.model)]  # kept until measured
-    else:
-        loaded = []
-        from services.scheduler import server  # noqa: F401 (what the scheduler's process imports)
-    unsettled = full_collection_ms()
-    tracked = len(gc.get_objects())
-    frozen = settle()
-    out = {"process": args.process, "tracked_objects": tracked, "frozen_objects": frozen}
-    out |= {"full_collection_ms": {"unsettled": unsettled, "settled": full_collection_ms()}}
-    out["model"] = args.model if loaded else None
-    print(json.dumps(out, indent=2))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -57,6 +57,7 @@ SERVICE_ROOMS = {
     "stage_secret": 0,
     "reflection": 0,
     "version": 0,
+    "heap": 0,
     "telemetry": 1,
     "transport": 2,
     "scheduler": 3,

@@ -168,13 +168,12 @@ def decode(payload: bytes) -> tuple[StageOp, float]:
     need = 2 + _COUNTS + 2 * nf + 3 * nu + nb + nr + width * n + 3 * nc + 5 * nh + 3 * sampled
     if min(nf, nu, nb, nr, n, nc, nh) < 0 or n_ints != need or n_doubles != 2 * sampled or n_seeds != sampled:
         raise ValueError(f"op record: its counts do not match its {n_ints} integers")
-    if (kind != _LOOP and (nc or nh)) or bool(flags & _FUSED) != (nh > 0):
+    if (kind != _LOOP and (nc or nh or flags & _FUSED)) or (nh and not flags & _FUSED):
         raise ValueError("op record: copies or a fused head in an op that has none")
     at = 2 + _COUNTS
-    try:
-        fences = tuple(Fence(_STAGES[ints[at + 2 * i]], ints[at + 2 * i + 1]) for i in range(nf))
-    except IndexError:
-        raise ValueError("op record: a fence names no stage") from None
+    if any(not 0 <= ints[at + 2 * i] < len(_STAGES) for i in range(nf)):
+        raise ValueError("op record: a fence names no stage")
+    fences = tuple(Fence(_STAGES[ints[at + 2 * i]], ints[at + 2 * i + 1]) for i in range(nf))
     at += 2 * nf
     heads, at = ints[at : at + 3 * nu], at + 3 * nu
     updates = []

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from cdb_bench import heap as bench_heap
 from services import heap
 
 
@@ -44,7 +45,7 @@ def test_settling_freezes_what_is_there_and_later_garbage_is_still_collected(unf
 
 
 def test_the_measurement_reports_both_states(unfrozen_after: None, capsys: pytest.CaptureFixture[str]) -> None:
-    assert heap.main(["scheduler"]) == 0
+    assert bench_heap.main(["scheduler", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["process"] == "scheduler" and out["frozen_objects"] >= out["tracked_objects"] > 0
     assert set(out["full_collection_ms"]) == {"unsettled", "settled"}

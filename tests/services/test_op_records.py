@@ -95,7 +95,9 @@ def _malformed(record: bytes) -> Iterator[tuple[str, bytes]]:
     yield "unknown kind", record[:2] + bytes([7]) + record[3:]
     fences_at = 24 + 8 * 2  # the header, then seq and num_steps: the fence count
     yield "counts that do not add up", record[:fences_at] + struct.pack("<q", 5) + record[fences_at + 8 :]
-    yield "a fence on no stage", record.replace(struct.pack("<qq", 2, 12345678901), struct.pack("<qq", 9, 1), 1)
+    fence = struct.pack("<qq", 2, 12345678901)  # (HEAD, seq) of the op's second fence
+    yield "a fence on no stage", record.replace(fence, struct.pack("<qq", 9, 1), 1)
+    yield "a fence on a negative stage", record.replace(fence, struct.pack("<qq", -1, 1), 1)
     yield "no header", record[:10]
 
 
