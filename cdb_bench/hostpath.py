@@ -52,7 +52,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -501,6 +501,55 @@ def points(args: argparse.Namespace) -> list[Point]:
     return out
 
 
+_IDENTITY = ("family", "cost", "op_us", "width", "consumer", "fuse_loop_head", "transport", "frontends")
+_FIGURES: dict[str, Callable[[dict[str, Any]], float]] = {
+    "eta": lambda r: r["eta"],
+    "tokens_per_s": lambda r: r["tokens_per_s"],
+    "of_ideal": lambda r: r["of_ideal"],
+    "sched_cpu_us_per_step": lambda r: r["sched_cpu_us_per_step"]["process"],
+    "loop_stage_cpu_us_per_op": lambda r: r["loop_stage_cpu_us_per_op"],
+    "idle_op_arrived_late_us": lambda r: r["idle_us_per_op"]["op_arrived_late"],
+    "idle_fences_us": lambda r: r["idle_us_per_op"]["fences"],
+    "idle_stage_preparation_us": lambda r: r["idle_us_per_op"]["stage_preparation"],
+    "reaction_p50_us": lambda r: r["reaction_us"]["p50"],
+}
+
+
+def medians(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per point (its identity: family, cost, width, consumer, ...): how many runs, and each figure's median, lowest
+    and highest over them (this machine's noise is in the range; a median moves little for one bad run)."""
+    groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault(tuple(r.get(k) for k in _IDENTITY), []).append(r)
+    out = []
+    for key, runs in groups.items():
+        entry: dict[str, Any] = dict(zip(_IDENTITY, key)) | {"runs": len(runs)}
+        for name, figure in _FIGURES.items():
+            values = [figure(r) for r in runs]
+            entry[name] = {"median": statistics.median(values), "min": min(values), "max": max(values)}
+        out.append(entry)
+    return out
+
+
+def _median_table(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        f"medians over rounds: {'family':<7}{'cost':<18}{'w':>4} {'consumer':<11}{'runs':>5}{'eta':>7} {'(range)':<13}"
+        f"{'tok/s':>9}{'cpu us/step':>12}{'late':>7}{'fence':>7}{'prep':>6}{'react':>7}"
+    ]
+    for r in rows:
+        cost = f"{r['op_us']:g}us flat" if r["op_us"] is not None else r["cost"]
+        e = r["eta"]
+        spread = f"({e['min']:.2f}-{e['max']:.2f})"
+        lines.append(
+            f"{'':<21}{r['family']:<7}{cost:<18}{r['width']:>4} {_consumer(r):<11}{r['runs']:>5}{e['median']:>7.3f} "
+            f"{spread:<13}{r['tokens_per_s']['median']:>9.0f}"
+            f"{r['sched_cpu_us_per_step']['median']:>12.0f}{r['idle_op_arrived_late_us']['median']:>7.0f}"
+            f"{r['idle_fences_us']['median']:>7.0f}{r['idle_stage_preparation_us']['median']:>6.0f}"
+            f"{r['reaction_p50_us']['median']:>7.0f}"
+        )
+    return "\n".join(lines)
+
+
 def _consumer(r: dict[str, Any]) -> str:
     return f"{r['consumer']} fe{r['frontends']}" if r.get("frontends") else str(r["consumer"])
 
@@ -539,7 +588,7 @@ def write_outputs(summary: dict[str, Any], out: Path) -> list[Path]:
     """``hostpath.json`` and ``eta.png``: the loop stage's busy fraction against the loop op time, per family,
     width and consumer."""
     series: dict[str, tuple[list[float], list[float]]] = {}
-    for r in summary["points"]:
+    for r in summary.get("medians") or summary["points"]:  # (with rounds: each point's median)
         if r["op_us"] is None:
             continue
         fused = "fused" if r["fuse_loop_head"] else "head op"
@@ -548,7 +597,7 @@ def write_outputs(summary: dict[str, Any], out: Path) -> list[Path]:
         label = f"{r['family']} w{r['width']} {r['consumer']}{fronts} {fused} {r.get('transport', 'streams')}"
         xs, ys = series.setdefault(label, ([], []))
         xs.append(r["op_us"])
-        ys.append(r["eta"])
+        ys.append(r["eta"]["median"] if isinstance(r["eta"], dict) else r["eta"])
     paths = [outputs.write_json(out, "hostpath", summary)]
     if series:
         paths.append(
@@ -593,6 +642,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--seconds", type=float, default=3.0, help="steady window per point")
     p.add_argument("--warmup", type=float, default=1.5, help="seconds before the window (admission ramp)")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run every point this many times, interleaved (round by round); medians and ranges per point",
+    )
     p.add_argument("--quick", action="store_true", help="ouro, 500 µs, width 64, both consumers, short windows")
     p.add_argument("--json", action="store_true")
     p.add_argument("--out", type=Path, help="write hostpath.json and eta.png here")
@@ -601,13 +656,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.families, args.op_us, args.widths, args.profiles = ["ouro"], [500.0], [64], False
         args.seconds, args.warmup = min(args.seconds, 1.5), min(args.warmup, 1.0)
-    todo = points(args)
+    if args.rounds < 1:
+        p.error("--rounds must be at least 1")
+    todo = [(r, point) for r in range(args.rounds) for point in points(args)]  # round by round: drift hits all alike
     rows = []
-    for point in outputs.progress(todo, len(todo), "hostpath", enabled=not args.json):
-        rows.append(run_point(point, args.warmup, args.seconds))
-    summary = {"points": rows, "seconds": args.seconds, "warmup_s": args.warmup}
+    for r, point in outputs.progress(todo, len(todo), "hostpath", enabled=not args.json):
+        rows.append(run_point(point, args.warmup, args.seconds) | {"round": r})
+    summary: dict[str, Any] = {"points": rows, "seconds": args.seconds, "warmup_s": args.warmup}
     summary["native_scheduler"] = cdb_scheduler.NATIVE
-    print(json.dumps(summary, indent=2) if args.json else _table(rows))
+    if args.rounds > 1:
+        summary["rounds"], summary["medians"] = args.rounds, medians(rows)
+    text = _table(rows) + ("\n" + _median_table(summary["medians"]) if args.rounds > 1 else "")
+    print(json.dumps(summary, indent=2) if args.json else text)
     if args.out:
         for path in write_outputs(summary, args.out):
             print(f"wrote {path}", file=sys.stderr)

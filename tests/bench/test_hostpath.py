@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from cdb_bench.hostpath import main, reaction_split, scaled_cost
+from cdb_bench.hostpath import main, medians, reaction_split, scaled_cost
 from cdb_scheduler.plan import Stage
 from services.transport.executor import HopLog
 
@@ -35,6 +35,39 @@ def test_quick_hostpath_reports_the_busy_fraction_and_the_cpu_split(capsys: pyte
     assert list(split) == ["stage_reply", "ring", "to_engine", "engine"]
     assert all(part is not None and part["p50"] >= 0 and part["mean"] >= 0 for part in split.values())
     assert "reaction_split_us" not in points[1]
+    assert all(p["gc"]["collections"] >= p["gc"]["full"] >= 0 for p in points[:1])  # the scheduler's, in-process
+    assert all(p["idle_max_us"] >= 0 for p in points)
+
+
+def _run(family: str, op_us: float, eta: float, round_: int) -> dict[str, object]:
+    return {
+        "family": family,
+        "cost": f"loop={op_us}:0:0",
+        "op_us": op_us,
+        "width": 64,
+        "consumer": "in-process",
+        "fuse_loop_head": True,
+        "transport": "rings",
+        "frontends": 0,
+        "round": round_,
+        "eta": eta,
+        "tokens_per_s": 1000 * eta,
+        "of_ideal": eta,
+        "sched_cpu_us_per_step": {"process": 600 - 100 * eta},
+        "loop_stage_cpu_us_per_op": 500.0,
+        "idle_us_per_op": {"op_arrived_late": 10.0, "fences": 0.0, "stage_preparation": 100 * round_},
+        "reaction_us": {"p50": 600.0},
+    }
+
+
+def test_rounds_give_each_point_its_median_and_range() -> None:
+    rows = [_run("ouro", 500, eta, r) for r, eta in enumerate((0.6, 0.2, 0.7))]
+    rows += [_run("huginn", 500, eta, r) for r, eta in enumerate((0.5, 0.4, 0.45))]
+    got = medians(rows)
+    assert [(m["family"], m["runs"]) for m in got] == [("ouro", 3), ("huginn", 3)]
+    assert got[0]["eta"] == {"median": 0.6, "min": 0.2, "max": 0.7}  # one bad run moves the median little
+    assert got[1]["tokens_per_s"]["median"] == pytest.approx(450)
+    assert got[0]["idle_stage_preparation_us"] == {"median": 100, "min": 0, "max": 200}
 
 
 def test_the_reaction_split_follows_each_loop_reply_to_the_op_it_lets_the_engine_send() -> None:
