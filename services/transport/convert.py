@@ -225,14 +225,9 @@ def _sampling_of(h: pb.HeadBatch, settings: Sequence[Sequence[Any]]) -> tuple[Sa
     return tuple(params)
 
 
-def fences_from_pb(msg: pb.StageBatch) -> tuple[Fence, ...]:
-    """The fences of a batch message (what ``op_from_pb`` puts in ``StageOp.fences``)."""
-    return tuple(Fence(_PB_TO_ROLE[f.stage], f.seq) for f in msg.fences)
-
-
 def op_from_pb(msg: pb.StageBatch) -> StageOp:
     """The stage op of a batch message. Raises ValueError for a ping or an empty batch."""
-    fences = fences_from_pb(msg)
+    fences = tuple(Fence(_PB_TO_ROLE[f.stage], f.seq) for f in msg.fences)
     kv_updates = tuple(KVUpdate(u.rid, tuple(u.append), u.reset) for u in msg.kv_updates)
     released = tuple(msg.released)
     which = msg.WhichOneof("work")

@@ -27,7 +27,6 @@ Configure reply (``ConfigureResponse.op_records``); a scheduler sends records on
 from __future__ import annotations
 
 import struct
-from operator import attrgetter
 
 from cdb_scheduler.plan import (
     Fence,
@@ -41,19 +40,24 @@ from cdb_scheduler.plan import (
     Stage,
     StageOp,
 )
-from services.transport.convert import sampling_params
+from services.transport.convert import (
+    _LOGPROBS,
+    _MASK64,
+    _PROCESSING,
+    _RETURN_LOGPROB,
+    _SEED,
+    _TEMPERATURE,
+    _TOP_K,
+    _TOP_P,
+    sampling_params,
+)
 
 VERSION = 1
 _HEADER = struct.Struct("<BBBBIIId")  # marker, version, kind, flags, ints, doubles, seeds, fence_timeout_s
-_TIMEOUT_AT = 16  # byte offset of fence_timeout_s (``with_fence_timeout``)
 _PRELUDE, _LOOP, _HEAD = 0, 1, 2
 _PREFILL, _FUSED, _EMBED = 1, 2, 4
 _COUNTS = 7  # fences, updates, blocks, released, tokens, copies, head tokens
-_MASK64 = (1 << 64) - 1
 _STAGES = (Stage.PRELUDE, Stage.LOOP, Stage.HEAD)
-_TEMPERATURE, _TOP_K, _TOP_P, _SEED, _LOGPROBS, _RETURN_LOGPROB, _PROCESSING = (
-    attrgetter(name) for name in ("temperature", "top_k", "top_p", "seed", "logprobs", "return_logprob", "processing")
-)
 
 
 def is_record(payload: bytes) -> bool:
@@ -69,6 +73,7 @@ def encode(op: StageOp, fence_timeout_s: float = 0.0) -> bytearray | None:
         columns = (*op.rids, *op.positions, *op.rows, *op.steps)
         copies = [v for c in op.kv_copies for v in (c.rid, c.position, c.from_slot)]
         h = op.head
+        nh = 0 if h is None else len(h.rows)
         if h is None:
             sampling: tuple[SamplingParams, ...] = ()
             head_ints: tuple[int, ...] = ()
@@ -81,12 +86,12 @@ def encode(op: StageOp, fence_timeout_s: float = 0.0) -> bytearray | None:
     elif isinstance(op, HeadOp):
         if op.history or op.score_ids:
             return None
-        kind, flags, copies, head_ints = _HEAD, _EMBED if op.embed else 0, [], ()
+        kind, flags, copies, head_ints, nh = _HEAD, _EMBED if op.embed else 0, [], (), 0
         columns = (*op.rids, *op.positions, *op.rows, *op.token_index, *op.sample, *op.embed)
         sampling = op.sampling
     else:
         assert isinstance(op, PreludeOp)
-        kind, flags, copies, head_ints, sampling = _PRELUDE, 0, [], (), ()
+        kind, flags, copies, head_ints, sampling, nh = _PRELUDE, 0, [], (), (), 0
         columns = (*op.rids, *op.token_ids, *op.positions, *op.rows, *op.init_seeds)
     if any(map(_PROCESSING, sampling)):
         return None
@@ -101,7 +106,7 @@ def encode(op: StageOp, fence_timeout_s: float = 0.0) -> bytearray | None:
         len(op.released),
         len(op.rows),
         len(copies) // 3,
-        len(op.head.rows) if isinstance(op, LoopOp) and op.head is not None else 0,
+        nh,
         *[v for f in op.fences for v in (int(f.stage), f.seq)],
         *[v for u in updates for v in (u.rid, u.reset, len(u.append))],
         *blocks,
@@ -132,11 +137,6 @@ def _body(ints: int, doubles: int, seeds: int) -> struct.Struct:
             _BODIES.clear()
         packing = _BODIES[(ints, doubles, seeds)] = struct.Struct(f"<{ints}q{doubles}d{seeds}Q")
     return packing
-
-
-def with_fence_timeout(record: bytearray, fence_timeout_s: float) -> None:
-    """Set a record's ``fence_timeout_s`` in place (known only once the op is queued behind the ops it waits for)."""
-    struct.pack_into("<d", record, _TIMEOUT_AT, fence_timeout_s)
 
 
 def seq_of(payload: bytes) -> int:
