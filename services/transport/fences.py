@@ -17,6 +17,7 @@ On CUDA a stage synchronizes its device work before ``complete``; interprocess C
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterable, Mapping
 from multiprocessing import shared_memory
@@ -82,10 +83,12 @@ class FenceBoard(MappedSegment):
         return int(self._counters[stage])
 
     def abort(self) -> None:
-        """Make every current and future ``wait`` raise :class:`FenceAborted` (sleepers are woken)."""
-        self._counters[_ABORT] = 1
-        for stage in Stage:
-            self._bump(stage)
+        """Make every current and future ``wait`` raise :class:`FenceAborted` (sleepers are woken). A board closed
+        meanwhile by another thread (its session's close) has no waiter left: nothing to do."""
+        with contextlib.suppress(ValueError):  # (its views were released under this call)
+            self._counters[_ABORT] = 1
+            for stage in Stage:
+                self._bump(stage)
 
     @property
     def aborted(self) -> bool:
