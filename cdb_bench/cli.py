@@ -17,6 +17,7 @@ BENCHMARKS = {
     "hostpath": ("cdb_bench.hostpath", "the host path at GPU op speeds: the loop stage's busy fraction (synthetic)"),
     "routing": ("cdb_bench.routing.cli", "routing policies over replicas: simulated, then on real local replicas"),
     "speculative": ("cdb_bench.speculative", "self-speculative decoding on one stream: acceptance, ops per token"),
+    "handover": ("cdb_bench.handover", "what waking another process costs this host (futex wake, wake-up, spin)"),
     "heap": ("cdb_bench.heap", "a full garbage collection in a stage's and the scheduler's process, settled or not"),
     "soak": ("cdb_bench.soak", "requests with cancels and deadlines while a random stage is killed every few seconds"),
 }

@@ -27,7 +27,11 @@ Per point (family x loop op time x width x consumer), over the steady window:
 - the scheduler process's CPU per loop step, split by part: planning, submitting ops (transport on the engine
   thread), dispatching tokens (streaming on the engine thread), the engine thread's rest, and the process's other
   threads (gRPC transport threads; with ``api`` also the public front end); and the loop stage process's CPU per
-  loop op (``loop_stage_cpu_us_per_op``: on a host with few cores, what it takes from the others).
+  loop op (``loop_stage_cpu_us_per_op``: on a host with few cores, what it takes from the others);
+- the machine's CPU over the window (``host``, from ``/proc/stat``: every process, the clients too): the fraction
+  of its cores busy, the fraction stolen by a hypervisor, the CPU per loop op, and the busy fraction its cores could
+  sustain at that cost (``eta_bound``: cores x mean loop op time / CPU per loop op, at most 1) — where η is far
+  below it, the loop waits on a chain of hand-overs, not on the CPU as a whole.
 
 Op times: the loop op costs ``OP`` µs flat (nearly flat in the batch, as on a GPU below saturation); the head
 and prelude ops cost what the family's ``h200`` profile gives them relative to its loop op. ``--profiles`` adds
@@ -148,6 +152,18 @@ def _cpu_of(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _host_cpu() -> dict[str, float]:
+    """The machine's CPU seconds so far, all processes (``/proc/stat``): busy (neither idle nor waiting for I/O),
+    and stolen (time a hypervisor ran someone else on this guest's CPUs while it had work)."""
+    with open("/proc/stat") as f:
+        ticks = [int(x) for x in f.readline().split()[1:]]
+    hz = os.sysconf("SC_CLK_TCK")
+    idle = ticks[3] + ticks[4]
+    steal = ticks[7] if len(ticks) > 7 else 0
+    guest = sum(ticks[8:10])  # (counted in user time already)
+    return {"host_busy_s": (sum(ticks) - guest - idle - steal) / hz, "host_steal_s": steal / hz}
+
+
 def _scrape(url: str) -> dict[str, float]:
     """The scheduler's counters this benchmark reads, from its Prometheus exposition."""
     text = urllib.request.urlopen(url, timeout=10).read().decode()
@@ -203,6 +219,7 @@ def run_in_process(point: Point, tree: ServeHandle, warmup_s: float, seconds: fl
                     "loop_stage_cpu_s": _cpu_of(tree.stages[Stage.LOOP].pid),
                     "mean_depth": st.mean_depth,
                 }
+                | _host_cpu()
             )
         loop.stopping = True
     finally:
@@ -243,6 +260,8 @@ def _figures(a: dict[str, float], b: dict[str, float]) -> dict[str, Any]:
     steps = max(1.0, b["loop_ops"] - a["loop_ops"])
     wall = (b["t"] - a["t"]) / 1e9
     per_step = {k[4:]: 1e6 * (b[k] - a[k]) / steps for k in a if k.startswith("cpu_")}
+    cores = len(os.sched_getaffinity(0))
+    busy, steal = b["host_busy_s"] - a["host_busy_s"], b["host_steal_s"] - a["host_steal_s"]
     thread = per_step.pop("thread")
     engine_parts = per_step["plan"] + per_step["submit"] + per_step["dispatch"]
     per_step["engine_other"] = max(0.0, thread - engine_parts)
@@ -254,6 +273,12 @@ def _figures(a: dict[str, float], b: dict[str, float]) -> dict[str, Any]:
         "tokens_per_s": (b["tokens"] - a["tokens"]) / wall,
         "loop_ops_window": steps,
         "sched_cpu_us_per_step": per_step,
+        "host": {
+            "cores": cores,
+            "busy": busy / (cores * wall),
+            "steal": steal / (cores * wall),
+            "cpu_us_per_op": 1e6 * busy / steps,
+        },
     }
 
 
@@ -337,6 +362,7 @@ def run_api(point: Point, warmup_s: float, seconds: float, seed: int, op_log: st
                         "frontends_cpu_s": sum(_cpu_of(p.pid) for p in tree.frontends),
                         "loop_stage_cpu_s": _cpu_of(tree.stages[Stage.LOOP].pid),
                     }
+                    | _host_cpu()
                 )
                 if len(marks) == 1:
                     depth0 = m
@@ -394,10 +420,11 @@ def reaction_split(ops: Sequence[Sequence[int]], hops: HopLog, window: tuple[int
     the scheduler plan), hand-over by hand-over: the stage writes its reply (``stage_reply``), the engine thread
     reads it off the ring when it next polls (``ring``: mostly the engine busy with other work), takes its result
     (``to_engine``), plans and sends the op (``engine``: 0 when the op had gone before). p50 and mean, µs, over the
-    window's loop replies (rings only)."""
+    window's loop replies (rings only); and the engine thread's CPU in sending a loop op (``send_cpu``: writing it
+    to the ring and waking its stage, where it sleeps), over the window's loop ops."""
     t0, t1 = window
     ended = {r[0]: r[6] for r in ops}
-    sent = {seq: ns for stage, seq, ns in hops.sent if stage == Stage.LOOP}
+    sent = {seq: ns for stage, seq, ns, _ in hops.sent if stage == Stage.LOOP}
     parts: dict[str, list[int]] = {"stage_reply": [], "ring": [], "to_engine": [], "engine": []}
     for stage, seq, written, read, polled in hops.replies:
         end, nxt = ended.get(seq), sent.get(seq + depth)
@@ -405,6 +432,7 @@ def reaction_split(ops: Sequence[Sequence[int]], hops: HopLog, window: tuple[int
             continue
         for key, ns in zip(parts, (written - end, read - written, polled - read, nxt - polled)):
             parts[key].append(max(0, ns))
+    parts["send_cpu"] = [cpu for stage, seq, ns, cpu in hops.sent if stage == Stage.LOOP and t0 <= ns <= t1]
     return {
         key: {"p50": statistics.median(xs) / 1e3, "mean": statistics.fmean(xs) / 1e3} if xs else None
         for key, xs in parts.items()
@@ -477,6 +505,8 @@ def run_point(point: Point, warmup_s: float, seconds: float, seed: int = 0) -> d
         with start_stages(_config(point), settings=settings, env=env) as tree:
             fig = run_in_process(point, tree, warmup_s, seconds, seed)
     fig |= loop_timeline(op_log, fig.pop("window"), _config(point).loop_pipeline_depth, fig.pop("hops", None))
+    host = fig["host"]  # at what a loop op now costs the machine's CPU, how busy its cores could keep the loop stage
+    host["eta_bound"] = min(1.0, host["cores"] * fig["mean_loop_op_us"] / max(1e-9, host["cpu_us_per_op"]))
     fig["ideal_tokens_per_s"] = point.width / max(1e-9, fig["mean_depth"] * fig["mean_loop_op_us"] / 1e6)
     fig["of_ideal"] = fig["tokens_per_s"] / fig["ideal_tokens_per_s"]
     where = {"family": point.family, "cost": point.cost, "op_us": point.op_us, "width": point.width}
@@ -512,6 +542,10 @@ _FIGURES: dict[str, Callable[[dict[str, Any]], float]] = {
     "idle_fences_us": lambda r: r["idle_us_per_op"]["fences"],
     "idle_stage_preparation_us": lambda r: r["idle_us_per_op"]["stage_preparation"],
     "reaction_p50_us": lambda r: r["reaction_us"]["p50"],
+    "host_busy": lambda r: r["host"]["busy"],
+    "host_steal": lambda r: r["host"]["steal"],
+    "host_cpu_us_per_op": lambda r: r["host"]["cpu_us_per_op"],
+    "eta_cpu_bound": lambda r: r["host"]["eta_bound"],
 }
 
 
@@ -535,6 +569,7 @@ def _median_table(rows: list[dict[str, Any]]) -> str:
     lines = [
         f"medians over rounds: {'family':<7}{'cost':<18}{'w':>4} {'consumer':<11}{'runs':>5}{'eta':>7} {'(range)':<13}"
         f"{'tok/s':>9}{'cpu us/step':>12}{'late':>7}{'fence':>7}{'prep':>6}{'react':>7}"
+        f"{'host busy':>10}{'steal':>6}{'bound':>6}"
     ]
     for r in rows:
         cost = f"{r['op_us']:g}us flat" if r["op_us"] is not None else r["cost"]
@@ -545,7 +580,8 @@ def _median_table(rows: list[dict[str, Any]]) -> str:
             f"{spread:<13}{r['tokens_per_s']['median']:>9.0f}"
             f"{r['sched_cpu_us_per_step']['median']:>12.0f}{r['idle_op_arrived_late_us']['median']:>7.0f}"
             f"{r['idle_fences_us']['median']:>7.0f}{r['idle_stage_preparation_us']['median']:>6.0f}"
-            f"{r['reaction_p50_us']['median']:>7.0f}"
+            f"{r['reaction_p50_us']['median']:>7.0f}{r['host_busy']['median']:>10.2f}"
+            f"{r['host_steal']['median']:>6.2f}{r['eta_cpu_bound']['median']:>6.2f}"
         )
     return "\n".join(lines)
 
@@ -559,7 +595,7 @@ def _table(rows: list[dict[str, Any]]) -> str:
         f"{'family':<7}{'cost':<18}{'w':>4} {'consumer':<11}{'fused':<6}{'data':<8}{'eta':>6}{'of ideal':>9}"
         f"{'tok/s':>9}{'depth':>6}"
         f"{'op us':>8}{'late':>7}{'fence':>7}{'prep':>6}{'react':>7}  cpu us/step: plan submit dispatch rest other"
-        "  loop stage"
+        "  loop stage  host: busy steal bound"
     )
     lines = [head]
     for r in rows:
@@ -572,10 +608,14 @@ def _table(rows: list[dict[str, Any]]) -> str:
             f"{i['op_arrived_late']:>7.0f}{i['fences']:>7.0f}{i['stage_preparation']:>6.0f}"
             f"{r['reaction_us']['p50']:>7.0f}  {c['plan']:6.0f} {c['submit']:6.0f} {c['dispatch']:6.0f} "
             f"{c['engine_other']:5.0f} {c['other_threads']:6.0f}  {r['loop_stage_cpu_us_per_op']:10.0f}"
+            f"  {r['host']['busy']:10.2f} {r['host']['steal']:5.2f} {r['host']['eta_bound']:5.2f}"
         )
     split = [r for r in rows if r.get("reaction_split_us")]
     if split:  # (in-process points on rings)
-        lines.append("reaction split, p50 / mean us: stage reply, ring, to the engine thread, engine (plan + send)")
+        lines.append(
+            "reaction split, p50 / mean us: stage reply, ring, to the engine thread, engine (plan + send); "
+            "the engine's CPU to send a loop op"
+        )
         for r in split:
             parts = "  ".join(
                 f"{p['p50']:.0f} / {p['mean']:.0f}" if p else "-" for p in r["reaction_split_us"].values()

@@ -40,7 +40,8 @@ log = logging.getLogger("cdb.engine")
 @dataclass(slots=True)
 class EngineCpu:
     """CPU seconds of the engine thread, by part: planning is ``SchedulerStats.sched_cpu_s`` (``schedule`` and
-    ``on_result``); ``submit_s`` hands ops to the executor (transport: op encoding and queueing); ``dispatch_s``
+    ``on_result``); ``submit_s`` hands ops to the executor (transport: op encoding and queueing; the scheduler
+    calls it as each op is issued, ``SchedulerStats.emit_cpu_s``); ``dispatch_s``
     turns tokens into events for their requests (streaming: detokenization and the sinks); ``thread_s`` is the
     thread's whole CPU (the rest: commands and polling)."""
 
@@ -247,12 +248,9 @@ class Engine:
         try:
             while not self._stopping:
                 self._run_commands()
-                ops = sched.schedule()
-                t0 = clock()
-                for op in ops:
-                    ex.submit(op)
+                sched.schedule(ex.submit)  # (each loop op is submitted as soon as it is formed)
+                cpu.submit_s = sched.stats.emit_cpu_s
                 t1 = clock()
-                cpu.submit_s += t1 - t0
                 if events:
                     self._ended_early = False
                     self._dispatch(events)

@@ -124,9 +124,14 @@ class Scheduler:
         return len(self._loop) + len(self._head) + len(self._prelude) + (self._prefill is not None)
 
     # ----------------------------------------------------------------- planning
-    def schedule(self) -> list[StageOp]:
+    def schedule(self, emit: Callable[[StageOp], None] | None = None) -> list[StageOp]:
+        """Issue every op that may run now; returns them in issue order. ``emit(op)``, where given, is called for
+        each of them in that order too: for a loop op (and what was issued before it) as soon as it is formed, so
+        that the op a stage result lets the scheduler plan leaves before the rest of the round is planned (the
+        loop stage waits for it; nothing waits for the rest). Its time is counted apart (``stats.emit_cpu_s``)."""
         t0 = time.thread_time()
         ops: list[StageOp] = []
+        sent, emit_s = 0, 0.0
         fused = self.cfg.fuse_loop_head
         while True:
             self._prefill_starved = False
@@ -146,6 +151,12 @@ class Scheduler:
                 op = self._issue_loop()
                 if op is not None:
                     ops.append(op)
+                    if emit is not None:
+                        t1 = time.thread_time()
+                        for i in range(sent, len(ops)):
+                            emit(ops[i])
+                        sent = len(ops)
+                        emit_s += time.thread_time() - t1
                     continue
             if not self.ready and not fused:
                 self._issue_heads(ops, flush=True)
@@ -155,7 +166,13 @@ class Scheduler:
             starved = bool(self.stalled) or self._prefill_starved
             if ops or self.in_flight() or not starved or not self.residency.preempt_one():
                 break
-        self.stats.sched_cpu_s += time.thread_time() - t0
+        t1 = time.thread_time()
+        if emit is not None and sent < len(ops):
+            for i in range(sent, len(ops)):
+                emit(ops[i])
+            emit_s += time.thread_time() - t1
+        self.stats.sched_cpu_s += t1 - t0 - emit_s
+        self.stats.emit_cpu_s += emit_s
         return ops
 
     def _issue_heads(self, ops: list[StageOp], *, flush: bool) -> None:

@@ -20,7 +20,8 @@ class SchedulerStats:
     compute_s: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])  # per stage, from results
     ops: list[int] = field(default_factory=lambda: [0, 0, 0])  # results consumed, per stage
     loop_decode_compute_s: float = 0.0  # the loop stage's compute in decode ops (prefill loop ops excluded)
-    sched_cpu_s: float = 0.0  # scheduler thread CPU time in schedule() and on_result()
+    sched_cpu_s: float = 0.0  # scheduler thread CPU time in schedule() and on_result(), emit excluded
+    emit_cpu_s: float = 0.0  # its CPU time in schedule()'s ``emit`` (handing the ops to the executor)
     spec_drafts: int = 0  # successors started from a draft (self-speculative decoding)
     spec_accepted: int = 0  # drafts verified equal to the real token (their work kept)
     spec_rejected: int = 0  # drafts that differed (their work dropped)

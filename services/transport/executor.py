@@ -93,7 +93,7 @@ class HopLog:
 
     size: int = 200_000
     replies: deque[tuple[int, int, int, int, int]] = field(init=False)  # stage, seq, written, read, polled
-    sent: deque[tuple[int, int, int]] = field(init=False)  # stage, seq, written to its ops ring
+    sent: deque[tuple[int, int, int, int]] = field(init=False)  # stage, seq, written to its ops ring, CPU to send
     _read: dict[tuple[int, int], tuple[int, int]] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -322,9 +322,10 @@ class GrpcExecutor:
                 self._backlog.append((op, contexts, fence_timeout_s))
                 return
             try:
+                cpu = time.thread_time_ns() if self.hops is not None else 0
                 link.send(wire)
-                if self.hops is not None:
-                    self.hops.sent.append((op.stage, op.seq, time.perf_counter_ns()))
+                if self.hops is not None:  # (the send's CPU: the ring write and the wake of a stage asleep on it)
+                    self.hops.sent.append((op.stage, op.seq, time.perf_counter_ns(), time.thread_time_ns() - cpu))
             except ValueError as exc:  # larger than the stage ring: this op fails, nothing else
                 del pending[op.seq]
                 self._sent.pop((op.stage, op.seq), None)

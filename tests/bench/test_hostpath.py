@@ -32,11 +32,16 @@ def test_quick_hostpath_reports_the_busy_fraction_and_the_cpu_split(capsys: pyte
         assert cpu["plan"] > 0 and cpu["process"] >= cpu["plan"]
         assert p["loop_stage_cpu_us_per_op"] > 0
     split = points[0]["reaction_split_us"]  # in-process: the engine's hand-overs are timed
-    assert list(split) == ["stage_reply", "ring", "to_engine", "engine"]
+    assert list(split) == ["stage_reply", "ring", "to_engine", "engine", "send_cpu"]
     assert all(part is not None and part["p50"] >= 0 and part["mean"] >= 0 for part in split.values())
     assert "reaction_split_us" not in points[1]
     assert all(p["gc"]["collections"] >= p["gc"]["full"] >= 0 for p in points[:1])  # the scheduler's, in-process
     assert all(p["idle_max_us"] >= 0 for p in points)
+    for p in points:  # the machine's CPU over the window: the tree (and the clients) kept it partly busy
+        host = p["host"]
+        assert host["cores"] >= 1 and 0.0 < host["busy"] <= 1.05 and 0.0 <= host["steal"] <= 1.0
+        assert host["cpu_us_per_op"] > p["loop_stage_cpu_us_per_op"]  # (the loop stage's is part of it)
+        assert 0.0 < host["eta_bound"] <= 1.0
 
 
 def _run(family: str, op_us: float, eta: float, round_: int) -> dict[str, object]:
@@ -57,6 +62,7 @@ def _run(family: str, op_us: float, eta: float, round_: int) -> dict[str, object
         "loop_stage_cpu_us_per_op": 500.0,
         "idle_us_per_op": {"op_arrived_late": 10.0, "fences": 0.0, "stage_preparation": 100 * round_},
         "reaction_us": {"p50": 600.0},
+        "host": {"cores": 2, "busy": 0.7, "steal": 0.01, "cpu_us_per_op": 1100.0, "eta_bound": 0.9},
     }
 
 
@@ -78,9 +84,11 @@ def test_the_reaction_split_follows_each_loop_reply_to_the_op_it_lets_the_engine
         end = ops[seq][6]
         hops.replies.append((Stage.LOOP, seq, end + 10_000, end + 30_000, end + 60_000))
     hops.replies.append((Stage.HEAD, 0, 0, 0, 0))  # not a loop reply: not counted
-    hops.sent.extend([(Stage.LOOP, 2, 1_000_000 + 460_000), (Stage.LOOP, 3, 2_000_000 + 40_000)])  # op 3: early
+    hops.sent.extend([(Stage.LOOP, 2, 1_000_000 + 460_000, 30_000), (Stage.LOOP, 3, 2_000_000 + 40_000, 50_000)])
+    hops.sent.append((Stage.LOOP, 9, 20_000_000, 1_000_000))  # sent after the window: not counted  (op 3: early)
     split = reaction_split(ops, hops, (0, 10_000_000), depth=2)
     assert split["stage_reply"] == {"p50": 10.0, "mean": 10.0}
     assert split["ring"] == {"p50": 20.0, "mean": 20.0}
     assert split["to_engine"] == {"p50": 30.0, "mean": 30.0}
     assert split["engine"] == {"p50": 200.0, "mean": 200.0}  # 400 us after its reply was polled, and 0 (sent before)
+    assert split["send_cpu"] == {"p50": 40.0, "mean": 40.0}

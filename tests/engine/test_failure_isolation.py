@@ -170,10 +170,10 @@ class _FailsOnceRunning:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
 
-    def schedule(self) -> list[StageOp]:
+    def schedule(self, emit: Callable[[StageOp], None] | None = None) -> list[StageOp]:
         if self._inner.running:
             raise RuntimeError("injected scheduler failure")
-        return self._inner.schedule()
+        return self._inner.schedule(emit)
 
 
 def test_an_engine_loop_that_fails_fails_every_live_request_then_calls_on_fatal() -> None:

@@ -111,6 +111,37 @@ def test_one_ahead_keeps_two_loop_ops_in_flight() -> None:
     assert ex.max_loop_in_flight == 2
 
 
+def test_emit_hands_out_each_op_in_issue_order_and_a_loop_op_before_the_rest_of_its_round() -> None:
+    reqs = make_requests(random.Random(5), 24, Horizon.ONE_AHEAD)
+    sched, ex = Scheduler(config()), FakeExecutor()  # (the engine's tests cover it with the fused head)
+    pending, emitted, formed_after = list(reqs), [], 0
+    events: dict[int, list] = {r.rid: [] for r in reqs}
+
+    def emit(op: StageOp) -> None:  # with the next seq of every stage when it left: what was planned by then
+        emitted.append((op, [sched.ops.next_seq(stage) for stage in Stage]))
+        ex.submit(op)
+
+    while pending or sched.has_work():
+        if pending:
+            sched.add(pending.pop(0))
+        before = len(emitted)
+        ops = sched.schedule(emit)
+        assert [op for op, _ in emitted[before:]] == ops  # every op, once, in issue order
+        left: list[int] | None = None  # the stages' next seqs when this round's last decode loop op left
+        for op, next_seqs in emitted[before:]:
+            if left is not None:
+                assert op.seq >= left[op.stage]  # formed after the loop op had left
+                formed_after += 1
+            if isinstance(op, LoopOp) and not op.prefill:  # (a prefill chain's loop op is formed with its chain)
+                left = next_seqs
+        sched.check_invariants()
+        res = ex.poll(0)
+        for ev in sched.on_result(res) if res is not None else ():
+            events[ev.rid].append(ev)
+    assert formed_after > 0  # (rounds that plan more after their loop op are exercised)
+    check_against_expected(reqs, events)
+
+
 def test_same_step_exits_one_step_earlier_than_one_ahead() -> None:
     for horizon, shift in [(Horizon.SAME_STEP, 0), (Horizon.ONE_AHEAD, 1)]:
         reqs = make_requests(random.Random(5), 6, horizon)
