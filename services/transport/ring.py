@@ -11,7 +11,8 @@ wake word (``services.transport.futex``).
 One producer and one consumer per ring (the executor holds its lock around ``put``; a stage writes its replies
 from its executor thread only). Layout of the segment: a 64-byte header, then ``capacity`` bytes of records::
 
-    header: int64 written, int64 consumed (running byte totals), int64 closed, int32 data word, int32 space word
+    header: int64 written, int64 consumed (running byte totals), int64 closed, int32 data word, int32 space word,
+            int32 space waiting (the producer is about to sleep for space: the consumer wakes it only then)
     record: uint32 length, uint32 kind (0 data, 1 wrap: the rest of the lap is skipped), int64 stamp, payload
 
 Records start on 16-byte boundaries, so a record header always fits before the end of a lap. ``stamp`` is the
@@ -45,7 +46,7 @@ SUPPORTED = sys.platform == "linux" and platform.machine() in ("x86_64", "AMD64"
 
 _HEADER = 64
 _WRITTEN, _CONSUMED, _CLOSED = 0, 1, 2  # int64 slots of the header
-_DATA_WORD, _SPACE_WORD = 6, 7  # int32 slots (byte offsets 24 and 28)
+_DATA_WORD, _SPACE_WORD, _SPACE_WAITING = 6, 7, 8  # int32 slots (byte offsets 24, 28 and 32)
 _REC = struct.Struct("<IIq")  # length, kind, stamp
 _DATA, _WRAP = 0, 1
 _ALIGN = 16
@@ -77,7 +78,7 @@ class MessageRing(MappedSegment):
         self._buf = buf
         self._data = buf[_HEADER:]
         self._q = buf[:24].cast("q")
-        self._words = buf[:32].cast("i")
+        self._words = buf[:36].cast("i")
         self._data_addr = self._base + 4 * _DATA_WORD
         self._space_addr = self._base + 4 * _SPACE_WORD
         self._interrupted = False  # this process's consumer was told to stop waiting (``interrupt``)
@@ -132,8 +133,13 @@ class MessageRing(MappedSegment):
             elif now >= deadline:
                 raise RingFull(f"stage ring full for {timeout:g}s: its consumer takes nothing")
             word = self._words[_SPACE_WORD]
+            # Said before re-checking: a consumer that frees space after this wakes it. (Without a fence both sides
+            # may read the other's old value; the sleep then lasts one slice, on a ring already full.)
+            self._words[_SPACE_WAITING] = 1
             if written + skip + need - q[_CONSUMED] > cap and not q[_CLOSED]:
                 futex.wait(self._space_addr, word, min(_SLICE_S, deadline - now))
+        if deadline:
+            self._words[_SPACE_WAITING] = 0
         data = self._data
         if skip:
             _REC.pack_into(data, offset, 0, _WRAP, 0)
@@ -179,7 +185,8 @@ class MessageRing(MappedSegment):
                 start = offset + _REC.size
                 payload = bytes(data[start : start + n])
                 q[_CONSUMED] = consumed + _aligned(_REC.size + n)
-                self._bump(_SPACE_WORD, self._space_addr)
+                if self._words[_SPACE_WAITING]:  # (no system call while the producer has room: nearly always)
+                    self._bump(_SPACE_WORD, self._space_addr)
                 return payload, stamp
             if q[_CLOSED]:
                 raise RingClosed("stage ring closed")

@@ -49,10 +49,10 @@ _FAILING_SCHEDULER = textwrap.dedent(
 
     original = Scheduler.schedule
 
-    def schedule(self):
+    def schedule(self, emit=None):
         if self.running:
             raise RuntimeError("injected scheduler failure")
-        return original(self)
+        return original(self, emit)
 
     Scheduler.schedule = schedule
 

@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from services.transport import ring as ring_module
 from services.transport.ring import SUPPORTED, MessageRing, RingClosed, RingFull
 
 pytestmark = pytest.mark.skipif(not SUPPORTED, reason="stage rings need x86-64 Linux")
@@ -81,18 +82,51 @@ def test_a_consumer_in_another_process_reads_what_this_one_writes() -> None:
         back.close()
 
 
-def test_a_full_ring_blocks_its_producer_until_the_timeout(ring: MessageRing) -> None:
-    while True:  # fill it
+def _fill(ring: MessageRing) -> None:
+    """Put 100-byte records until the next does not fit."""
+    while True:
         try:
             ring.put(b"y" * 100, timeout=0.0)
         except RingFull:
-            break
+            return
+
+
+def test_a_full_ring_blocks_its_producer_until_the_timeout(ring: MessageRing) -> None:
+    _fill(ring)
     start = time.perf_counter()
     with pytest.raises(RingFull, match="takes nothing"):
         ring.put(b"z" * 100, timeout=0.2)
     assert time.perf_counter() - start >= 0.2
     assert ring.get(timeout=0) == (b"y" * 100, pytest.approx(0, abs=1 << 62))  # the queued records are intact
     ring.put(b"z" * 100, timeout=0.2)  # and space freed is space again
+
+
+def test_a_producer_waiting_for_space_is_woken_when_space_is_freed_and_only_then(
+    ring: MessageRing, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    space = ring_module._SPACE_WORD
+    word = ring._words[space]
+    ring.put(b"a", timeout=0.0)
+    assert ring.get(timeout=0) is not None
+    assert ring._words[space] == word  # nobody waited for space: no wake (no system call) on the read
+    monkeypatch.setattr(ring_module, "_SLICE_S", 30.0)  # a missed wake would hold the producer 30 s
+    _fill(ring)
+    done = threading.Event()
+
+    def produce() -> None:
+        ring.put(b"z" * 100, timeout=60.0)
+        done.set()
+
+    producer = threading.Thread(target=produce, daemon=True)
+    producer.start()
+    deadline = time.monotonic() + 10
+    while not ring._words[ring_module._SPACE_WAITING]:  # it says it waits before it sleeps
+        assert time.monotonic() < deadline, "the producer never waited for space"
+        time.sleep(0.001)
+    assert ring.get(timeout=0) is not None  # frees space, and wakes it
+    assert done.wait(10)
+    producer.join(10)
+    assert not ring._words[ring_module._SPACE_WAITING]  # (it stopped waiting)
 
 
 def test_a_record_larger_than_the_ring_is_refused_without_harm(ring: MessageRing) -> None:
