@@ -40,6 +40,14 @@ from cdb_scheduler.stats import SchedulerStats
 _FINISHED = Status.FINISHED
 
 
+def _hand_out(ops: list[StageOp], start: int, emit: Callable[[StageOp], None]) -> float:
+    """``emit`` each of ``ops[start:]``, in order; the CPU seconds it took."""
+    t0 = time.thread_time()
+    for i in range(start, len(ops)):
+        emit(ops[i])
+    return time.thread_time() - t0
+
+
 @dataclass(slots=True)
 class _LoopFlight:
     items: list[Item]
@@ -152,11 +160,8 @@ class Scheduler:
                 if op is not None:
                     ops.append(op)
                     if emit is not None:
-                        t1 = time.thread_time()
-                        for i in range(sent, len(ops)):
-                            emit(ops[i])
+                        emit_s += _hand_out(ops, sent, emit)
                         sent = len(ops)
-                        emit_s += time.thread_time() - t1
                     continue
             if not self.ready and not fused:
                 self._issue_heads(ops, flush=True)
@@ -166,12 +171,9 @@ class Scheduler:
             starved = bool(self.stalled) or self._prefill_starved
             if ops or self.in_flight() or not starved or not self.residency.preempt_one():
                 break
-        t1 = time.thread_time()
         if emit is not None and sent < len(ops):
-            for i in range(sent, len(ops)):
-                emit(ops[i])
-            emit_s += time.thread_time() - t1
-        self.stats.sched_cpu_s += t1 - t0 - emit_s
+            emit_s += _hand_out(ops, sent, emit)
+        self.stats.sched_cpu_s += time.thread_time() - t0 - emit_s
         self.stats.emit_cpu_s += emit_s
         return ops
 

@@ -18,9 +18,8 @@ def test_every_hand_over_is_timed_from_both_sides(capsys: pytest.CaptureFixture[
     assert out["trials"] == 40 and out["cores"] >= 1
     for name in FIGURES:
         f = out[name]
+        # (for the two latencies: the receiver ran after the sender published, its stamp later than the sender's)
         assert 0.0 < f["p50"] <= f["p90"] and f["mean"] > 0.0, name
-    # the receiver ran after the sender published: its stamp is later than the sender's
-    assert out["wakeup_latency_us"]["p50"] > 0.0 and out["spin_latency_us"]["p50"] > 0.0
 
 
 def test_a_trial_count_below_one_is_refused() -> None:
