@@ -32,15 +32,21 @@ def production_packages() -> list[str]:
 
 def tree_paths() -> set[str]:
     """Every package (``pkg/sub/``) and module (``pkg/sub/name.py``) of the production packages, as the map
-    spells them: no ``__init__.py``, no generated ``*_pb2*.py``, no caches."""
+    spells them. Like setuptools' package finder, only folders with an ``__init__.py`` under a package are packages
+    (so build folders such as ``cdb_scheduler/_native_build/`` and caches are not); no ``__init__.py`` rows, no
+    generated ``*_pb2*.py``."""
     paths: set[str] = set()
-    for package in production_packages():
-        for init in (ROOT / package).rglob("__init__.py"):
-            paths.add(init.parent.relative_to(ROOT).as_posix() + "/")
-        for module in (ROOT / package).rglob("*.py"):
-            if module.name == "__init__.py" or "_pb2" in module.name or "__pycache__" in module.parts:
-                continue
-            paths.add(module.relative_to(ROOT).as_posix())
+    folders = [ROOT / package for package in production_packages()]
+    while folders:
+        folder = folders.pop()
+        if not (folder / "__init__.py").is_file():
+            continue
+        paths.add(folder.relative_to(ROOT).as_posix() + "/")
+        for entry in folder.iterdir():
+            if entry.is_dir():
+                folders.append(entry)
+            elif entry.suffix == ".py" and entry.name != "__init__.py" and "_pb2" not in entry.name:
+                paths.add(entry.relative_to(ROOT).as_posix())
     return paths
 
 
