@@ -19,7 +19,7 @@ def check_invariants(sched: Scheduler) -> None:
     held = {b: r.rid for r in sched.running.values() for b in r.blocks}
     assert block_owners == held, "KV block ownership"
     groups = [sched.ready, sched.refills, sched.stalled, sched.refill.held]
-    groups += [[it for it in f.items if not it.exited] for f in sched._loop.values()]
+    groups += [[it for it in f.items if not it.exited] for f in sched.loop.flights.values()]
     count: dict[int, dict[int, int]] = {}
     for group in groups:
         for it in group:

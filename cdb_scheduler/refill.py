@@ -33,6 +33,9 @@ class ContinuousRefill:
     def start_wave(self, ready: deque[Item], *, idle: bool) -> None:
         """Nothing is held back in continuous batching."""
 
+    def reset(self) -> None:
+        """Forget every held successor (the stages lost their state)."""
+
     def head_gate(self, *, waiting: bool, loop_drained: bool) -> bool | None:
         """None: issue no head op now; otherwise whether to flush (ignore ``min_head_batch_size``)."""
         return False
@@ -49,6 +52,9 @@ class WaveRefill:
         if idle and self.held:
             ready.extend(it for it in self.held if it.live)
             self.held.clear()
+
+    def reset(self) -> None:
+        self.held.clear()
 
     def head_gate(self, *, waiting: bool, loop_drained: bool) -> bool | None:
         return True if waiting and loop_drained else None

@@ -43,8 +43,14 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from cdb_scheduler.config import SchedulerConfig
+from cdb_scheduler.ops import OpBuilder
 from cdb_scheduler.plan import SamplingParams
-from cdb_scheduler.request import Request, SpecState
+from cdb_scheduler.prefill import grow_blocks
+from cdb_scheduler.request import FALLBACK, FOLLOWS_REAL, Event, Item, Request, SpecState, Status
+from cdb_scheduler.residency import Residency
+from cdb_scheduler.stats import SchedulerStats
+from cdb_scheduler.work import WorkQueues
 
 ACCEPTANCE_WEIGHT = 0.25  # of the newest verdict in the moving average
 PAUSE_TOKENS = 16  # generated tokens without drafting once no draft depth pays
@@ -90,3 +96,165 @@ def observe(req: Request, state: SpecState, matched: bool, *, base_depth: int, m
         state.depth = base_depth
         state.paused_until = len(req.output) + PAUSE_TOKENS
     state.acceptance = 1.0
+
+
+def reads_ahead(it: Item) -> bool:
+    """Whether the next step of speculative ``it`` would read KV not yet written: its step reads the KV of the
+    tokens before it at that depth, and the nearest of them still looping has not run that step yet."""
+    pred = it.pred
+    while pred is not None and pred.exited:
+        pred = pred.pred
+    return pred is not None and it.next_step >= pred.next_step
+
+
+class Speculation:
+    """The scheduler's self-speculative decoding, called at its seams: which requests speculate (``admit``), the
+    drafts a loop op starts (``draft``), what follows an unverified token (``follow``), the drafts' tokens
+    (``drafted``) and the verdict on each once the real token before it is known (``verify``). The links between
+    a request's items (``Item.pred``, ``succ``, ``draft``, ``fallback``, ``sampled``, ``held``) are its state."""
+
+    def __init__(
+        self, config: SchedulerConfig, residency: Residency, ops: OpBuilder, stats: SchedulerStats, work: WorkQueues
+    ) -> None:
+        self.cfg = config
+        self.residency = residency
+        self.rows, self.blocks = residency.rows, residency.blocks
+        self.ops = ops
+        self.stats = stats
+        self.work = work
+
+    def admit(self, req: Request) -> None:
+        """``req`` is queued: it speculates where it (or the server) asks to and the model allows it."""
+        cfg = self.cfg
+        wants = cfg.speculate if req.speculate is None else req.speculate
+        proc = req.sampling.processing
+        # (penalized sampling counts each sampled token on the stage: a draft must not be counted)
+        if wants and cfg.spec_supported and not (proc is not None and proc.penalized):
+            req.spec = SpecState(cfg.spec_depth)
+
+    def draft(self, items: list[Item], width: int) -> list[Item]:
+        """Speculative successors of the tokens in ``items`` that reach their request's draft depth in this op
+        (while rows and width are free: no request waits for admission). Each runs its step 0 in this op."""
+        drafts: list[Item] = []
+        room = min(min(width, self.cfg.spec_max_width) - len(items), self.rows.num_free)
+        for x in items:
+            if room <= 0:
+                break
+            req = x.req
+            state = req.spec
+            if (
+                state is None
+                or x.next_step < state.depth
+                or x.succ is not None
+                or x.draft == FALLBACK  # (what follows an alternative could overwrite the other's KV)
+                or x.forced_depth
+                or x.index + 1 >= req.max_tokens
+                or len(req.spec_rows) >= self.cfg.spec_max_tokens
+                or len(req.output) < state.paused_until
+            ):
+                continue
+            position = x.position + 1
+            if position >= len(req.blocks) * self.cfg.kv_block_size and not grow_blocks(
+                self.cfg, self.blocks, req, position + 1, margin=True
+            ):
+                continue
+            got = self.rows.allocate(req.rid)
+            assert got is not None
+            s = self.work.new_item(req, x.index + 1, -1)
+            s.row, s.pred, s.embedded = got[0], x, True
+            req.spec_rows.append(s.row)
+            x.succ = s
+            drafts.append(s)
+            self.stats.spec_draft_depth_sum += state.depth
+            state.drafts += 1
+            room -= 1
+        self.stats.spec_drafts += len(drafts)
+        return drafts
+
+    def follow(self, it: Item, succ: Item) -> None:
+        """``succ`` was just spawned from ``it``'s real token. If a drafted successor of ``it`` runs, ``succ`` is
+        its alternative (the ``fallback``), kept only if the draft is wrong (a wrong draft then costs no more loop
+        ops than no speculation); if ``it`` is unverified itself, so is what follows its real token."""
+        if it.succ is not None:
+            it.fallback, succ.pred, succ.draft = succ, it, FALLBACK
+        elif it.pred is not None:
+            succ.pred, succ.draft, it.succ = it, FOLLOWS_REAL, succ
+
+    @staticmethod
+    def drafted(drafts: list[Item], tokens: tuple[int, ...]) -> None:
+        """The loop op that started ``drafts`` returned: their inputs, the drafts, are known."""
+        for s, token in zip(drafts, tokens):
+            s.draft = token
+
+    def verify(self, x: Item, token: int, events: list[Event]) -> None:
+        """``x`` was just reported with ``token``: verify what follows it, and report, in order, every token after
+        it that was sampled early and is now verified."""
+        req = x.req
+        while (s := x.succ) is not None and req.status is not Status.FINISHED:
+            if not self.verdict(x, s, token):
+                continue  # x's fallback took the draft's place (or x's successor was queued afresh)
+            if s.sampled is None:
+                return
+            (token, lp), s.sampled = s.sampled, None
+            self.work.accept(req, s.index, token, s.depth, lp, events, replay=False)
+            x = s
+
+    def verdict(self, x: Item, s: Item, token: int) -> bool:
+        """``x``'s real token is ``token``; ``s`` was drafted from it (or follows its real sample). Keep ``s`` (and
+        what follows it) if its input was right, else drop them all and start ``x``'s successor from ``token``, in
+        ``x``'s row (its ``fallback`` already runs there). Returns whether ``s`` was kept; if not, ``x.succ`` is the
+        fallback, which follows ``token``."""
+        req = x.req
+        x.succ = None
+        follows = s.draft == FOLLOWS_REAL
+        matched = follows or token == s.draft
+        fallback, x.fallback = x.fallback, None
+        if matched:
+            if s.row != x.row:  # x's row is free; s's becomes the request's
+                self.rows.free(req.rid, [req.row])
+                req.row = s.row
+                req.spec_rows.remove(s.row)
+            s.pred = None
+            if not follows:
+                self.stats.spec_accepted += 1
+            if fallback is not None:
+                self.drop(fallback)
+        else:
+            self.drop(s)
+            self.stats.spec_rejected += 1
+            if fallback is None:  # (the draft's head was issued before x's: x's successor starts now)
+                fallback = self.work.spawn(req, x.index + 1, -1, embedded=True, row=x.row)  # the head embedded it
+            fallback.pred, fallback.draft, x.succ = x, FOLLOWS_REAL, fallback
+            if fallback.held:
+                fallback.held = False
+                self.work.head_queue.append(fallback)
+        state = req.spec
+        if state is not None and not follows:
+            state.accepted += matched
+            state.rejected += not matched
+            cfg = self.cfg
+            observe(req, state, matched, base_depth=cfg.spec_depth, max_depth=cfg.max_depth, adaptive=cfg.spec_adaptive)
+        return matched
+
+    def drop(self, first: Item) -> None:
+        """Make ``first`` and everything that follows it (drafted from it, or its fallbacks) stale: their spare rows
+        freed, their KV copies not yet issued discarded (their KV positions are rewritten by the work that
+        replaces them before any later token reads them), their loop steps counted as wasted."""
+        req = first.req
+        dropped: list[Item] = []
+        todo = [first]
+        while todo:
+            it = todo.pop()
+            dropped.append(it)
+            it.epoch = -1  # stale everywhere it is queued or in flight
+            todo.extend(x for x in (it.succ, it.fallback) if x is not None)
+            it.succ = it.fallback = None
+        rows = {d.row for d in dropped} & set(req.spec_rows)
+        if rows:
+            self.rows.free(req.rid, sorted(rows))
+            req.spec_rows = [r for r in req.spec_rows if r not in rows]
+        copies = {id(d.copy) for d in dropped if d.copy is not None}
+        if copies:
+            self.ops.pending_copies = [c for c in self.ops.pending_copies if id(c) not in copies]
+        self.residency.releases += 1  # queues hold stale items now
+        self.stats.spec_wasted_steps += sum(d.next_step for d in dropped)

@@ -35,8 +35,8 @@ def _running() -> tuple[Scheduler, Request]:
 
 def _pair(sched: Scheduler, req: Request) -> tuple[Item, Item]:
     """Token 1 (``x``, in the request's row) and token 2 drafted from it (``s``, in a row of its own)."""
-    x = sched._new_item(req, 1, 9)
-    s = sched._new_item(req, 2, -1, row=sched.rows.allocate(req.rid)[0])  # type: ignore[index]
+    x = sched.work.new_item(req, 1, 9)
+    s = sched.work.new_item(req, 2, -1, row=sched.rows.allocate(req.rid)[0])  # type: ignore[index]
     req.spec_rows.append(s.row)
     s.pred, s.embedded, x.succ = x, True, s
     return x, s
@@ -69,13 +69,15 @@ def test_a_wrong_draft_leaves_nothing_behind_and_restarts_from_the_real_token() 
     s.copy = KVCopy(req.rid, s.position, 1)  # s exited; its copy not yet issued
     sched.ops.pending_copies.append(s.copy)
     sched.ops.pending_copies.append(KVCopy(7, s.position, 1))  # another request's stays
-    kept = sched._verdict(x, s, 12)
+    kept = sched.speculation.verdict(x, s, 12)
     assert not kept and not s.live and req.spec_rows == []
     assert sched.rows.owners() == {req.row: req.rid}
     assert [c.rid for c in sched.ops.pending_copies] == [7]
     (fallback,) = list(sched.ready)
     assert (fallback.index, fallback.row, fallback.embedded) == (2, x.row, True)
-    assert x.succ is fallback and sched._verdict(x, fallback, 12) and fallback.pred is None  # it follows the token
+    assert (
+        x.succ is fallback and sched.speculation.verdict(x, fallback, 12) and fallback.pred is None
+    )  # it follows the token
     assert sched.stats.spec_rejected == 1 and sched.stats.spec_wasted_steps == 2
     sched.check_invariants()
 
@@ -86,12 +88,12 @@ def test_a_right_draft_drops_the_fallback_that_started_beside_it_and_its_copy() 
     sched, req = _running()
     x, s = _pair(sched, req)
     s.draft = 11
-    fallback = sched._spawn(req, 2, -1, embedded=True, row=x.row)
+    fallback = sched.work.spawn(req, 2, -1, embedded=True, row=x.row)
     x.fallback = fallback
     fallback.next_step, fallback.copy = 1, KVCopy(req.rid, fallback.position, 0)
     s.copy = KVCopy(req.rid, s.position, 2)
     sched.ops.pending_copies += [fallback.copy, s.copy]
-    assert sched._verdict(x, s, 11)
+    assert sched.speculation.verdict(x, s, 11)
     assert not fallback.live and s.live and x.fallback is None
     assert sched.ops.pending_copies == [s.copy]
     assert sched.rows.owners() == {s.row: req.rid} and sched.stats.spec_wasted_steps == 1
@@ -102,7 +104,7 @@ def test_a_right_draft_keeps_the_work_and_hands_its_row_to_the_request() -> None
     x, s = _pair(sched, req)
     s.draft = 11
     old = req.row
-    assert sched._verdict(x, s, 11)
+    assert sched.speculation.verdict(x, s, 11)
     assert s.live and s.pred is None and req.row == s.row != old and req.spec_rows == []
     assert sched.rows.owners() == {s.row: req.rid}
     assert sched.stats.spec_accepted == 1
@@ -133,13 +135,13 @@ def test_a_fallback_drafts_nothing_and_holds_its_exit_until_the_verdict() -> Non
     s.draft = 11
     x.exited, x.depth = True, 2
     sched.head_queue.append(x)
-    (head,), embeds = sched._fused_head()
+    (head,), embeds = sched.head.take_fused()
     assert embeds == [-1]  # the real token goes into x's row, for the fallback
     fallback = x.fallback
     assert head is x and fallback is not None and fallback.row == x.row and fallback.pred is x
     fallback.next_step = 1  # at the draft depth: a normal item would be drafted from here
     assert sched._draft([fallback], 4) == []
-    sched._leave(fallback, 1)
+    sched.work.leave(fallback, 1)
     assert fallback.exited and fallback not in sched.head_queue
-    assert not sched._verdict(x, s, 12)  # wrong draft: the fallback is the successor now, its exit goes on
+    assert not sched.speculation.verdict(x, s, 12)  # wrong draft: the fallback is the successor now, its exit goes on
     assert x.succ is fallback and fallback in sched.head_queue
