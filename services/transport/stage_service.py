@@ -270,7 +270,7 @@ class StageService(stage_pb2_grpc.StageServicer):
     def _launchable(session: Session, batch: Batch) -> bool:
         """Whether ``batch`` may be launched now, behind the op in progress: the worker launches without waiting for
         the op (``launch``) and the batch's fences are already met."""
-        if not hasattr(session.worker, "launch"):
+        if not session.overlaps or session.worker is None:
             return False  # ``execute`` runs an op whole: the op in progress is replied to first
         return batch.op is None or session.fences.ready(batch.op.fences)
 
@@ -294,7 +294,7 @@ class StageService(stage_pb2_grpc.StageServicer):
             launched.fence_wait = session.fences.wait(op.fences, limit, self._spin_s)
             session.probe.fenced(mark)
             worker = session.worker
-            if hasattr(worker, "launch"):
+            if session.overlaps:
                 launched.finish = worker.launch(op)  # the op runs (on the device, or modelled) behind the host
             else:
                 done = worker.execute(op)

@@ -56,6 +56,10 @@ class Session:
     streams: int = 0
     closed: bool = False
     probe: StageProbe = NO_PROBE  # what measurement sees of its ops
+    # Whether the worker launches an op without waiting for it: ``launch(op)`` returns a call that waits for the op
+    # and gives its result, and may say when the op is done (``ready_at``, perf_counter) and have host work that no
+    # reply waits for (``prepare``), as ``cdb_engine.synthetic``'s does. Else ``execute(op)`` runs an op whole.
+    overlaps: bool = False
 
     def close(self) -> None:
         """Unmap the shared memory once the running batch (if any) ends; the probe keeps what it recorded.
@@ -106,4 +110,5 @@ class Session:
             for segment in reversed(attached):
                 segment.close()
             raise
-        return cls(bank, tokens, fences, worker, request.holder, rings, doorbell, probe=probe)
+        overlaps = hasattr(worker, "launch")
+        return cls(bank, tokens, fences, worker, request.holder, rings, doorbell, probe=probe, overlaps=overlaps)
