@@ -20,9 +20,11 @@ import torch
 from torch import Tensor
 
 from cdb_engine.decode_graphs import DecodeGraphs
+from cdb_engine.head_sampling import History, sample_with_history
+from cdb_engine.op_copies import Outputs, Sampled, columns_to_device
 from cdb_model.attention import DecodeKV, KVAccess, PagedKV
 from cdb_model.base import LoopedLM
-from cdb_model.batched_sampling import Processing, SamplingColumns, logprob_columns, sample_rows, unpack_logprobs
+from cdb_model.batched_sampling import Processing, SamplingColumns, logprob_columns, unpack_logprobs
 from cdb_model.kv import DeviceBlockTables, KVLayout, PagedKVPool
 from cdb_scheduler.plan import (
     HeadOp,
@@ -38,84 +40,6 @@ from cdb_scheduler.plan import (
 )
 
 SCORE_SLICE = 256  # prompt positions projected to logits at once when a prompt is scored
-
-
-class _Outputs:
-    """The result tensors of one op, brought to the host with one copy."""
-
-    def __init__(self) -> None:
-        self.parts: list[Tensor] = []
-        self.sizes: list[int] = []
-
-    def add(self, t: Tensor) -> int:
-        """Queue ``t`` (any shape, exact in float64); returns its slot."""
-        self.parts.append(t.reshape(-1).double())
-        self.sizes.append(t.numel())
-        return len(self.parts) - 1
-
-    def fetch(self) -> list[list[float]]:
-        if not self.parts:
-            return []
-        flat = torch.cat(self.parts).tolist()  # the one device -> host copy of the op
-        out, at = [], 0
-        for n in self.sizes:
-            out.append(flat[at : at + n])
-            at += n
-        return out
-
-
-class _Sampled:
-    """A head's sampled tokens (and logprob columns) as tensors, unpacked after the op's one copy out."""
-
-    def __init__(self, outputs: _Outputs, tokens: Tensor, lp: Tensor | None, cols: SamplingColumns) -> None:
-        self.tokens_slot = outputs.add(tokens)
-        self.lp_slot = outputs.add(lp) if lp is not None else -1
-        self.cols = cols
-
-    def unpack(
-        self, fetched: list[list[float]], params: tuple[SamplingParams, ...]
-    ) -> tuple[tuple[int, ...], tuple[TokenLogprobs | None, ...]]:
-        tokens = tuple(int(t) for t in fetched[self.tokens_slot])
-        if self.lp_slot < 0:
-            return tokens, (None,) * len(tokens)
-        flat, rows = fetched[self.lp_slot], self.cols.logprob_rows
-        width = len(flat) // len(rows)
-        packed = [flat[i * width : (i + 1) * width] for i in range(len(rows))]
-        return tokens, tuple(unpack_logprobs(packed, params, rows, len(tokens)))
-
-
-class _History:
-    """Penalized requests' histories per bank row, on the device: each token's count in the output so far, and
-    whether it is in the prompt. Seeded by the scheduler (``HistorySeed``) the first time this stage samples a
-    request; every token the stage samples for such a row is counted here, on the device, in the same op."""
-
-    def __init__(self, rows: int, vocab: int, device: torch.device) -> None:
-        self.counts = torch.zeros((rows, vocab), dtype=torch.int32, device=device)
-        self.prompt = torch.zeros((rows, vocab), dtype=torch.bool, device=device)
-
-    def seed(self, rows: Sequence[int], seeds: Sequence[HistorySeed]) -> None:
-        """``rows[i]``: the bank row of ``seeds[i]``."""
-        dev = self.counts.device
-        index = torch.tensor(list(rows), dtype=torch.long, device=dev)
-        self.counts.index_fill_(0, index, 0)
-        self.prompt.index_fill_(0, index, False)
-        out_rows = [r for r, s in zip(rows, seeds) for _ in s.output_ids]
-        if out_rows:
-            out_ids = [t for s in seeds for t in s.output_ids]
-            pairs = torch.tensor([out_rows, out_ids], dtype=torch.long, device=dev)
-            self.counts.index_put_((pairs[0], pairs[1]), torch.ones_like(pairs[0], dtype=torch.int32), accumulate=True)
-        prompt_rows = [r for r, s in zip(rows, seeds) for _ in s.prompt_ids]
-        if prompt_rows:
-            pairs = torch.tensor([prompt_rows, [t for s in seeds for t in s.prompt_ids]], dtype=torch.long, device=dev)
-            self.prompt[pairs[0], pairs[1]] = True
-
-    def gather(self, rows: Tensor) -> tuple[Tensor, Tensor]:
-        """Counts ``[N, V]`` and seen-anywhere ``[N, V]`` of bank ``rows``."""
-        counts = self.counts.index_select(0, rows)
-        return counts, self.prompt.index_select(0, rows) | (counts > 0)
-
-    def count(self, rows: Tensor, tokens: Tensor) -> None:
-        self.counts.index_put_((rows, tokens), torch.ones_like(tokens, dtype=torch.int32), accumulate=True)
 
 
 class StageWorker:
@@ -165,7 +89,7 @@ class StageWorker:
             Stage.LOOP: (c.num_loop_layers, kv_layout.n_slots),
             Stage.HEAD: (c.num_coda_layers, 1),
         }[stage]
-        self.history: _History | None = None  # allocated when a penalized request is first sampled here
+        self.history: History | None = None  # allocated when a penalized request is first sampled here
         self.pool: PagedKVPool | None = None
         self.graphs: DecodeGraphs | None = None
         if layers > 0:
@@ -192,16 +116,7 @@ class StageWorker:
 
     # ----------------------------------------------------------------- columns in
     def _columns(self, *columns: Sequence[int], floats: Tensor | None = None) -> tuple[list[Tensor], Tensor | None]:
-        """The op's integer columns (any lengths) and an optional float64 table, on the device in ONE host -> device
-        copy (the table's bits ride in the same buffer). Returns one 1-D long tensor per column, and the table."""
-        flat = [v for col in columns for v in col]
-        packed = torch.tensor(flat, dtype=torch.long)
-        if floats is not None:
-            packed = torch.cat((packed, floats.reshape(-1).view(torch.long)))
-        dev = packed.to(self.device, non_blocking=True)
-        cols = list(dev[: len(flat)].split([len(c) for c in columns])) if columns else []
-        table = dev[len(flat) :].view(torch.float64).view(floats.shape) if floats is not None else None
-        return cols, table
+        return columns_to_device(self.device, *columns, floats=floats)
 
     def _context_length(self, rids: Sequence[int], positions: Sequence[int]) -> int:
         """The context bucket of decode tokens (whole blocks past the last position), after the one check a device
@@ -227,9 +142,9 @@ class StageWorker:
         if op.stage is not self.stage:
             raise ValueError(f"{op.stage.name} op sent to the {self.stage.name} worker")
         t0 = time.perf_counter()
-        out = _Outputs()
+        out = Outputs()
         signal_slot = lookahead_slot = -1
-        sampled: _Sampled | None = None
+        sampled: Sampled | None = None
         params: tuple[SamplingParams, ...] = ()
         prompt_logprobs: tuple[TokenLogprobs, ...] = ()
         with torch.inference_mode():
@@ -336,7 +251,7 @@ class StageWorker:
         kv = DecodeKV(self.pool, self.tables.tensor, lines, positions, self._slot_of_step[steps], length)
         return self.model.loop_step(self._read(rows), positions, steps, kv)
 
-    def _fused_head(self, h: LoopHead, out: _Outputs) -> _Sampled:
+    def _fused_head(self, h: LoopHead, out: Outputs) -> Sampled:
         """A loop op's fused head (Ouro): sample the rows, then embed each successor's input into its row (a draft's:
         into the row of the successor drafted from it, ``LoopHead.embed_rows``)."""
         scols = SamplingColumns.build(h.sampling, h.token_index, self.device)
@@ -356,7 +271,7 @@ class StageWorker:
             lp_index if lp_rows else None,
             scols.processing,
         )
-        return _Sampled(out, tokens, lp, scols)
+        return Sampled(out, tokens, lp, scols)
 
     def fused_head(
         self,
@@ -375,7 +290,8 @@ class StageWorker:
         rows, positions, embed_ids = cols[0], cols[1], cols[2]
         targets = cols[3] if len(cols) > 3 else rows
         hidden = self.model.coda(self._read(rows), positions, None)  # [N, H]
-        tokens, lp = self._sample_rows(hidden, rows, table, any_sampled, top_n, lp_rows, processing)
+        logits = self.model.logits(hidden)  # [N, V] float32
+        tokens, lp = sample_with_history(logits, self.history, rows, table, any_sampled, top_n, lp_rows, processing)
         self.tokens.index_copy_(0, targets, tokens)
         ids = torch.where(embed_ids == -1, tokens, embed_ids)  # the successor's input: sampled, or recorded
         if keep is not None:
@@ -388,39 +304,10 @@ class StageWorker:
         if not seeds:
             return
         if self.history is None:
-            self.history = _History(self.bank.shape[0], self.model.config.vocab_size, self.device)
+            self.history = History(self.bank.shape[0], self.model.config.vocab_size, self.device)
         self.history.seed([bank_rows[s.index] for s in seeds], seeds)
 
-    def _sample_rows(
-        self,
-        hidden: Tensor,
-        rows: Tensor,
-        table: Tensor | None,
-        any_sampled: bool,
-        top_n: int,
-        lp_rows: Tensor | None,
-        processing: Processing | None,
-    ) -> tuple[Tensor, Tensor | None]:
-        """Sample every row of ``hidden [N, H]`` (bank ``rows [N]``); logprobs with ``top_n`` alternatives when
-        ``top_n >= 0``, for ``lp_rows`` (None: all)."""
-        logits = self.model.logits(hidden)  # [N, V] float32
-        x = logits
-        if processing is not None:
-            history = self.history if processing.penalties is not None else None
-            assert history is not None or processing.penalties is None, "a penalized row sampled without a seed"
-            counts, seen = history.gather(rows) if history is not None else (None, None)
-            x = processing.apply(logits, counts, seen)
-        tokens = sample_rows(x, table, any_sampled)  # [N]
-        if processing is not None and processing.penalized_rows and self.history is not None:
-            index = processing.penalized_index
-            self.history.count(rows[index], tokens[index])
-        if top_n < 0:
-            return tokens, None
-        if lp_rows is not None:
-            return tokens, logprob_columns(logits[lp_rows], tokens[lp_rows], top_n)
-        return tokens, logprob_columns(logits, tokens, top_n)
-
-    def _head(self, op: HeadOp, out: _Outputs) -> tuple[_Sampled | None, tuple[TokenLogprobs, ...]]:
+    def _head(self, op: HeadOp, out: Outputs) -> tuple[Sampled | None, tuple[TokenLogprobs, ...]]:
         """Coda, LM head and sampling; with ``score_ids`` (prefill, echo) also the scored prompt tokens' logprobs."""
         if not op.rows:
             return None, ()
@@ -461,7 +348,7 @@ class StageWorker:
             lp_index if lp_rows else None,
             scols.processing,
         )
-        return _Sampled(out, tokens, lp, scols), scored
+        return Sampled(out, tokens, lp, scols), scored
 
     def head_rows(
         self,
@@ -479,7 +366,8 @@ class StageWorker:
         and, for ``embed`` (indices among the picked), their successors' input embedding into the rows."""
         if picked is not None:
             hidden, rows = hidden[picked], rows[picked]
-        tokens, lp = self._sample_rows(hidden, rows, table, any_sampled, top_n, lp_rows, processing)
+        logits = self.model.logits(hidden)  # [N, V] float32
+        tokens, lp = sample_with_history(logits, self.history, rows, table, any_sampled, top_n, lp_rows, processing)
         self.tokens.index_copy_(0, rows, tokens)
         if embed is not None:
             self._write(rows[embed], self.model.embed_input(tokens[embed]))

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import struct
 from collections.abc import Mapping, Sequence
-from operator import attrgetter
+from itertools import chain
 from typing import Any
 
 from cdb_api.v1 import stage_pb2 as pb
@@ -36,18 +36,32 @@ from cdb_scheduler.plan import (
     TokenLogprobs,
 )
 from services.transport.bank import BankSpec, CudaIpcHandle
-
-_MASK64 = (1 << 64) - 1
-_TEMPERATURE, _TOP_K, _TOP_P, _SEED, _LOGPROBS, _RETURN_LOGPROB, _PROCESSING = (
-    attrgetter(name) for name in ("temperature", "top_k", "top_p", "seed", "logprobs", "return_logprob", "processing")
+from services.transport.opfields import (
+    HEAD_COLUMNS,
+    HEAD_OP_COLUMNS,
+    LOOP_COLUMNS,
+    LOOP_HEAD_COLUMNS,
+    PRELUDE_COLUMNS,
+    SAMPLING_CODES,
+    SAMPLING_NAMES,
+    SETTING,
+    getter,
+    sampling_params,
+    setting_columns,
 )
 
-_LOOP_COLUMNS = 4  # rids, positions, rows, steps: int64
-_HEAD_COLUMNS = "qqqqdqdQq?"  # rids, positions, rows, token_index, temperature, top_k, top_p, seed, logprobs, ret.
-_LAYOUT = {  # kind -> bytes per token, columns
-    "loop": (8 * _LOOP_COLUMNS, _LOOP_COLUMNS),
-    "head": (struct.calcsize("<" + _HEAD_COLUMNS), len(_HEAD_COLUMNS)),
+_PRELUDE_OF, _LOOP_OF, _HEAD_OF = map(getter, (PRELUDE_COLUMNS, LOOP_COLUMNS, HEAD_COLUMNS))
+_PROCESSING = SETTING["processing"]
+# A head's columns beyond the packed ones travel in its repeated fields of the same names.
+_HEAD_OP_REPEATED = (*HEAD_OP_COLUMNS[len(HEAD_COLUMNS) :], "embed")
+_LOOP_HEAD_REPEATED = LOOP_HEAD_COLUMNS[len(HEAD_COLUMNS) :]
+_FORMAT = {  # kind -> the struct codes of one token's packed columns
+    "loop": "q" * len(LOOP_COLUMNS),
+    "head": "q" * len(HEAD_COLUMNS) + SAMPLING_CODES,
 }
+_HEAD_FIELDS = frozenset(pb.HeadBatch.DESCRIPTOR.fields_by_name)
+_DEFAULT = {f.name: f.default for f in dataclasses.fields(SamplingParams)}
+_LAYOUT = {kind: (struct.calcsize("<" + codes), len(codes)) for kind, codes in _FORMAT.items()}  # bytes, columns
 _STRUCTS: dict[tuple[str, int], struct.Struct] = {}  # (kind, tokens) -> its packing
 
 
@@ -56,7 +70,7 @@ def _columns(kind: str, n: int) -> struct.Struct:
     if packing is None:
         if len(_STRUCTS) >= 4096:  # widths are bounded; a burst of odd ones does not grow this for ever
             _STRUCTS.clear()
-        spec = f"{_LOOP_COLUMNS * n}q" if kind == "loop" else "".join(f"{n}{c}" for c in _HEAD_COLUMNS)
+        spec = "".join(f"{n}{c}" for c in _FORMAT[kind])
         packing = _STRUCTS[(kind, n)] = struct.Struct("<" + spec)
     return packing
 
@@ -105,14 +119,11 @@ def _op_to_pb(op: StageOp, traceparent: str, trace_contexts: Mapping[int, str] |
     msg.fences.extend(pb.Fence(stage=_ROLE_TO_PB[f.stage], seq=f.seq) for f in op.fences)
     msg.kv_updates.extend(pb.KVUpdate(rid=u.rid, append=u.append, reset=u.reset) for u in op.kv_updates)
     if isinstance(op, PreludeOp):
-        msg.prelude.rids.extend(op.rids)
-        msg.prelude.token_ids.extend(op.token_ids)
-        msg.prelude.positions.extend(op.positions)
-        msg.prelude.rows.extend(op.rows)
-        msg.prelude.init_seeds.extend(op.init_seeds)
+        for name, column in zip(PRELUDE_COLUMNS, _PRELUDE_OF(op)):
+            getattr(msg.prelude, name).extend(column)
     elif isinstance(op, LoopOp):
         loop = msg.loop
-        loop.columns = _columns("loop", len(op.rids)).pack(*op.rids, *op.positions, *op.rows, *op.steps)
+        loop.columns = _columns("loop", len(op.rids)).pack(*chain.from_iterable(_LOOP_OF(op)))
         loop.prefill = op.prefill
         loop.num_steps = op.num_steps
         if op.kv_copies:
@@ -120,41 +131,20 @@ def _op_to_pb(op: StageOp, traceparent: str, trace_contexts: Mapping[int, str] |
             loop.copy_positions.extend([c.position for c in op.kv_copies])
             loop.copy_from_slots.extend([c.from_slot for c in op.kv_copies])
         if op.head is not None:
-            h = op.head
-            _head_columns(loop.head, h.rids, h.positions, h.rows, h.token_index, h.sampling)
-            loop.head.embed_ids.extend(h.embed_ids)
-            loop.head.embed_rows.extend(h.embed_rows)
-            _history_to_pb(loop.head, h.history)
+            _head_to_pb(loop.head, op.head, _LOOP_HEAD_REPEATED)
+            loop.head.embed_rows.extend(op.head.embed_rows)
     else:
-        head = msg.head
-        _head_columns(head, op.rids, op.positions, op.rows, op.token_index, op.sampling)
-        head.sample.extend(op.sample)
-        head.embed.extend(op.embed)
-        head.score_ids.extend(op.score_ids)
-        _history_to_pb(head, op.history)
+        _head_to_pb(msg.head, op, _HEAD_OP_REPEATED)
+        msg.head.score_ids.extend(op.score_ids)
     return msg
 
 
-def _head_columns(
-    head: pb.HeadBatch,
-    rids: Sequence[int],
-    positions: Sequence[int],
-    rows: Sequence[int],
-    token_index: Sequence[int],
-    sampling: Sequence[SamplingParams],
-) -> None:
-    head.columns = _columns("head", len(rids)).pack(
-        *rids,
-        *positions,
-        *rows,
-        *token_index,
-        *map(_TEMPERATURE, sampling),  # attrgetter maps: C loops, no generator frames
-        *map(_TOP_K, sampling),
-        *map(_TOP_P, sampling),
-        *(_MASK64 & seed for seed in map(_SEED, sampling)),
-        *map(_LOGPROBS, sampling),
-        *map(_RETURN_LOGPROB, sampling),
-    )
+def _head_to_pb(head: pb.HeadBatch, op: HeadOp | LoopHead, repeated: Sequence[str]) -> None:
+    """A head's packed columns and settings, its other columns (``repeated``), its processing and history."""
+    sampling = op.sampling
+    head.columns = _columns("head", len(op.rids)).pack(*chain.from_iterable(_HEAD_OF(op)), *setting_columns(sampling))
+    for name in repeated:
+        getattr(head, name).extend(getattr(op, name))
     if any(map(_PROCESSING, sampling)):
         for i, p in enumerate(sampling):
             if (proc := p.processing) is not None:
@@ -168,10 +158,7 @@ def _head_columns(
                     min_tokens=proc.min_tokens,
                     stop_ids=proc.stop_ids,
                 )
-
-
-def _history_to_pb(head: pb.HeadBatch, history: Sequence[HistorySeed]) -> None:
-    for seed in history:
+    for seed in op.history:
         head.history.add(index=seed.index, prompt_ids=seed.prompt_ids, output_ids=seed.output_ids)
 
 
@@ -179,36 +166,22 @@ def _history_of(h: pb.HeadBatch) -> tuple[HistorySeed, ...]:
     return tuple(HistorySeed(s.index, tuple(s.prompt_ids), tuple(s.output_ids)) for s in h.history)
 
 
-_PARAMS: dict[tuple[float, int, float, int, int, bool], SamplingParams] = {}  # the same settings, one object
-_PARAMS_KEPT = 8192  # distinct settings kept (each request has its own seed): emptied when full
-
-
-def sampling_params(key: tuple[float, int, float, int, int, bool]) -> SamplingParams:
-    """The settings ``(temperature, top_k, top_p, seed, logprobs, return_logprob)`` as one shared object."""
-    params = _PARAMS.get(key)
-    if params is None:
-        if len(_PARAMS) >= _PARAMS_KEPT:
-            _PARAMS.clear()
-        t, k, p, s, n, r = key
-        params = _PARAMS[key] = SamplingParams(temperature=t, top_k=k, top_p=p, seed=s, logprobs=n, return_logprob=r)
-    return params
-
-
-def _head_of(
-    h: pb.HeadBatch,
-) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], tuple[int, ...], tuple[SamplingParams, ...]]:
-    """A head's rids, positions, rows, token indices and sampling settings (packed, or in repeated fields)."""
+def _head_of(h: pb.HeadBatch) -> dict[str, Any]:
+    """A head's columns and sampling settings by field name (packed, or in repeated fields)."""
     if h.columns:
-        rids, positions, rows, token_index, *settings = _unpacked("head", h.columns)
+        columns = _unpacked("head", h.columns)
+        named: dict[str, Any] = dict(zip(HEAD_COLUMNS, columns))
+        settings: Sequence[Sequence[Any]] = columns[len(HEAD_COLUMNS) :]
     else:
-        rids, positions, rows, token_index = tuple(h.rids), tuple(h.positions), tuple(h.rows), tuple(h.token_index)
-        settings = [h.temperature, h.top_k, h.top_p, h.seed, h.logprobs, h.return_logprob]
-    return rids, positions, rows, token_index, _sampling_of(h, settings)  # type: ignore[return-value]
+        named = {name: tuple(getattr(h, name)) for name in HEAD_COLUMNS}
+        n = len(named["rids"])  # a setting without a repeated field of its own: its default
+        settings = [getattr(h, name) if name in _HEAD_FIELDS else (_DEFAULT[name],) * n for name in SAMPLING_NAMES]
+    named["sampling"] = _sampling_of(h, settings)
+    named["history"] = _history_of(h)
+    return named
 
 
 def _sampling_of(h: pb.HeadBatch, settings: Sequence[Sequence[Any]]) -> tuple[SamplingParams, ...]:
-    # A request's settings arrive with every op that samples it: made into an object once (a frozen dataclass
-    # costs more to build than to look up), not once per op.
     params = list(map(sampling_params, zip(*settings)))
     for proc in h.processing:
         params[proc.index] = dataclasses.replace(
@@ -231,34 +204,20 @@ def op_from_pb(msg: pb.StageBatch) -> StageOp:
     kv_updates = tuple(KVUpdate(u.rid, tuple(u.append), u.reset) for u in msg.kv_updates)
     released = tuple(msg.released)
     which = msg.WhichOneof("work")
+    common = (msg.seq, fences, kv_updates, released)
     if which == "prelude":
-        p = msg.prelude
-        return PreludeOp(
-            msg.seq,
-            fences,
-            kv_updates,
-            released,
-            rids=tuple(p.rids),
-            token_ids=tuple(p.token_ids),
-            positions=tuple(p.positions),
-            rows=tuple(p.rows),
-            init_seeds=tuple(p.init_seeds),
-        )
+        prelude: dict[str, Any] = {name: tuple(getattr(msg.prelude, name)) for name in PRELUDE_COLUMNS}
+        return PreludeOp(*common, **prelude)
     if which == "loop":
         lp = msg.loop
+        columns: dict[str, Any]
         if lp.columns:
-            rids, positions, rows, steps = _unpacked("loop", lp.columns)
+            columns = dict(zip(LOOP_COLUMNS, _unpacked("loop", lp.columns)))
         else:
-            rids, positions, rows, steps = tuple(lp.rids), tuple(lp.positions), tuple(lp.rows), tuple(lp.steps)
+            columns = {name: tuple(getattr(lp, name)) for name in LOOP_COLUMNS}
         return LoopOp(
-            msg.seq,
-            fences,
-            kv_updates,
-            released,
-            rids=rids,  # type: ignore[arg-type]
-            positions=positions,  # type: ignore[arg-type]
-            rows=rows,  # type: ignore[arg-type]
-            steps=steps,  # type: ignore[arg-type]
+            *common,
+            **columns,
             prefill=lp.prefill,
             num_steps=lp.num_steps,
             kv_copies=tuple(map(KVCopy, lp.copy_rids, lp.copy_positions, lp.copy_from_slots)),
@@ -266,37 +225,14 @@ def op_from_pb(msg: pb.StageBatch) -> StageOp:
         )
     if which == "head":
         h = msg.head
-        rids, positions, rows, token_index, sampling = _head_of(h)
-        return HeadOp(
-            msg.seq,
-            fences,
-            kv_updates,
-            released,
-            rids=rids,
-            positions=positions,
-            rows=rows,
-            sample=tuple(h.sample),
-            sampling=sampling,
-            token_index=token_index,
-            embed=tuple(h.embed),
-            score_ids=tuple(h.score_ids),
-            history=_history_of(h),
-        )
+        repeated: dict[str, Any] = {name: tuple(getattr(h, name)) for name in (*_HEAD_OP_REPEATED, "score_ids")}
+        return HeadOp(*common, **_head_of(h) | repeated)
     raise ValueError(f"batch {msg.seq} carries no stage work ({which})")
 
 
 def _loop_head(h: pb.HeadBatch) -> LoopHead:
-    rids, positions, rows, token_index, sampling = _head_of(h)
-    return LoopHead(
-        rids=rids,
-        positions=positions,
-        rows=rows,
-        sampling=sampling,
-        token_index=token_index,
-        embed_ids=tuple(h.embed_ids),
-        history=_history_of(h),
-        embed_rows=tuple(h.embed_rows),
-    )
+    repeated: dict[str, Any] = {name: tuple(getattr(h, name)) for name in (*_LOOP_HEAD_REPEATED, "embed_rows")}
+    return LoopHead(**_head_of(h), **repeated)
 
 
 def result_to_pb(res: StageResult) -> pb.StageReply:

@@ -19,14 +19,19 @@ Layout (little-endian)::
     float64[doubles] temperature, then top_p, per sampled token
     uint64[seeds]   the sampling seeds (modulo 2**64, as ``StageBatch`` carries them)
 
-What a record does not carry, an op with it travels as a ``StageBatch`` (the ring takes both): logits processing,
-penalty history, prompt scoring, draft embeds and trace contexts. A stage says which record version it reads in its
-Configure reply (``ConfigureResponse.op_records``); a scheduler sends records only to a stage that reads them.
+The token columns and sampling settings, and their order, are the tables of ``services.transport.opfields`` (the
+message path reads the same ones). What a record does not carry, an op with it travels as a ``StageBatch`` (the ring
+takes both): logits processing, penalty history, prompt scoring, draft embeds and trace contexts. A stage says which
+record version it reads in its Configure reply (``ConfigureResponse.op_records``); a scheduler sends records only to
+a stage that reads them.
 """
 
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
+from itertools import chain
+from typing import Any
 
 from cdb_scheduler.plan import (
     Fence,
@@ -40,16 +45,17 @@ from cdb_scheduler.plan import (
     Stage,
     StageOp,
 )
-from services.transport.convert import (
-    _LOGPROBS,
-    _MASK64,
-    _PROCESSING,
-    _RETURN_LOGPROB,
-    _SEED,
-    _TEMPERATURE,
-    _TOP_K,
-    _TOP_P,
+from services.transport.opfields import (
+    BOOL_COLUMNS,
+    HEAD_OP_COLUMNS,
+    LOOP_COLUMNS,
+    LOOP_HEAD_COLUMNS,
+    PRELUDE_COLUMNS,
+    SAMPLING,
+    SETTING,
+    getter,
     sampling_params,
+    setting_columns,
 )
 
 VERSION = 1
@@ -58,6 +64,19 @@ _PRELUDE, _LOOP, _HEAD = 0, 1, 2
 _PREFILL, _FUSED, _EMBED = 1, 2, 4
 _COUNTS = 7  # fences, updates, blocks, released, tokens, copies, head tokens
 _STAGES = (Stage.PRELUDE, Stage.LOOP, Stage.HEAD)
+_COLUMNS = (PRELUDE_COLUMNS, LOOP_COLUMNS, HEAD_OP_COLUMNS)  # by kind (a head op's ``embed`` follows, if flagged)
+_PRELUDE_OF, _LOOP_OF, _HEAD_OF = map(getter, _COLUMNS)
+_LOOP_HEAD_OF = getter(LOOP_HEAD_COLUMNS)
+_PROCESSING = SETTING["processing"]
+_INTS, _DOUBLES, _SEEDS = "q?", "d", "Q"  # the record section of each settings code
+# Where each sampling setting lies: (section: 0 ints, 1 doubles, 2 seeds; its column there; a flag), table order.
+_SETTINGS = tuple(
+    (s, sum(c in codes for _, c in SAMPLING[:i]), code == "?")
+    for i, (_, code) in enumerate(SAMPLING)
+    for s, codes in enumerate((_INTS, _DOUBLES, _SEEDS))
+    if code in codes
+)
+_PER_SAMPLED = tuple(sum(c in codes for _, c in SAMPLING) for codes in (_INTS, _DOUBLES, _SEEDS))
 
 
 def is_record(payload: bytes) -> bool:
@@ -68,31 +87,26 @@ def is_record(payload: bytes) -> bool:
 def encode(op: StageOp, fence_timeout_s: float = 0.0) -> bytearray | None:
     """The op as a record; None where the op needs what only a ``StageBatch`` carries (module docstring) or holds an
     integer beyond int64 (the message path then names it)."""
+    copies: list[int] = []
+    head_columns: tuple[Sequence[int], ...] = ()
+    sampling: tuple[SamplingParams, ...] = ()
+    flags = nh = 0
     if isinstance(op, LoopOp):
-        kind, flags = _LOOP, _PREFILL if op.prefill else 0
-        columns = (*op.rids, *op.positions, *op.rows, *op.steps)
+        kind, flags, columns = _LOOP, _PREFILL if op.prefill else 0, _LOOP_OF(op)
         copies = [v for c in op.kv_copies for v in (c.rid, c.position, c.from_slot)]
         h = op.head
-        nh = 0 if h is None else len(h.rows)
-        if h is None:
-            sampling: tuple[SamplingParams, ...] = ()
-            head_ints: tuple[int, ...] = ()
-        else:
+        if h is not None:
             if h.history or h.embed_rows:
                 return None
             flags |= _FUSED
-            sampling = h.sampling
-            head_ints = (*h.rids, *h.positions, *h.rows, *h.token_index, *h.embed_ids)
+            sampling, head_columns, nh = h.sampling, _LOOP_HEAD_OF(h), len(h.rows)
     elif isinstance(op, HeadOp):
         if op.history or op.score_ids:
             return None
-        kind, flags, copies, head_ints, nh = _HEAD, _EMBED if op.embed else 0, [], (), 0
-        columns = (*op.rids, *op.positions, *op.rows, *op.token_index, *op.sample, *op.embed)
-        sampling = op.sampling
+        kind, flags, columns, sampling = _HEAD, _EMBED if op.embed else 0, (*_HEAD_OF(op), op.embed), op.sampling
     else:
         assert isinstance(op, PreludeOp)
-        kind, flags, copies, head_ints, sampling, nh = _PRELUDE, 0, [], (), (), 0
-        columns = (*op.rids, *op.token_ids, *op.positions, *op.rows, *op.init_seeds)
+        kind, columns = _PRELUDE, _PRELUDE_OF(op)
     if any(map(_PROCESSING, sampling)):
         return None
     updates = op.kv_updates
@@ -111,15 +125,13 @@ def encode(op: StageOp, fence_timeout_s: float = 0.0) -> bytearray | None:
         *[v for u in updates for v in (u.rid, u.reset, len(u.append))],
         *blocks,
         *op.released,
-        *columns,
+        *chain.from_iterable(columns),
         *copies,
-        *head_ints,
-        *map(_TOP_K, sampling),
-        *map(_LOGPROBS, sampling),
-        *map(_RETURN_LOGPROB, sampling),
+        *chain.from_iterable(head_columns),
+        *setting_columns(sampling, _INTS),
     ]
-    seeds = [_MASK64 & s for s in map(_SEED, sampling)]
-    doubles = [*map(_TEMPERATURE, sampling), *map(_TOP_P, sampling)]
+    seeds = setting_columns(sampling, _SEEDS)
+    doubles = setting_columns(sampling, _DOUBLES)
     try:
         body = _body(len(ints), len(doubles), len(seeds)).pack(*ints, *doubles, *seeds)
     except struct.error:  # an integer beyond int64
@@ -164,9 +176,12 @@ def decode(payload: bytes) -> tuple[StageOp, float]:
     ints, doubles, seeds = values[:n_ints], values[n_ints : n_ints + n_doubles], values[n_ints + n_doubles :]
     seq, num_steps, nf, nu, nb, nr, n, nc, nh = ints[: 2 + _COUNTS]
     sampled = nh if kind == _LOOP else n if kind == _HEAD else 0
-    width = (5, 4, 5 + bool(flags & _EMBED))[kind]
-    need = 2 + _COUNTS + 2 * nf + 3 * nu + nb + nr + width * n + 3 * nc + 5 * nh + 3 * sampled
-    if min(nf, nu, nb, nr, n, nc, nh) < 0 or n_ints != need or n_doubles != 2 * sampled or n_seeds != sampled:
+    names = _COLUMNS[kind] + (("embed",) if flags & _EMBED else ())
+    width, head_width = len(names), len(LOOP_HEAD_COLUMNS)
+    per_int, per_double, per_seed = _PER_SAMPLED
+    need = 2 + _COUNTS + 2 * nf + 3 * nu + nb + nr + width * n + 3 * nc + head_width * nh + per_int * sampled
+    settings = n_doubles != per_double * sampled or n_seeds != per_seed * sampled
+    if min(nf, nu, nb, nr, n, nc, nh) < 0 or n_ints != need or settings:
         raise ValueError(f"op record: its counts do not match its {n_ints} integers")
     if (kind != _LOOP and (nc or nh or flags & _FUSED)) or (nh and not flags & _FUSED):
         raise ValueError("op record: copies or a fused head in an op that has none")
@@ -187,41 +202,34 @@ def decode(payload: bytes) -> tuple[StageOp, float]:
         raise ValueError("op record: the updates' blocks do not add up")
     released = ints[at : at + nr]
     at += nr
-    cols = [ints[at + i * n : at + (i + 1) * n] for i in range(width)]
+    columns = _named(names, ints, at, n)
     at += width * n
-    sampling: tuple[SamplingParams, ...] = ()
-    if sampled:
-        tail = ints[at + 3 * nc + 5 * nh :]
-        sampling = tuple(
-            map(
-                sampling_params,
-                zip(
-                    doubles[:sampled],
-                    tail[:sampled],
-                    doubles[sampled:],
-                    seeds,
-                    tail[sampled : 2 * sampled],
-                    map(bool, tail[2 * sampled :]),
-                ),
-            )
-        )
     common = (seq, fences, tuple(updates), released)
     if kind == _PRELUDE:
-        rids, tokens, positions, rows, init_seeds = cols
-        return PreludeOp(*common, rids, tokens, positions, rows, init_seeds), timeout
+        return PreludeOp(*common, **columns), timeout
+    sections = (ints[at + 3 * nc + head_width * nh :], doubles, seeds)
+    sampling = _sampling(sections, sampled) if sampled else ()
     if kind == _HEAD:
-        rids, positions, rows, token_index, sample, *embed = cols
-        sample_b = tuple(map(bool, sample))
-        embed_b = tuple(map(bool, embed[0])) if embed else ()
-        return HeadOp(*common, rids, positions, rows, sample_b, sampling, token_index, embed_b), timeout
+        return HeadOp(*common, sampling=sampling, **columns), timeout
     copies = tuple(KVCopy(*ints[at + 3 * i : at + 3 * i + 3]) for i in range(nc))
     at += 3 * nc
-    head = None
-    if flags & _FUSED:
-        hr, hp, hrows, hidx, hemb = (ints[at + i * nh : at + (i + 1) * nh] for i in range(5))
-        head = LoopHead(rids=hr, positions=hp, rows=hrows, sampling=sampling, token_index=hidx, embed_ids=hemb)
-    rids, positions, rows, steps = cols
-    return (
-        LoopOp(*common, rids, positions, rows, steps, bool(flags & _PREFILL), num_steps, copies, head),
-        timeout,
-    )
+    head = LoopHead(sampling=sampling, **_named(LOOP_HEAD_COLUMNS, ints, at, nh)) if flags & _FUSED else None
+    loop = LoopOp(*common, **columns, prefill=bool(flags & _PREFILL), num_steps=num_steps, kv_copies=copies, head=head)
+    return loop, timeout
+
+
+def _named(names: Sequence[str], ints: Sequence[int], at: int, n: int) -> dict[str, Any]:
+    """The ``n``-token columns ``names`` that start at ``ints[at]``, by name (bools as bools)."""
+    cols = {name: ints[at + i * n : at + (i + 1) * n] for i, name in enumerate(names)}
+    for name in BOOL_COLUMNS.intersection(cols):
+        cols[name] = tuple(map(bool, cols[name]))
+    return cols
+
+
+def _sampling(sections: tuple[Sequence[Any], ...], n: int) -> tuple[SamplingParams, ...]:
+    """The settings of ``n`` sampled tokens from the columns of a record's sections (``_SETTINGS``)."""
+    columns = []
+    for section, k, flag in _SETTINGS:
+        column = sections[section][k * n : (k + 1) * n]
+        columns.append(map(bool, column) if flag else column)
+    return tuple(map(sampling_params, zip(*columns)))

@@ -33,7 +33,7 @@ from cdb_scheduler.plan import (
 )
 from services.net import require_loopback
 from services.stage_secret import call_metadata
-from services.transport import stage_service
+from services.transport import stage_probe
 from services.transport.executor import GrpcExecutor, GrpcExecutorFactory
 from services.transport.stage_server import stage_weights
 from tests.services.stage_harness import (
@@ -397,14 +397,14 @@ def test_a_stage_closing_waits_for_the_op_log_of_a_session_whose_stream_just_end
     for that close, or the process exits with half an op log written."""
     FakeWorker.reset()
     writing, proceed = threading.Event(), threading.Event()
-    write = stage_service.write_op_log
+    write = stage_probe.write_op_log
 
     def slow_write(*args: Any) -> str:
         writing.set()
         proceed.wait(30)
         return write(*args)
 
-    monkeypatch.setattr(stage_service, "write_op_log", slow_write)
+    monkeypatch.setattr(stage_probe, "write_op_log", slow_write)
     logged = replace(FAST, stage_op_log=str(tmp_path / "ops"))
     with stage_servers(tmp_path, lambda s: fake_model(), worker_factory=FakeWorker, settings=logged) as running:
         ex = GrpcExecutor(fake_setup(), {s: r.address for s, r in running.items()}, logged)
