@@ -82,17 +82,21 @@ class GrpcExecutor:
         observer: OpObserver | None = None,
         standby_addrs: Mapping[Stage, str] | None = None,
     ) -> None:
-        self.settings = settings or load_settings()
+        self.settings = settings = settings or load_settings()
         self.probe: ExecutorProbe = OpTimes(observer) if observer is not None else NO_PROBE
         self.setup = setup
         self.holder = uuid.uuid4().hex
-        self._metadata = call_metadata(load_stage_secret(self.settings))
-        self.stages = StageSet(setup, stage_addrs, standby_addrs, self.settings, self._metadata, self.holder)
+        self._metadata = call_metadata(load_stage_secret(settings))
+        # With rings the stages ring it after each reply: ``poll`` sleeps on it and reads the replies itself.
+        rings_on = settings.stage_rings and ring_transport.SUPPORTED
+        self._results = ResultQueue(Doorbell.create("stages' replies doorbell") if rings_on else None)
+        bell = self._results.doorbell.name if self._results.doorbell is not None else None
+        self.stages = StageSet(setup, stage_addrs, standby_addrs, settings, self._metadata, self.holder, bell)
         self.stage_addrs = self.stages.addrs  # the address each stage is served from now (a standby may take over)
         self.channels = self.stages.channels  # each stage's active channel (of ``stage_addrs``)
         self.bank, self.tokens = self.stages.bank, self.stages.tokens
         self.counters = {stage: StageCounters() for stage in Stage}
-        self.watch = HangWatch(self.settings.stage_hang_floor_s, self.settings.stage_hang_factor)
+        self.watch = HangWatch(settings.stage_hang_floor_s, settings.stage_hang_factor)
         self._state = Outage()
         self._order = CausalOrder()
         self._lock = threading.Lock()
@@ -100,17 +104,13 @@ class GrpcExecutor:
         self._closed = False
         self._links: dict[Stage, StageLink] = {}
         self.fences = FenceBoard.create()
-        self._results = ResultQueue(None)
+        self._healer = Healer(self, self.stages, settings, self.watch.tick_s)
         rings: dict[Stage, Rings] = {}
         try:
-            if self.settings.stage_rings and ring_transport.SUPPORTED:  # the stages ring it after each reply
-                self._results = ResultQueue(Doorbell.create("stages' replies doorbell"))
-            bell = self._results.doorbell.name if self._results.doorbell is not None else None
-            self._healer = Healer(self, self.stages, self.settings, bell, self.watch.tick_s)
             self.stages.connect()
-            rings = new_rings(self.settings)
+            rings = new_rings(settings)
             for stage in Stage:
-                self.stages.configure(stage, self.fences, rings.get(stage), bell)
+                self.stages.configure(stage, self.fences, rings.get(stage))
             for stage in Stage:
                 self._links[stage] = self.stages.link(stage, self, 0, rings.pop(stage, None))
         except BaseException:
@@ -218,8 +218,7 @@ class GrpcExecutor:
                 return
             self._closed = True
             links, self._links = self._links, {}
-        if hasattr(self, "_healer"):
-            self._healer.close()
+        self._healer.close()
         for link in links.values():
             link.close()
         self.stages.close()

@@ -117,13 +117,10 @@ class HealingHost(LinkOwner, Protocol):
 class Healer:
     """The recovery thread (started at a loss) and the watchdog thread of one executor."""
 
-    def __init__(
-        self, host: HealingHost, stages: StageSet, settings: Settings, doorbell: str | None, tick_s: float
-    ) -> None:
+    def __init__(self, host: HealingHost, stages: StageSet, settings: Settings, tick_s: float) -> None:
         self.host = host
         self.stages = stages
         self.settings = settings
-        self.doorbell = doorbell  # the replies doorbell's name (rings only), for each Configure
         self.tick_s = tick_s
         self.closing = threading.Event()
 
@@ -171,7 +168,7 @@ class Healer:
             moved: dict[Stage, str] = {}
             for stage in Stage:  # waits for the channel to be ready (a restarting stage), bounded
                 timeout = max(1.0, min(10.0, plan.deadline - time.monotonic()))
-                address = stages.attach(stage, stage in plan.lost, board, rings.get(stage), self.doorbell, timeout)
+                address = stages.attach(stage, stage in plan.lost, board, rings.get(stage), timeout)
                 if address != stages.addrs[stage]:
                     moved[stage] = address
             stages.move(moved)

@@ -44,11 +44,13 @@ class StageSet:
         settings: Settings,
         metadata: Sequence[tuple[str, str]],
         holder: str,
+        doorbell: str | None,
     ) -> None:
         self.setup = setup
         self.settings = settings
         self.metadata = tuple(metadata)
         self.holder = holder
+        self.doorbell = doorbell  # the replies doorbell the stages ring (rings only)
         self.addrs = dict(addrs)
         self.role_addrs = {
             s: [a, *([standby_addrs[s]] if standby_addrs and s in standby_addrs else [])] for s, a in addrs.items()
@@ -80,7 +82,6 @@ class StageSet:
         stage: Stage,
         fences: FenceBoard,
         rings: Rings | None,
-        doorbell: str | None,
         timeout: float | None = None,
         channel: grpc.Channel | None = None,
     ) -> None:
@@ -105,8 +106,8 @@ class StageSet:
         )
         if rings is not None:
             request.rings.ops, request.rings.replies = rings[0].name, rings[1].name
-            if doorbell is not None:
-                request.rings.doorbell = doorbell
+            if self.doorbell is not None:
+                request.rings.doorbell = self.doorbell
         stub = stage_pb2_grpc.StageStub(channel or self.channels[stage])
         reply = stub.Configure(
             request,
@@ -119,9 +120,7 @@ class StageSet:
         self._op_records[stage] = rings is not None and reply.op_records == records.VERSION
         self.config_digests[stage] = reply.config_digest
 
-    def attach(
-        self, stage: Stage, lost: bool, board: FenceBoard, rings: Rings | None, doorbell: str | None, timeout: float
-    ) -> str:
+    def attach(self, stage: Stage, lost: bool, board: FenceBoard, rings: Rings | None, timeout: float) -> str:
         """Configure ``stage`` on one of its role's addresses; return that address. A lost stage tries the role's
         other addresses first (a warm standby answers at once; the lost process may still be restarting), each
         briefly, then waits for its own address as usual."""
@@ -132,13 +131,13 @@ class StageSet:
                     continue
                 try:
                     channel = self._by_addr[address]
-                    self.configure(stage, board, rings, doorbell, timeout=_STANDBY_WAIT_S, channel=channel)
+                    self.configure(stage, board, rings, timeout=_STANDBY_WAIT_S, channel=channel)
                 except grpc.RpcError as exc:
                     log.info("%s stage standby at %s not available (%s)", stage.role, address, exc.code().name)
                     continue
                 log.warning("%s stage: its standby at %s takes over", stage.role, address)
                 return address
-        self.configure(stage, board, rings, doorbell, timeout=timeout)
+        self.configure(stage, board, rings, timeout=timeout)
         return current
 
     def move(self, moved: Mapping[Stage, str]) -> None:
@@ -158,10 +157,6 @@ class StageSet:
         """Recreate a bank whose name was unlinked meanwhile (by hand): no stage could attach it."""
         for bank in (self.bank, self.tokens):
             bank.renew_if_unlinked()
-
-    def stopped(self) -> dict[Stage, bool]:
-        """Whether each stage's process on this host is stopped (by a signal) now."""
-        return {stage: is_stopped(proc) for stage, proc in list(self.procs.items()) if proc.local}
 
     def kill_stopped(self) -> None:
         """SIGKILL a stage process of this host found stopped (lost to keepalive while stopped: it would never
