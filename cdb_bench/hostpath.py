@@ -70,7 +70,8 @@ from cdb_scheduler.plan import Stage
 from services import heap
 from services.launcher import ServeHandle, serve_all, start_stages
 from services.settings import load_settings
-from services.transport.executor import GrpcExecutor, GrpcExecutorFactory, HopLog
+from services.telemetry.probe import HopLog
+from services.transport.executor import GrpcExecutor, GrpcExecutorFactory
 
 FAMILIES = {"ouro": ("ouro-bench", "h200:ouro-1.4b"), "huginn": ("huginn-bench", "h200:huginn-3.5b")}
 CONSUMERS = ("in-process", "api", "http")
@@ -194,7 +195,7 @@ def run_in_process(point: Point, tree: ServeHandle, warmup_s: float, seconds: fl
 
     def executor(setup: StageSetup) -> GrpcExecutor:
         ex = factory(setup)
-        ex.hops = hops  # the reaction's hand-overs, timed (``reaction_split``)
+        ex.probe = hops  # the reaction's hand-overs, timed (``reaction_split``)
         return ex
 
     engine = Engine(cfg, executor).start()

@@ -13,20 +13,20 @@ The per-request part (request span, TTFT, ITL, ...) lives in ``services.telemetr
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Mapping
 from typing import Protocol
 
 from cdb_engine.engine import Engine
 from cdb_scheduler.plan import Executor, LoopOp, Stage, StageLoss, StageOp, StageResult
 from services.telemetry.metrics import Metrics
+from services.telemetry.probe import OpTimes
 from services.telemetry.traces import RequestTraces
 
 _NO_CONTEXTS: Mapping[int, str] = {}
 
 
 class OpRecorder:
-    """``services.transport.executor.OpObserver`` feeding per-op metrics and, when given, the request traces.
+    """``services.telemetry.probe.OpObserver`` feeding per-op metrics and, when given, the request traces.
 
     Cost per op with tracing off: two histogram observations (≈1.5 µs) and one call that returns at once."""
 
@@ -51,25 +51,24 @@ class OpRecorder:
 
 
 class ObservedExecutor:
-    """An ``Executor`` that reports each op and its result to an ``OpRecorder`` (the gRPC executor does this
-    itself; this wraps the in-process one). Single poller, as the engine drives it."""
+    """An ``Executor`` that reports each op and its result to an ``OpRecorder`` through an ``OpTimes`` probe (the
+    gRPC executor calls its own probe; this wraps the in-process one). Single poller, as the engine drives it."""
 
     def __init__(self, inner: Executor, observer: OpRecorder) -> None:
         self.inner = inner
         self.observer = observer
-        self._sent: dict[tuple[Stage, int], tuple[StageOp, int]] = {}
+        self._times = OpTimes(observer)
 
     def submit(self, op: StageOp) -> None:
-        self._sent[(op.stage, op.seq)] = (op, time.time_ns())
+        self._times.queued(op)
         self.inner.submit(op)
 
     def poll(self, timeout: float | None) -> StageResult | StageLoss | None:
         result = self.inner.poll(timeout)
         if isinstance(result, StageLoss):
-            self._sent.clear()  # every op issued before is void
-            return result
-        if result is not None and (sent := self._sent.pop((result.stage, result.seq), None)) is not None:
-            self.observer.on_op_done(sent[0], result, sent[1], time.time_ns())
+            self._times.lost()  # every op issued before is void
+        elif result is not None:
+            self._times.polled(result)
         return result
 
     @property

@@ -8,7 +8,7 @@ import pytest
 
 from cdb_bench.hostpath import main, medians, reaction_split, scaled_cost
 from cdb_scheduler.plan import Stage
-from services.transport.executor import HopLog
+from services.telemetry.probe import HopLog
 
 
 def test_scaled_costs_keep_the_profile_head_to_loop_ratio() -> None:
