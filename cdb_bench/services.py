@@ -32,7 +32,7 @@ from typing import Any
 from cdb_bench import outputs
 from cdb_bench.offline import run_mode
 from cdb_bench.public_api import send_all
-from cdb_bench.stats import order_statistic
+from cdb_bench.stats import middle, order_statistic
 from cdb_bench.tracing_cost import bench_tracing, tracing_table
 from cdb_bench.workload import Workload, add_workload_args, config_and_workload
 from cdb_engine.config import EngineConfig, RequestParams
@@ -107,7 +107,7 @@ def bench_services(
             stagess.append(run_stages(cfg, work, tree))
         rtt = ping_loop_stage(cfg, tree, pings)
     ratios = [g["tokens_per_s"] / i["tokens_per_s"] for i, g in zip(inprocs, stagess)]
-    median = sorted(range(repeats), key=ratios.__getitem__)[repeats // 2]
+    median = middle(range(repeats), key=ratios.__getitem__)
     inproc, stages = inprocs[median], stagess[median]
     out: dict[str, Any] = {
         "model": cfg.model,

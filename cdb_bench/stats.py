@@ -5,6 +5,9 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Callable, Iterable, Sequence
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -42,6 +45,12 @@ def median_range(values: Iterable[float | None]) -> dict[str, float | None]:
     """``{"median", "min", "max"}`` of the known values (None marks an unknown one); each None when none is known."""
     known = [x for x in values if x is not None]
     return {"median": median(known), "min": min(known, default=None), "max": max(known, default=None)}
+
+
+def middle(items: Sequence[T], key: Callable[[T], float]) -> T:
+    """The item of median rank by ``key`` (of an even count, the upper of the two middle ones): a whole run to
+    report, where the median of each figure apart would mix figures of different runs."""
+    return sorted(items, key=key)[len(items) // 2]
 
 
 def error_bars(samples: Sequence[Sequence[float]]) -> list[list[float]]:
