@@ -160,6 +160,7 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
 
 
 def _remote_options(p: argparse.ArgumentParser) -> None:
+    """A server this command did not start, and how to talk to it."""
     remote = p.add_argument_group("against a running server (--base-url)")
     remote.add_argument(
         "--base-url",

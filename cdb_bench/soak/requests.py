@@ -61,6 +61,8 @@ class Planned:
 
 @dataclass(slots=True)
 class Outcome:
+    """What one request got in the run: its tokens, when each came, and how it ended."""
+
     tokens: list[tuple[int, int]] = field(default_factory=list)  # (id, depth)
     times: list[float] = field(default_factory=list)  # time.monotonic() of each token
     start: float = 0.0
