@@ -138,7 +138,7 @@ def summarize(
     faults: list[Fault],
     t0: float,
 ) -> dict[str, Any]:
-    """The run's figures (see the package docstring); ``refs``: the fault-free tokens per reference dtype."""
+    """The run's figures (see ``cdb_bench.soak.cli``); ``refs``: the fault-free tokens per reference dtype."""
     fault_times = [f.at for f in faults]
     touched = {p.index for p, o in zip(planned, outs) if any(o.start <= t <= (o.end or t) for t in fault_times)}
     lost, mismatched = judge(planned, outs, refs[tree_dtype])
