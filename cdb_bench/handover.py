@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
+import math
 import mmap
 import os
 import statistics
@@ -25,6 +26,7 @@ import sys
 import time
 from typing import Any
 
+from cdb_bench.stats import order_statistic
 from services.transport import futex
 
 _GO, _DONE, _SPIN = 0, 1, 2  # int32 words (bytes 0..12)
@@ -94,7 +96,8 @@ def measure(trials: int, gap_s: float = 300e-6) -> dict[str, Any]:
     out: dict[str, Any] = {"trials": trials, "cores": len(os.sched_getaffinity(0))}
     for name, ns in figures.items():
         ns.sort()
-        out[name] = {"p50": ns[len(ns) // 2] / 1e3, "p90": ns[int(0.9 * (len(ns) - 1))] / 1e3}
+        p50, p90 = order_statistic(ns, 0.5, math.ceil), order_statistic(ns, 0.9, math.floor)
+        out[name] = {"p50": p50 / 1e3, "p90": p90 / 1e3}
         out[name]["mean"] = statistics.fmean(ns) / 1e3
     return out
 

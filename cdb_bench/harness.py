@@ -24,7 +24,6 @@ import argparse
 import copy
 import json
 import os
-import socket
 import sys
 import time
 import urllib.request
@@ -246,19 +245,14 @@ def table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextmanager
 def served_tree(model: str, *, dtype: str = "auto", device: str = "cpu") -> Iterator[str]:
     """A ``cdb serve`` tree of ``model`` on loopback ports: yields its HTTP API root once ``/health`` is 200."""
+    from cdb_bench.processes import free_port
     from cdb_engine.config import EngineConfig
     from services.launcher import serve_all
 
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "CDB_HTTP_ADDR": f"127.0.0.1:{port}"}
     handle = serve_all(EngineConfig(model=model, dtype=dtype, device=device), "127.0.0.1:0", env=env)  # type: ignore[arg-type]
     root = f"http://127.0.0.1:{port}"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -19,6 +20,7 @@ from typing import Any
 
 from cdb_bench import outputs
 from cdb_bench.flops import workload_flop_ratio
+from cdb_bench.stats import middle, order_statistic
 from cdb_bench.workload import Workload, add_workload_args, config_and_workload, make_workload
 from cdb_engine.config import EngineConfig
 from cdb_engine.engine import Completion, Engine
@@ -102,8 +104,7 @@ def bench_offline(
     for mode, rs in runs.items():
         if "full-depth" in runs:  # ratio of each run to the full-depth run of the same repeat: drift cancels
             paired[mode] = sorted(f["tokens_per_s"] / ref["tokens_per_s"] for f, ref in zip(rs, runs["full-depth"]))
-        ordered = sorted(rs, key=lambda f: f["tokens_per_s"])
-        results[mode] = dict(ordered[len(ordered) // 2])
+        results[mode] = dict(middle(rs, key=lambda f: f["tokens_per_s"]))
         results[mode]["repeats_tokens_per_s"] = [f["tokens_per_s"] for f in rs]  # type: ignore[assignment]
     probe = Engine(base)
     f0, fr = probe.model_config.param_counts()
@@ -135,7 +136,7 @@ def _add_ratios(results: dict[str, dict[str, float]], paired: dict[str, list[flo
     steady_ref = results["full-depth"]["steady_tokens_per_s"]
     for mode, fig in results.items():
         ratios = paired[mode]
-        fig["ratio_to_full_depth"] = ratios[len(ratios) // 2]
+        fig["ratio_to_full_depth"] = order_statistic(ratios, 0.5, math.ceil)
         fig["repeats_ratio_to_full_depth"] = ratios  # type: ignore[assignment]
         fig["realized_fraction_of_S"] = fig["ratio_to_full_depth"] / bound
         fig["realized_fraction_of_S_w"] = fig["ratio_to_full_depth"] / s_w

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import statistics
 import sys
 from collections.abc import Sequence
@@ -31,6 +32,7 @@ from typing import Any
 from cdb_bench import outputs
 from cdb_bench.offline import run_mode
 from cdb_bench.public_api import send_all
+from cdb_bench.stats import middle, order_statistic
 from cdb_bench.tracing_cost import bench_tracing, tracing_table
 from cdb_bench.workload import Workload, add_workload_args, config_and_workload
 from cdb_engine.config import EngineConfig, RequestParams
@@ -60,10 +62,11 @@ def ping_loop_stage(cfg: EngineConfig, tree: ServeHandle, n: int) -> dict[str, f
     try:
         for _ in range(20):
             ex.ping(Stage.LOOP)  # warm the stream
-        rtts = sorted(ex.ping(Stage.LOOP) for _ in range(n))
+        rtts = [ex.ping(Stage.LOOP) for _ in range(n)]
     finally:
         ex.close()
-    return {"p50_ms": 1e3 * rtts[n // 2], "p90_ms": 1e3 * rtts[int(n * 0.9)], "mean_ms": 1e3 * statistics.fmean(rtts)}
+    p50, p90 = order_statistic(rtts, 0.5, math.ceil), order_statistic(rtts, 0.9, math.ceil)
+    return {"p50_ms": 1e3 * p50, "p90_ms": 1e3 * p90, "mean_ms": 1e3 * statistics.fmean(rtts)}
 
 
 def run_public(cfg: EngineConfig, work: Workload, warm: Workload) -> dict[str, float]:
@@ -104,7 +107,7 @@ def bench_services(
             stagess.append(run_stages(cfg, work, tree))
         rtt = ping_loop_stage(cfg, tree, pings)
     ratios = [g["tokens_per_s"] / i["tokens_per_s"] for i, g in zip(inprocs, stagess)]
-    median = sorted(range(repeats), key=ratios.__getitem__)[repeats // 2]
+    median = middle(range(repeats), key=ratios.__getitem__)
     inproc, stages = inprocs[median], stagess[median]
     out: dict[str, Any] = {
         "model": cfg.model,

@@ -15,13 +15,12 @@ import os
 import re
 import signal
 import statistics
-import subprocess
 import sys
 from collections.abc import Sequence
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
+from cdb_bench.processes import cpu_seconds, start_python
 from cdb_bench.public_api import send_all
 from cdb_bench.workload import Workload
 from cdb_engine.config import EngineConfig, RequestParams
@@ -47,14 +46,12 @@ def tracing_env(on: bool, endpoint: str, base: dict[str, str] | None = None) -> 
 def tree_cpu_s(tree: ServeHandle) -> dict[str, float]:
     """CPU seconds (user + system) used so far by the tree's scheduler and by its stages (Linux ``/proc``; 0.0
     where unreadable)."""
-    tick = os.sysconf("SC_CLK_TCK")
 
     def cpu(pid: int) -> float:
         try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            return cpu_seconds(pid)
         except (OSError, IndexError):
             return 0.0
-        return (int(fields[11]) + int(fields[12])) / tick  # utime, stime: fields 14 and 15 of proc(5)
 
     sched = cpu(tree.scheduler.pid) if tree.scheduler is not None else 0.0
     return {"scheduler": sched, "stages": sum(cpu(p.pid) for p in tree.stages.values())}
@@ -65,10 +62,7 @@ class CountingSink:
     counts the spans it receives."""
 
     def __init__(self) -> None:
-        cmd = [sys.executable, "-m", "services.telemetry.otlp_receiver", "--port", "0"]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
+        self.proc, line = start_python(["-m", "services.telemetry.otlp_receiver", "--port", "0"])
         found = re.search(r"(http://[\w.:]+)", line)
         if found is None:
             self.proc.kill()

@@ -31,8 +31,8 @@ from cdb_bench.routing.policies import POLICIES, Policy, Segregation, balanced_s
 from cdb_bench.routing.report import decide, rank, table, write_outputs
 from cdb_bench.routing.sim import simulate, summarize
 from cdb_bench.routing.workload import Workload, make_workload
-from cdb_bench.serve.cli import parse_with_quick, positive_floats
 from cdb_bench.serve.lengths import DATASETS
+from cdb_bench.serve.options import parse_with_quick, positive_floats
 from cdb_engine.config import EngineConfig, Speculative
 from cdb_model.presets import preset_config, preset_names
 

@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 from collections.abc import AsyncIterator, Iterator, Sequence
-from concurrent import futures
 from contextlib import contextmanager
 from typing import Any
 
+from cdb_bench.processes import free_address, trees, with_rpc_cap
 from cdb_bench.routing.policies import Policy
 from cdb_bench.routing.workload import RoutedRequest
 from cdb_bench.serve.driver import drive
@@ -30,33 +29,16 @@ from cdb_bench.serve.requests import ServeRequest
 from cdb_engine.config import EngineConfig
 from clients.async_client import AsyncClient
 from clients.common import GenerateOptions, StreamToken
-from services.launcher import ServeHandle, serve_all
 
 SLO = Slo(ttft_s=1.0, tpot_s=0.1)  # recorded by summarize_run; the study reads latencies only
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @contextmanager
 def local_replicas(cfg: EngineConfig, replicas: int, max_live: int) -> Iterator[list[str]]:
     """Start ``replicas`` trees of ``cfg`` at once on fixed loopback ports; yield their addresses; stop them."""
-    env = dict(os.environ, CDB_HTTP_ADDR="", CDB_METRICS_ADDR="")  # replicas started at once: no shared ports
-    env["CDB_MAX_CONCURRENT_RPCS"] = str(max(int(env.get("CDB_MAX_CONCURRENT_RPCS", "1024")), max_live + 64))
-
-    def start() -> ServeHandle:
-        return serve_all(cfg, f"127.0.0.1:{_free_port()}", env=env)
-
-    with futures.ThreadPoolExecutor(replicas) as pool:
-        started = [pool.submit(start) for _ in range(replicas)]
-        try:
-            yield [f.result().address for f in started]
-        finally:
-            done = [f.result() for f in started if f.exception() is None]
-            list(pool.map(lambda h: h.stop(drain_timeout=2.0), done))
+    env = with_rpc_cap(dict(os.environ, CDB_HTTP_ADDR="", CDB_METRICS_ADDR=""), max_live)  # no shared ports
+    with trees(cfg, [free_address() for _ in range(replicas)], env, drain_timeout=2.0) as started:
+        yield [t.address for t in started]
 
 
 def _options(req: ServeRequest) -> GenerateOptions:

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import json
 import statistics
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from cdb_bench.routing.policies import POLICIES
+from cdb_bench.stats import error_bars
 
 DEFAULT = "round-robin"
 
@@ -148,7 +148,7 @@ def plot(result: dict[str, Any], path: Path) -> Path:
             ax.errorbar(
                 live["rates"],
                 [statistics.median(m) for m in means],
-                yerr=_spread(means),
+                yerr=error_bars(means),
                 marker="o",
                 capsize=3,
                 label=f"{policy} (real)",
@@ -165,9 +165,3 @@ def plot(result: dict[str, Any], path: Path) -> Path:
 
 def _color(policy: str) -> str:
     return f"C{POLICIES.index(policy)}" if policy in POLICIES else "k"
-
-
-def _spread(values: Sequence[Sequence[float]]) -> list[list[float]]:
-    """Error bars from the median to the lowest and highest repeat."""
-    med = [statistics.median(v) for v in values]
-    return [[m - min(v) for m, v in zip(med, values)], [max(v) - m for m, v in zip(med, values)]]

@@ -69,6 +69,93 @@ class _Replica:
     on_done: Callable[[float], None] | None = None
 
 
+class _Simulation:
+    """One run of ``simulate``: the outcomes so far, the replicas, and the event queue."""
+
+    def __init__(
+        self, requests: Sequence[RoutedRequest], policy: Policy, costs: StepCosts, replicas: int, width: int
+    ) -> None:
+        self.requests, self.policy, self.costs, self.width = requests, policy, costs, width
+        self.out = [Outcome(i, r.serve.arrival_s, r.view) for i, r in enumerate(requests)]
+        self.reps = [_Replica() for _ in range(replicas)]
+        self.events: list[tuple[float, int, int, int]] = []  # (time, seq, kind, arg): kind 0 = arrival, 1 = op done
+        self.seq = 0
+        for i, r in enumerate(requests):
+            self.events.append((r.serve.arrival_s, self.seq, 0, i))
+            self.seq += 1
+        heapq.heapify(self.events)
+
+    def run(self) -> list[Outcome]:
+        while self.events:
+            now, _, kind, arg = heapq.heappop(self.events)
+            if kind == 0:
+                k = self.policy.pick(self.out[arg].view, [r.outstanding for r in self.reps])
+                rep = self.reps[k]
+                self.out[arg].replica = k
+                rep.outstanding += 1
+                rep.waiting.append(arg)
+                if not rep.busy:
+                    self._start(k, now)
+            else:
+                rep = self.reps[arg]
+                assert rep.on_done is not None
+                rep.on_done(now)
+                rep.on_done, rep.busy = None, False
+                self._start(arg, now)
+        assert all(o.finish_s is not None for o in self.out), "a request did not finish"
+        return self.out
+
+    def _finish(self, rep: _Replica, i: int, now: float) -> None:
+        self.out[i].finish_s = now
+        rep.outstanding -= 1
+
+    def _prefill(self, rep: _Replica) -> float:
+        i = rep.waiting.popleft()
+        req = self.requests[i]
+
+        def done(end: float) -> None:
+            self.out[i].first_s, self.out[i].tokens = end, 1
+            if req.serve.max_tokens == 1:
+                self._finish(rep, i, end)
+            else:
+                rep.active.append(_Slot(i, 1, req.depths[0]))
+
+        rep.on_done, rep.last_was_prefill = done, True
+        return self.costs.prefill_s(req.serve.prompt_len)
+
+    def _decode(self, rep: _Replica) -> float:
+        for s in rep.active:
+            s.remaining -= 1
+        exiting = [s for s in rep.active if s.remaining == 0]
+
+        def done(end: float) -> None:
+            for s in exiting:
+                o, req = self.out[s.req], self.requests[s.req]
+                o.tokens += 1
+                s.token += 1
+                if s.token == req.serve.max_tokens:
+                    rep.active.remove(s)
+                    self._finish(rep, s.req, end)
+                else:
+                    s.remaining = req.depths[s.token - 1]
+
+        rep.on_done, rep.last_was_prefill = done, False
+        return self.costs.decode_step_s(len(rep.active), len(exiting))
+
+    def _start(self, k: int, now: float) -> None:
+        rep = self.reps[k]
+        can_prefill = bool(rep.waiting) and len(rep.active) < self.width
+        if can_prefill and not (rep.active and rep.last_was_prefill):
+            duration = self._prefill(rep)
+        elif rep.active:
+            duration = self._decode(rep)
+        else:
+            return
+        rep.busy = True
+        heapq.heappush(self.events, (now + duration, self.seq, 1, k))
+        self.seq += 1
+
+
 def simulate(
     requests: Sequence[RoutedRequest], policy: Policy, costs: StepCosts, *, replicas: int, width: int
 ) -> list[Outcome]:
@@ -76,84 +163,7 @@ def simulate(
     finishes (the run drains)."""
     if replicas < 1 or width < 1:
         raise ValueError(f"replicas and width: >= 1, got {replicas} and {width}")
-    out = [Outcome(i, r.serve.arrival_s, r.view) for i, r in enumerate(requests)]
-    reps = [_Replica() for _ in range(replicas)]
-    events: list[tuple[float, int, int, int]] = []  # (time, seq, kind, arg): kind 0 = arrival, 1 = op done
-    seq = 0
-    for i, r in enumerate(requests):
-        events.append((r.serve.arrival_s, seq, 0, i))
-        seq += 1
-    heapq.heapify(events)
-
-    def finish(rep: _Replica, i: int, now: float) -> None:
-        out[i].finish_s = now
-        rep.outstanding -= 1
-
-    def prefill(rep: _Replica, now: float) -> float:
-        i = rep.waiting.popleft()
-        req = requests[i]
-
-        def done(end: float) -> None:
-            out[i].first_s, out[i].tokens = end, 1
-            if req.serve.max_tokens == 1:
-                finish(rep, i, end)
-            else:
-                rep.active.append(_Slot(i, 1, req.depths[0]))
-
-        rep.on_done, rep.last_was_prefill = done, True
-        return costs.prefill_s(req.serve.prompt_len)
-
-    def decode(rep: _Replica, now: float) -> float:
-        for s in rep.active:
-            s.remaining -= 1
-        exiting = [s for s in rep.active if s.remaining == 0]
-
-        def done(end: float) -> None:
-            for s in exiting:
-                o, req = out[s.req], requests[s.req]
-                o.tokens += 1
-                s.token += 1
-                if s.token == req.serve.max_tokens:
-                    rep.active.remove(s)
-                    finish(rep, s.req, end)
-                else:
-                    s.remaining = req.depths[s.token - 1]
-
-        rep.on_done, rep.last_was_prefill = done, False
-        return costs.decode_step_s(len(rep.active), len(exiting))
-
-    def start(k: int, now: float) -> None:
-        nonlocal seq
-        rep = reps[k]
-        can_prefill = bool(rep.waiting) and len(rep.active) < width
-        if can_prefill and not (rep.active and rep.last_was_prefill):
-            duration = prefill(rep, now)
-        elif rep.active:
-            duration = decode(rep, now)
-        else:
-            return
-        rep.busy = True
-        heapq.heappush(events, (now + duration, seq, 1, k))
-        seq += 1
-
-    while events:
-        now, _, kind, arg = heapq.heappop(events)
-        if kind == 0:
-            k = policy.pick(out[arg].view, [r.outstanding for r in reps])
-            rep = reps[k]
-            out[arg].replica = k
-            rep.outstanding += 1
-            rep.waiting.append(arg)
-            if not rep.busy:
-                start(k, now)
-        else:
-            rep = reps[arg]
-            assert rep.on_done is not None
-            rep.on_done(now)
-            rep.on_done, rep.busy = None, False
-            start(arg, now)
-    assert all(o.finish_s is not None for o in out), "a request did not finish"
-    return out
+    return _Simulation(requests, policy, costs, replicas, width).run()
 
 
 def summarize(

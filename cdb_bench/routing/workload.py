@@ -15,8 +15,8 @@ from dataclasses import dataclass, replace
 from cdb_bench.routing.costs import StepCosts
 from cdb_bench.serve.arrivals import Arrival, arrival_times
 from cdb_bench.serve.lengths import DATASETS
-from cdb_bench.serve.metrics import percentile
 from cdb_bench.serve.requests import ServeRequest, make_requests
+from cdb_bench.stats import percentile
 
 DEEP_THRESHOLD = 1.0  # the exit threshold deep requests carry
 

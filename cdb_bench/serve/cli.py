@@ -28,23 +28,22 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Callable, Mapping
 from typing import Any
 
 import httpx2
 import torch
 
 from cdb_bench.serve.arrivals import Arrival
-from cdb_bench.serve.datasets import DatasetError, load_prompts
+from cdb_bench.serve.datasets import DatasetError
 from cdb_bench.serve.lengths import DATASETS
 from cdb_bench.serve.metrics import Slo
 from cdb_bench.serve.openai_target import ENDPOINTS
+from cdb_bench.serve.options import modes, parse_with_quick, percentile_list, positive_floats
 from cdb_bench.serve.remote import remote_table, run_remote, write_remote
 from cdb_bench.serve.report import table, write_outputs
-from cdb_bench.serve.requests import RequestSet, make_requests, requests_from
+from cdb_bench.serve.setup import engine_config, header, workload
 from cdb_bench.serve.sweep import MODE_NAMES, SPECULATIVE, SweepConfig, run_sweep
 from cdb_bench.serve.targets import TARGETS
-from cdb_engine.config import EngineConfig
 from cdb_engine.engine import Engine
 from cdb_model.config import CheckpointError
 
@@ -63,62 +62,12 @@ QUICK: dict[str, Any] = {
 REMOTE_QUICK = ("requests", "rates", "scale", "warmup")  # --quick with --base-url: the server is not ours to size
 
 
-def positive_floats(text: str) -> tuple[float, ...]:
-    """``--rates 1,2,4``-style options: comma-separated positive numbers (argparse ``type``)."""
-    try:
-        values = tuple(float(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
-    if not values or any(not v > 0 for v in values):
-        raise argparse.ArgumentTypeError(f"expected positive numbers, got {text!r}")
-    return values
-
-
-def parse_with_quick(
-    parser: argparse.ArgumentParser,
-    argv: list[str] | None,
-    quick: Mapping[str, Any],
-    converters: Mapping[str, Callable[[str], Any]],
-) -> argparse.Namespace:
-    """Parse ``argv``; ``--quick`` swaps in the ``quick`` defaults only, so options given explicitly still win;
-    options still holding a string default are run through their ``converters`` (argparse leaves defaults as they
-    are)."""
-    args = parser.parse_args(argv)
-    if args.quick:
-        parser.set_defaults(**quick)
-        args = parser.parse_args(argv)
-    for name, convert in converters.items():
-        value = getattr(args, name)
-        if isinstance(value, str):
-            setattr(args, name, convert(value))
-    return args
-
-
-def percentile_list(text: str) -> tuple[float, ...]:
-    """``--percentiles 50,90,99``: comma-separated numbers in (0, 100] (argparse ``type``)."""
-    try:
-        values = tuple(float(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
-    if not values or any(not 0 < v <= 100 for v in values):
-        raise argparse.ArgumentTypeError(f"expected percentiles in (0, 100], got {text!r}")
-    return values
-
-
-def _modes(text: str) -> tuple[str, ...]:
-    modes = tuple(m.strip() for m in text.split(",") if m.strip())
-    bad = [m for m in modes if m not in MODE_NAMES]
-    if bad or not modes:
-        raise argparse.ArgumentTypeError(f"modes must be among {', '.join(MODE_NAMES)}; got {text!r}")
-    return modes
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="cdb bench serve", description=__doc__.split("\n\n")[0] if __doc__ else "")
+def _request_options(p: argparse.ArgumentParser) -> None:
+    """What each mode serves: the model, the request set, the rates and the figures."""
     p.add_argument("--target", choices=TARGETS, default="deployment")
     p.add_argument(
         "--modes",
-        type=_modes,
+        type=modes,
         default="cdb,no-refill,full-depth",
         help=f"among {', '.join(MODE_NAMES)} ({SPECULATIVE}: cdb with self-speculative decoding; the others without)",
     )
@@ -156,6 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
         default="50,90,99",
         help="the pNN_*_ms figures of the vLLM-named results",
     )
+
+
+def _sweep_options(p: argparse.ArgumentParser) -> None:
+    """Arrivals, depths, the SLO and the knee search."""
     p.add_argument("--arrival", type=Arrival, choices=list(Arrival), default=Arrival.POISSON)
     p.add_argument("--cv", type=float, default=2.0, help="gamma arrivals: coefficient of variation of the gaps")
     p.add_argument("--depth-mean", type=float, default=None, help="replayed depth mean (default: mid-range)")
@@ -170,6 +123,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--repeats", type=int, default=1, help="run the whole sweep this many times (every mode each time): medians"
     )
+
+
+def _engine_options(p: argparse.ArgumentParser) -> None:
+    """The engine each mode runs, and the driver's sampling and deadline."""
     p.add_argument("--max-num-seqs", type=int, default=32, help="resident requests: the width of the loop batch")
     p.add_argument("--num-kv-blocks", type=int, default=2048)
     p.add_argument("--kv-policy", default="single")
@@ -200,6 +157,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--request-timeout", type=float, default=600.0, help="deployment, --base-url: deadline of each call (s)"
     )
+
+
+def _remote_options(p: argparse.ArgumentParser) -> None:
+    """A server this command did not start, and how to talk to it."""
     remote = p.add_argument_group("against a running server (--base-url)")
     remote.add_argument(
         "--base-url",
@@ -222,6 +183,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=True,
         help="ask for exactly max_tokens tokens (off for servers that refuse the field)",
     )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="cdb bench serve", description=__doc__.split("\n\n")[0] if __doc__ else "")
+    _request_options(p)
+    _sweep_options(p)
+    _engine_options(p)
+    _remote_options(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--quick", action="store_true", help="a tiny run for CI: " + ", ".join(f"{k}={v}" for k, v in QUICK.items())
@@ -239,7 +208,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = build_parser()
     remote = parser.parse_args(argv).base_url is not None
     quick = {k: v for k, v in QUICK.items() if k in REMOTE_QUICK} if remote else QUICK
-    converters = {"rates": positive_floats, "modes": _modes, "percentiles": percentile_list}
+    converters = {"rates": positive_floats, "modes": modes, "percentiles": percentile_list}
     args = parse_with_quick(parser, argv, quick, converters)
     if args.requests < 1 or args.scale <= 0 or args.bisect < 0 or args.cv <= 0 or args.latency_bound <= 0:
         parser.error("--requests >= 1, --scale > 0, --bisect >= 0, --cv > 0 and --latency-bound > 0 are required")
@@ -259,99 +228,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             "step reads the previous token's final KV, so nothing can start early"
         )
     return args
-
-
-def engine_config(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(
-        model=args.model,
-        dtype=args.dtype,
-        device=args.device,
-        max_num_seqs=args.max_num_seqs,
-        num_kv_blocks=args.num_kv_blocks,
-        kv_policy=args.kv_policy,
-        min_head_batch_size=args.min_head,
-        num_threads=args.threads,
-        fuse_refill_embed=args.fuse_refill_embed,
-        allow_replay_depths=True,
-        synthetic_cost=args.synthetic_cost,
-        synthetic_depths=args.synthetic_depths,
-    )
-
-
-def workload(args: argparse.Namespace, probe: Engine) -> tuple[RequestSet, tuple[float, int, int] | None]:
-    """The seeded request set the options describe, and its replayed-depth distribution (None: live)."""
-    depth = None
-    if not args.live:
-        hi = args.depth_max or probe.limits.max_depth
-        mean = args.depth_mean if args.depth_mean is not None else (args.depth_min + hi) / 2
-        depth = (mean, args.depth_min, hi)
-    if args.dataset_path:
-        prompts, _ = load_prompts(
-            args.dataset_path,
-            args.requests,
-            tokenizer=probe.tokenizer,
-            output_len=args.output_len,
-            max_input=probe.limits.max_input_tokens,
-            max_total=probe.limits.max_total_tokens,
-            seed=args.seed,
-        )
-        tuples = [p.as_tuple() for p in prompts]
-        return requests_from(tuples, depth=depth, arrival=args.arrival, cv=args.cv, seed=args.seed), depth
-    reqs = make_requests(
-        DATASETS[args.dataset],
-        args.requests,
-        vocab=probe.model_config.vocab_size,
-        scale=args.scale,
-        max_input=probe.limits.max_input_tokens,
-        max_total=probe.limits.max_total_tokens,
-        depth=depth,
-        arrival=args.arrival,
-        cv=args.cv,
-        seed=args.seed,
-    )
-    return reqs, depth
-
-
-def header(args: argparse.Namespace, probe: Engine, reqs: RequestSet, depth: tuple[float, int, int] | None) -> dict:
-    """The ``config``, ``model`` and ``workload`` parts of the result."""
-    fit = DATASETS[args.dataset]
-    f0, fr = probe.model_config.param_counts()
-    n = len(reqs.requests)
-    skip = {"quick", "json", "out", "no_progress", "api_key"}
-    config = {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(args).items() if k not in skip}
-    config |= {"slo_ttft_s": args.slo_ttft, "slo_tpot_s": args.slo_tpot, "latency_bound_s": args.latency_bound}
-    config |= {"quick": args.quick, "arrival": str(args.arrival)}
-    return {
-        "config": config,
-        "model": {
-            "name": args.model,
-            "arch": probe.model_config.arch,
-            "max_depth": probe.limits.max_depth,
-            "vocab_size": probe.model_config.vocab_size,
-            "max_input_tokens": probe.limits.max_input_tokens,
-            "max_total_tokens": probe.limits.max_total_tokens,
-            "F0_over_Fr": f0 / fr,
-        },
-        "workload": {
-            "dataset": "file" if args.dataset_path else args.dataset,
-            "dataset_path": args.dataset_path,
-            "fit": None
-            if args.dataset_path
-            else {"source": fit.source, "prompt": _fit(fit.prompt), "output": _fit(fit.output)},
-            "scale": args.scale,
-            "requests": n,
-            "mean_prompt_tokens": sum(r.prompt_len for r in reqs.requests) / n,
-            "mean_output_tokens": reqs.output_tokens / n,
-            "arrival": str(args.arrival),
-            "cv": args.cv if args.arrival is Arrival.GAMMA else 1.0,
-            "seed": args.seed,
-            "depth": None if depth is None else {"mean": depth[0], "min": depth[1], "max": depth[2]},
-        },
-    }
-
-
-def _fit(f: Any) -> dict[str, float]:
-    return {"mu": f.mu, "sigma": f.sigma, "lo": f.lo, "hi": f.hi, "target_mean": f.target_mean}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,10 +15,11 @@ own lag (send time - scheduled time) is reported beside the figures to show it s
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from cdb_bench.stats import percentile
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,16 +86,6 @@ def request_times(rec: RequestRecord) -> RequestTimes:
     itl = tuple(b - a for a, b in zip(rec.token_s, rec.token_s[1:]))
     tpot = (e2e - ttft) / (n - 1) if n > 1 else None
     return RequestTimes(ttft, tpot, itl, e2e, e2e / n, n)
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """The ``q``-th percentile (0..100), linear interpolation between order statistics."""
-    if not values:
-        raise ValueError("percentile of no values")
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q / 100.0
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
 def describe(values: Sequence[float]) -> dict[str, float | None]:

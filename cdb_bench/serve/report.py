@@ -34,11 +34,11 @@ from __future__ import annotations
 
 import copy
 import json
-import statistics
 from pathlib import Path
 from typing import Any
 
 from cdb_bench.serve.sweep import ItlLists
+from cdb_bench.stats import median_min_max
 
 
 def _ms(x: float | None) -> str:
@@ -251,7 +251,7 @@ def _series(s: dict[str, Any], mode: str, key: str, stat: str) -> list[tuple[flo
             if r["rate"] == rate and r[key][stat] is not None
         ]
         if xs:
-            out.append((rate, statistics.median(xs), min(xs), max(xs)))
+            out.append((rate, *median_min_max(xs)))
     return out
 
 

@@ -16,7 +16,6 @@ at each swept rate and their median; the knees, knee ratios and cuts of every re
 from __future__ import annotations
 
 import asyncio
-import statistics
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -36,6 +35,7 @@ from cdb_bench.serve.metrics import (
 from cdb_bench.serve.requests import RequestSet, ServeRequest, warmup_requests
 from cdb_bench.serve.targets import Target, open_target
 from cdb_bench.serve.vllm_fields import run_figures
+from cdb_bench.stats import median, median_range
 from cdb_engine.config import EngineConfig, Speculative
 from cdb_engine.setup import torch_dtype
 from cdb_model.loader import load_model
@@ -176,11 +176,6 @@ def run_sweep(base: EngineConfig, reqs: RequestSet, sc: SweepConfig) -> tuple[di
     return out, first_itls
 
 
-def _median(xs: Sequence[float | None]) -> float | None:
-    known = [x for x in xs if x is not None]
-    return statistics.median(known) if known else None
-
-
 def _nl_at(figures: dict[str, Any], mode: str, rate: float) -> float | None:
     run = next((r for r in figures["modes"][mode]["runs"] if r["rate"] == rate), None)
     return None if run is None else mean_nl(run)
@@ -194,13 +189,7 @@ def across_repeats(every: Sequence[dict[str, Any]], rates: Sequence[float]) -> d
         nl[m] = {}
         for rate in rates:
             xs = [_nl_at(f, m, rate) for f in every]
-            known = [x for x in xs if x is not None]
-            nl[m][str(rate)] = {
-                "per_repeat": xs,
-                "median": _median(xs),
-                "min": min(known, default=None),
-                "max": max(known, default=None),
-            }
+            nl[m][str(rate)] = {"per_repeat": xs, **median_range(xs)}
     ratios: dict[str, Any] = {}
     if "cdb" in modes:
         for other in (m for m in modes if m != "cdb"):
@@ -210,7 +199,7 @@ def across_repeats(every: Sequence[dict[str, Any]], rates: Sequence[float]) -> d
                 for f in every:
                     a, b = _nl_at(f, "cdb", rate), _nl_at(f, other, rate)
                     per.append(a / b if a is not None and b else None)
-                ratios[other][str(rate)] = {"per_repeat": per, "median": _median(per)}
+                ratios[other][str(rate)] = {"per_repeat": per, "median": median(per)}
     knees = {m: [f["knees"].get(m) for f in every] for m in modes}
     ratio = [f["knee_ratio_cdb_over_full_depth"] for f in every]
     cuts = [None if f["cut_at_full_depth_knee"] is None else f["cut_at_full_depth_knee"]["cdb"] for f in every]
@@ -219,9 +208,9 @@ def across_repeats(every: Sequence[dict[str, Any]], rates: Sequence[float]) -> d
         "repeats": len(every),
         "mean_normalized_latency_s": nl,
         "cdb_nl_over": ratios,  # per swept rate: NL_cdb / NL_other per repeat, and the median
-        "knees": {m: {"per_repeat": ks, "median": _median(ks)} for m, ks in knees.items()},
-        "knee_ratio_cdb_over_full_depth": {"per_repeat": ratio, "median": _median(ratio)},
-        "cut_at_full_depth_knee": {"per_repeat": cuts, "rates": cut_rates, "median": _median(cuts)},
+        "knees": {m: {"per_repeat": ks, "median": median(ks)} for m, ks in knees.items()},
+        "knee_ratio_cdb_over_full_depth": {"per_repeat": ratio, "median": median(ratio)},
+        "cut_at_full_depth_knee": {"per_repeat": cuts, "rates": cut_rates, "median": median(cuts)},
     }
 
 

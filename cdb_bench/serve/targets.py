@@ -17,7 +17,6 @@ replayed depths when it carries them (full-depth mode serves every token at max 
 from __future__ import annotations
 
 import os
-import socket
 import urllib.request
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
@@ -26,6 +25,7 @@ from typing import Protocol
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from cdb_bench.processes import free_address, with_rpc_cap
 from cdb_bench.serve.driver import Connection
 from cdb_bench.serve.metrics import OpCounters
 from cdb_bench.serve.requests import ServeRequest
@@ -163,13 +163,6 @@ def parse_counters(text: str) -> OpCounters:
     return OpCounters(ops, compute, int(loop_ops), int(loop_tokens), loop_decode)
 
 
-def _free_port() -> int:
-    """A loopback port free now (the scheduler binds it a moment later; nothing else here competes for it)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextmanager
 def open_target(
     kind: str, cfg: EngineConfig, *, model: LoopedLM | None, max_live: int, timeout: float = 600.0
@@ -186,8 +179,7 @@ def open_target(
         return
     if kind != "deployment":
         raise ValueError(f"target must be one of {', '.join(TARGETS)}; got {kind!r}")
-    env = dict(os.environ)
-    env["CDB_MAX_CONCURRENT_RPCS"] = str(max(int(env.get("CDB_MAX_CONCURRENT_RPCS", "1024")), max_live + 64))
-    metrics = f"127.0.0.1:{_free_port()}"
+    env = with_rpc_cap(os.environ, max_live)
+    metrics = free_address()
     with serve_all(cfg, "127.0.0.1:0", env=env, metrics_listen=metrics) as tree:
         yield DeploymentTarget(tree.address, timeout, metrics)

@@ -23,7 +23,8 @@ import math
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from cdb_bench.serve.metrics import RequestRecord, Slo, peak_in_flight, percentile, queue_summary, summarize_run
+from cdb_bench.serve.metrics import RequestRecord, Slo, peak_in_flight, queue_summary, summarize_run
+from cdb_bench.stats import percentile
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
 

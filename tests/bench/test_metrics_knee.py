@@ -11,11 +11,11 @@ from cdb_bench.serve.metrics import (
     Slo,
     describe,
     lag_stats,
-    percentile,
     queue_summary,
     request_times,
     summarize_run,
 )
+from cdb_bench.stats import percentile
 
 
 def _rec(i: int, arrival: float, tokens: list[float], sent_lag: float = 0.0, error: str | None = None) -> RequestRecord:
