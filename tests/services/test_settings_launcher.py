@@ -29,7 +29,7 @@ def test_settings_defaults_and_overrides() -> None:
 
 
 def test_metrics_address_setting() -> None:
-    from services.telemetry.metrics import metrics_address_from_env
+    from services.telemetry.metrics_endpoint import metrics_address_from_env
 
     assert load_settings({}).metrics_addr == "" and metrics_address_from_env({"CDB_STAGE_THREADS": "x"}) is None
     assert load_settings({"CDB_METRICS_ADDR": " 0.0.0.0:9464 "}).metrics_addr == "0.0.0.0:9464"
