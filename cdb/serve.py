@@ -17,7 +17,7 @@ from cdb.processes import (
 from cdb_engine.options import add_engine_args
 from cdb_engine.preflight import ConfigError, check_config
 from cdb_model.loader import DEFAULT_MODEL
-from clients.common import StreamToken
+from clients.messages import StreamToken
 from clients.sync_client import Client
 from services.launcher import serve_all, serve_forever
 from services.net import ListenError, check_can_listen

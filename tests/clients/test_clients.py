@@ -11,7 +11,7 @@ import pytest
 
 from clients.async_client import AsyncClient
 from clients.cli import generate_main
-from clients.common import StreamFinish, StreamToken
+from clients.messages import StreamFinish, StreamToken
 from clients.sync_client import Client
 from services.launcher import ServeHandle
 from tests.services.tree import SHARED_CONFIG, SharedTree

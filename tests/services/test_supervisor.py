@@ -23,7 +23,7 @@ import pytest
 
 from cdb_engine.config import EngineConfig
 from cdb_scheduler.plan import Stage
-from clients.common import GenerateOptions
+from clients.messages import GenerateOptions
 from clients.sync_client import Client
 from services.launcher import RestartPolicy, ServeHandle, wait_for_end
 from services.net import wait_ready_file

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 import grpc
 
 from cdb_engine.config import EngineConfig
-from clients.common import RESUME_ATTEMPTS, GenerateOptions, StreamFinish, StreamToken
+from clients.messages import GenerateOptions, StreamFinish, StreamToken
+from clients.resume import RESUME_ATTEMPTS
 from clients.sync_client import Client
 from services.launcher import ServeHandle, serve_all
 from services.telemetry.otlp_receiver import OtlpReceiver
