@@ -17,16 +17,10 @@ from cdb_engine.options import add_engine_args
 from cdb_scheduler.plan import Stage
 from services.launcher import die_with_parent, pin_cpus
 from services.net import ListenError, is_host_port, parse_stage_addrs
-from services.settings import (
-    LOG_LEVELS,
-    Configuration,
-    Resolved,
-    Settings,
-    SettingsError,
-    handed_configuration,
-    load_configuration,
-    served_names,
-)
+from services.settings.checks import LOG_LEVELS, SettingsError, served_names
+from services.settings.knobs import Settings
+from services.settings.resolved import Resolved
+from services.settings.source import Configuration, handed_configuration, load_configuration
 from services.telemetry.logs import configure_logging
 from services.version import server_version
 

@@ -22,7 +22,7 @@ from clients.sync_client import Client
 from services.launcher import serve_all, serve_forever
 from services.net import ListenError, check_can_listen
 from services.scheduler.security import PortSecurity, read_api_keys
-from services.settings import Configuration
+from services.settings.source import Configuration
 from services.telemetry.logs import configure_logging
 
 

@@ -63,7 +63,10 @@ from cdb_engine.limits import describe, resolve_limits
 from cdb_model.loader import load_config
 from cdb_scheduler.plan import Stage
 from services.net import wait_ready_file
-from services.settings import Resolved, Settings, cpu_map, load_settings
+from services.settings.checks import cpu_map
+from services.settings.knobs import Settings
+from services.settings.resolved import Resolved
+from services.settings.source import load_settings
 from services.stage_secret import create_secret_file
 from services.transport.segments import sweep_stale_segments
 

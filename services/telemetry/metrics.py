@@ -32,7 +32,7 @@ from services.telemetry.metrics_endpoint import MetricsServer as MetricsServer  
 from services.telemetry.metrics_endpoint import serve_metrics as serve_metrics
 
 if TYPE_CHECKING:  # services.settings imports the engine's config (torch): only where settings are read
-    from services.settings import Settings
+    from services.settings.knobs import Settings
 
 log = logging.getLogger(__name__)
 CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4  # what ``render`` returns: "text/plain; version=0.0.4; charset=utf-8"
@@ -70,7 +70,7 @@ class Metrics(MetricSeries):
     @classmethod
     def from_settings(cls, model: str, max_depth: int, settings: Settings) -> Metrics:
         """The metrics of a scheduler serving ``model``, with the latency buckets ``settings`` give."""
-        from services.settings import parse_buckets
+        from services.settings.checks import parse_buckets
 
         return cls(
             model,

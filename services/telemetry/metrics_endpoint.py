@@ -69,7 +69,7 @@ def serve_metrics(metrics: Metrics, address: str) -> MetricsServer:
 def metrics_address_from_env(environ: Mapping[str, str] | None = None) -> str | None:
     """``CDB_METRICS_ADDR`` (e.g. ``0.0.0.0:9464``) as read by ``services.settings``; None when unset or empty (no
     endpoint). Raises ``SettingsError`` when it is not ``HOST:PORT``."""
-    from services.settings import load_settings
+    from services.settings.source import load_settings
 
     env = os.environ if environ is None else environ
     return load_settings({k: v for k, v in env.items() if k == "CDB_METRICS_ADDR"}).metrics_addr or None

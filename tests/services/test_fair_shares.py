@@ -16,7 +16,7 @@ from cdb_engine.engine import Engine
 from clients.messages import StreamFinish, StreamToken
 from clients.sync_client import Client
 from services.scheduler.shares import grpc_peer_host, host_key, share_scope
-from services.settings import Settings
+from services.settings.knobs import Settings
 from tests.http.harness import wait_until
 from tests.services.public_port import PublicServer, public_server, tiny_engine
 

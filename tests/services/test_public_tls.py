@@ -26,7 +26,7 @@ from clients.messages import StreamFinish
 from clients.sync_client import Client
 from services.net import wait_ready_file
 from services.scheduler.security import PortSecurity, SecurityConfigError
-from services.settings import Settings
+from services.settings.knobs import Settings
 from tests.services.certs import CertificateAuthority, Pem
 from tests.services.public_port import PublicServer, public_server, tiny_engine
 

@@ -17,7 +17,10 @@ import pytest
 from cdb_engine.config import EngineConfig
 from cdb_scheduler.plan import Stage
 from services.net import parse_stage_addrs, wait_ready_file, write_ready_file
-from services.settings import Resolved, Settings, SettingsError, load_settings
+from services.settings.checks import SettingsError
+from services.settings.knobs import Settings
+from services.settings.resolved import Resolved
+from services.settings.source import load_settings
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -143,7 +146,7 @@ def _alive(pid: int) -> bool:
 
 
 def test_cpu_pinning_setting_parses_and_names_bad_parts() -> None:
-    from services.settings import cpu_map
+    from services.settings.checks import cpu_map
 
     assert cpu_map("loop:1, head:0+1,scheduler:0") == {"loop": {1}, "head": {0, 1}, "scheduler": {0}}
     assert load_settings({"CDB_CPUS": "prelude:0"}).cpus == "prelude:0"

@@ -27,7 +27,7 @@ from clients.messages import GenerateOptions
 from clients.sync_client import Client
 from services.launcher import RestartPolicy, ServeHandle, wait_for_end
 from services.net import wait_ready_file
-from services.settings import Settings
+from services.settings.knobs import Settings
 from services.transport.segments import SHM_DIR
 from tests.services.tree import StreamRun, process_tree
 
