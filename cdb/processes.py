@@ -15,7 +15,7 @@ from cdb_engine.config import EngineConfig
 from cdb_engine.config_source import ENGINE_FIELDS
 from cdb_engine.options import add_engine_args
 from cdb_scheduler.plan import Stage
-from services.launcher import die_with_parent, pin_cpus
+from services.launcher.child import die_with_parent, pin_cpus
 from services.net import ListenError, is_host_port, parse_stage_addrs
 from services.settings.checks import LOG_LEVELS, SettingsError, served_names
 from services.settings.knobs import Settings

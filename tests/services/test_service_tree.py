@@ -20,7 +20,7 @@ from cdb_scheduler.plan import SamplingParams
 from clients.async_client import AsyncClient
 from clients.messages import GenerateOptions, StreamFinish, StreamToken
 from clients.sync_client import Client
-from services.launcher import ServeHandle
+from services.launcher.supervisor import ServeHandle
 from tests.services.tree import IDLE, SHARED_CONFIG, SharedTree, StreamRun, wait_idle
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]

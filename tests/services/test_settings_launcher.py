@@ -120,7 +120,7 @@ def test_children_die_with_a_killed_launcher(tmp_path: Path) -> None:
     script = (
         "import sys, time\n"
         "from cdb_engine.config import EngineConfig\n"
-        "from services.launcher import serve_all\n"
+        "from services.launcher.tree import serve_all\n"
         "h = serve_all(EngineConfig(model='ouro-tiny'), '127.0.0.1:0')\n"
         "print(' '.join(str(p.pid) for p in h.processes()), flush=True)\n"
         "time.sleep(600)\n"

@@ -16,7 +16,8 @@ from cdb_engine.config import EngineConfig
 from clients.messages import GenerateOptions, StreamFinish, StreamToken
 from clients.resume import RESUME_ATTEMPTS
 from clients.sync_client import Client
-from services.launcher import ServeHandle, serve_all
+from services.launcher.supervisor import ServeHandle
+from services.launcher.tree import serve_all
 from services.telemetry.otlp_receiver import OtlpReceiver
 
 # Faster readiness transitions than production defaults, so failures show up quickly in tests; and no HTTP API
