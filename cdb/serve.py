@@ -5,15 +5,15 @@ from __future__ import annotations
 import argparse
 import sys
 
-from cdb.processes import (
+from cdb.arguments import (
     add_chat_template_arg,
     add_config_arg,
     add_log_args,
     add_public_port_args,
     add_served_name_arg,
     new_parser,
-    parse_command,
 )
+from cdb.resolution import parse_command
 from cdb_engine.options import add_engine_args
 from cdb_engine.preflight import ConfigError, check_config
 from cdb_model.loader import DEFAULT_MODEL
