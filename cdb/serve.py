@@ -5,24 +5,25 @@ from __future__ import annotations
 import argparse
 import sys
 
-from cdb.processes import (
+from cdb.arguments import (
     add_chat_template_arg,
     add_config_arg,
     add_log_args,
     add_public_port_args,
     add_served_name_arg,
     new_parser,
-    parse_command,
 )
+from cdb.resolution import parse_command
 from cdb_engine.options import add_engine_args
 from cdb_engine.preflight import ConfigError, check_config
 from cdb_model.loader import DEFAULT_MODEL
-from clients.common import StreamToken
+from clients.messages import StreamToken
 from clients.sync_client import Client
-from services.launcher import serve_all, serve_forever
+from services.launcher.foreground import serve_forever
+from services.launcher.tree import serve_all
 from services.net import ListenError, check_can_listen
 from services.scheduler.security import PortSecurity, read_api_keys
-from services.settings import Configuration
+from services.settings.source import Configuration
 from services.telemetry.logs import configure_logging
 
 

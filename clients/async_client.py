@@ -20,19 +20,17 @@ from grpc_health.v1 import health_pb2
 from typing_extensions import Unpack
 
 from cdb_api.v1 import generation_pb2 as pb
-from clients.common import (
-    RESUME_ATTEMPTS,
-    ClientBase,
+from clients.base import ClientBase, Metadata
+from clients.messages import (
     GenerateOptions,
     GenerateResult,
-    Metadata,
-    Resumption,
     ServerInfo,
     StreamFinish,
     StreamToken,
     build_request,
     stream_items,
 )
+from clients.resume import RESUME_ATTEMPTS, Resumption
 
 
 class AsyncClient(ClientBase):

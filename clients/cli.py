@@ -30,15 +30,8 @@ from typing import TextIO
 import grpc
 
 from clients.balancing import LbPolicy, RetryPolicy, channel_target
-from clients.common import (
-    DEFAULT_RETRY,
-    GenerateOptions,
-    StreamFinish,
-    StreamToken,
-    TlsOptions,
-    api_key_metadata,
-    read_api_key_file,
-)
+from clients.channel import DEFAULT_RETRY, TlsOptions, api_key_metadata, read_api_key_file
+from clients.messages import GenerateOptions, StreamFinish, StreamToken
 from clients.sync_client import Client
 
 API_KEY_ENV = "CDB_API_KEY"

@@ -5,7 +5,7 @@
             print(item.text if item.is_token else item.finish_reason)
 
 Leaving a ``stream`` loop early cancels the call, which aborts the request on the server. A secured server:
-``Client(address, tls=TlsOptions.from_files(ca="ca.crt"), api_key=KEY)`` (see ``clients.common``).
+``Client(address, tls=TlsOptions.from_files(ca="ca.crt"), api_key=KEY)`` (see ``clients.channel``).
 
 Several replicas: ``Client(["10.0.0.5:50051", "10.0.0.6:50051"])``, ``Client("10.0.0.5:50051,10.0.0.6:50051")``
 or ``Client("dns:///cdb-headless.cdb.svc.cluster.local:50051")``: each call goes to the next replica
@@ -25,26 +25,24 @@ from grpc_health.v1 import health_pb2
 from typing_extensions import Unpack
 
 from cdb_api.v1 import generation_pb2 as pb
-from clients.common import (
-    RESUME_ATTEMPTS,
-    ClientBase,
+from clients.base import ClientBase, Metadata
+from clients.messages import (
     GenerateOptions,
     GenerateResult,
-    Metadata,
-    Resumption,
     ServerInfo,
     StreamFinish,
     StreamToken,
     build_request,
     stream_items,
 )
+from clients.resume import RESUME_ATTEMPTS, Resumption
 
 
 class Client(ClientBase):
     """A channel to one server or several replicas. ``timeout`` is the default deadline of each call, all its
     attempts included (None: no deadline); ``tls``: TLS (and mTLS) options, else plaintext; ``api_key``: sent as
     ``authorization: Bearer KEY`` on every call; ``lb_policy`` (``round_robin`` or ``pick_first``), ``retry``
-    (None: no retries) and ``options`` (more channel arguments): see ``clients.common.open_channel``."""
+    (None: no retries) and ``options`` (more channel arguments): see ``clients.channel.open_channel``."""
 
     channel: grpc.Channel
 

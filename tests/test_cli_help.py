@@ -14,7 +14,9 @@ import services.settings
 from cdb.processes import STAGE_ENGINE_FIELDS, scheduler_parser, stage_parser
 from cdb.serve import demo_parser, serve_parser
 from cdb_engine.options import FIELDS, field_help, field_kind
-from services.settings import Settings, load_configuration, variables_table
+from services.settings.knobs import Settings
+from services.settings.source import load_configuration
+from services.settings.table import variables_table
 
 pytestmark = pytest.mark.timeout(30)
 BUILDERS = {"serve": serve_parser, "scheduler": scheduler_parser, "stage": stage_parser, "demo": demo_parser}

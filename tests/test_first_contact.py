@@ -17,7 +17,8 @@ import pytest
 from cdb import cli, processes, serve
 from cdb.model_source import ModelNotFoundError, hub_cache, resolve_model
 from cdb.processes import scheduler_parser
-from services.settings import SettingsError, load_configuration
+from services.settings.checks import SettingsError
+from services.settings.source import load_configuration
 
 pytestmark = pytest.mark.timeout(60)
 

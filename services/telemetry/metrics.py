@@ -1,191 +1,41 @@
 """Serving metrics, kept and exposed by ``prometheus_client``.
 
-``Metrics`` is the typed API the scheduler server and the engine call (see each method for when). Each ``Metrics``
-owns a ``CollectorRegistry`` (never the library's global one, so that several engines in one process do not clash)
-holding the cdb metrics and the library's process, platform and GC collectors (``process_*``, ``python_info``,
-``python_gc_*``). ``exposition(accept)`` encodes them in the format the scrape's ``Accept`` header asks for
-(``prometheus_client.exposition.choose_encoder``: OpenMetrics 1.0.0 on ``application/openmetrics-text``, else the
-Prometheus text format 0.0.4); ``render()`` is the text format. ``serve_metrics`` answers ``GET /metrics`` from a
-daemon thread with the library's WSGI app (format negotiation, gzip, ``?name[]=`` filters).
+``Metrics`` is the typed API the scheduler server and the engine call (see each method for when), over the series
+``services.telemetry.metric_series`` declares. It is a ``prometheus_client`` collector itself: ``exposition(accept)``
+encodes its registry (the cdb series and the library's ``process_*``, ``python_info``, ``python_gc_*``) in the
+format the scrape's ``Accept`` header asks for (``prometheus_client.exposition.choose_encoder``: OpenMetrics 1.0.0
+on ``application/openmetrics-text``, else the Prometheus text format 0.0.4); ``render()`` is the text format.
+``services.telemetry.metrics_endpoint`` answers ``GET /metrics``.
 
-Names follow Prometheus conventions (base units: seconds; ``_total`` for counters). Counters and histograms also
-carry the library's ``_created`` series; ``le`` bucket labels are written as floats (``le="2.0"``). The request
-series (latencies, per-request token counts, finished and rejected requests) carry a ``model_name`` label, the
-served model, as vLLM's do: a dashboard or a gateway over several deployments tells them apart; ``Metrics`` fills
-it in (callers pass only the other labels). Latency buckets reach 2 h for TTFT, end-to-end and queue time (a long
-answer on a GPU, or a deep queue, takes minutes), 60 s for the per-token ones; ``CDB_REQUEST_LATENCY_BUCKETS`` and
+Counters and histograms also carry the library's ``_created`` series; ``le`` bucket labels are written as floats
+(``le="2.0"``). Latency buckets reach 2 h for TTFT, end-to-end and queue time (a long answer on a GPU, or a deep
+queue, takes minutes), 60 s for the per-token ones; ``CDB_REQUEST_LATENCY_BUCKETS`` and
 ``CDB_TOKEN_LATENCY_BUCKETS`` replace them (``Metrics.from_settings``).
 
 Cost per call (best of ``timeit`` repeats, Python 3.11 on a shared 2-vCPU box): a histogram observation ≈0.65 µs,
 a labelled counter increment ≈0.33 µs; the hand-written exposition this replaced took ≈0.36 / ≈0.28 µs. That is
-≈2 µs per generated token and ≈1.5 µs per stage op, far below a loop step, so metrics stay always on. Label
-children are cached here: ``prometheus_client``'s own ``labels()`` lookup would add ≈0.6 µs per call.
+≈2 µs per generated token and ≈1.5 µs per stage op, far below a loop step, so metrics stay always on.
 """
 
 from __future__ import annotations
 
-import bisect
-import collections
 import logging
-import os
-import threading
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from socketserver import ThreadingMixIn
-from typing import TYPE_CHECKING, Any
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING
 
-import prometheus_client as prom
-from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, choose_encoder, generate_latest, make_wsgi_app
-from prometheus_client.metrics_core import GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, choose_encoder, generate_latest
+from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
+from services.telemetry.metric_series import MetricSeries
+from services.telemetry.metrics_endpoint import MetricsServer as MetricsServer  # (re-exported for its importers)
+from services.telemetry.metrics_endpoint import serve_metrics as serve_metrics
+
 if TYPE_CHECKING:  # services.settings imports the engine's config (torch): only where settings are read
-    from services.settings import Settings
+    from services.settings.knobs import Settings
 
 log = logging.getLogger(__name__)
 CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4  # what ``render`` returns: "text/plain; version=0.0.4; charset=utf-8"
-# Latency buckets (s): 1 ms to 60 s, dense where tiny models on CPU and GPUs live (inter-token, per output token).
-LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 10, 30, 60)
-# Per request (TTFT, end-to-end, queue): on to 2 h, as thousands of tokens on a loaded GPU take minutes.
-REQUEST_LATENCY_BUCKETS = (*LATENCY_BUCKETS, 120, 300, 600, 1200, 1800, 3600, 7200)
-# Tokens per request (prompt, generated): 1-2-5 steps to 200k.
-TOKEN_COUNT_BUCKETS = tuple(m * 10**e for e in range(6) for m in (1, 2, 5))
-MODEL_LABEL = "model_name"
-COMPUTE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1)
-OCCUPANCY_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
-STAGES = ("prelude", "loop", "head")
-
-
-class _Family:
-    """One ``prometheus_client`` metric, label values passed positionally, children cached per label tuple.
-
-    ``fixed``: the values of the last label names, the same for every series (the served model), appended to the
-    labels callers pass."""
-
-    def __init__(self, metric: Any, name: str, label_names: Sequence[str], fixed: Sequence[str] = ()) -> None:
-        self.metric, self.name, self.label_names, self.fixed = metric, name, tuple(label_names), tuple(fixed)
-        self._children: dict[tuple[str, ...], Any] = {} if label_names else {(): metric}
-
-    def child(self, labels: tuple[str, ...]) -> Any:
-        """The series of ``labels`` (``labels()`` raises ValueError naming the label names on a wrong count)."""
-        found = self._children.get(labels)
-        if found is None:  # labels() is thread-safe and returns one child per tuple: a race stores the same one
-            found = self._children.setdefault(labels, self.metric.labels(*labels, *self.fixed))
-        return found
-
-    def _sample(self, sample_name: str, labels: tuple[str, ...]) -> float:
-        """The current value of one sample (reads and tests; not for the hot path)."""
-        want = dict(zip(self.label_names, (*labels, *self.fixed)))
-        for family in self.metric.collect():
-            for s in family.samples:
-                if s.name == sample_name and s.labels == want:
-                    return float(s.value)
-        return 0.0
-
-
-class Counter(_Family):
-    """Monotonic count, per label values. ``name`` ends in ``_total``, as exposed."""
-
-    def __init__(
-        self,
-        name: str,
-        help_: str,
-        label_names: Sequence[str] = (),
-        *,
-        registry: prom.CollectorRegistry,
-        fixed: Sequence[str] = (),
-    ) -> None:
-        if not name.endswith("_total"):
-            raise ValueError(f"counter names end in _total: {name!r}")
-        super().__init__(prom.Counter(name, help_, label_names, registry=registry), name, label_names, fixed)
-
-    def inc(self, amount: float = 1.0, *labels: str) -> None:
-        self.child(labels).inc(amount)
-
-    def value(self, *labels: str) -> float:
-        return self._sample(self.name, labels)
-
-
-class Gauge(_Family):
-    """Value that goes up and down (``set``), per label values."""
-
-    def __init__(
-        self, name: str, help_: str, label_names: Sequence[str] = (), *, registry: prom.CollectorRegistry
-    ) -> None:
-        super().__init__(prom.Gauge(name, help_, label_names, registry=registry), name, label_names)
-
-    def set(self, value: float, *labels: str) -> None:
-        self.child(labels).set(value)
-
-    def remove(self, *labels: str) -> None:
-        """Drop the series of ``labels`` (no-op when it does not exist)."""
-        if self._children.pop(labels, None) is not None:
-            self.metric.remove(*labels)
-
-    def value(self, *labels: str) -> float:
-        return self._sample(self.name, labels)
-
-
-class OptionalGauge:
-    """An unlabelled gauge exported only once ``set`` (where a 0 before then would read as a real value)."""
-
-    def __init__(self, name: str, help_: str, *, registry: prom.CollectorRegistry) -> None:
-        self.name, self.help = name, help_
-        self._value: float | None = None
-        registry.register(self)
-
-    def set(self, value: float) -> None:
-        self._value = float(value)
-
-    def value(self) -> float | None:
-        return self._value
-
-    def describe(self) -> list[Metric]:
-        return [GaugeMetricFamily(self.name, self.help)]
-
-    def collect(self) -> list[Metric]:
-        value = self._value
-        return [] if value is None else [GaugeMetricFamily(self.name, self.help, value=value)]
-
-
-class Histogram(_Family):
-    """Cumulative-bucket histogram (upper bounds inclusive, Prometheus' ``le``), per label values."""
-
-    def __init__(
-        self,
-        name: str,
-        help_: str,
-        buckets: Iterable[float],
-        label_names: Sequence[str] = (),
-        *,
-        registry: prom.CollectorRegistry,
-        fixed: Sequence[str] = (),
-    ) -> None:
-        self.bounds = tuple(sorted(float(b) for b in buckets))
-        metric = prom.Histogram(name, help_, label_names, registry=registry, buckets=self.bounds)
-        super().__init__(metric, name, label_names, fixed)
-
-    def observe(self, value: float, *labels: str) -> None:
-        self.child(labels).observe(value)
-
-    def observe_many(self, values: Sequence[float], *labels: str) -> None:
-        """``observe`` of every value, one bucket update per bucket hit (a front end's batch of observations; the
-        sum is added once, so it may differ from one-by-one addition in the last bits). Reaches into
-        ``prometheus_client``'s histogram child (its bounds, buckets and sum; the version is pinned and
-        ``tests/telemetry/test_bulk_observations.py`` compares this with ``observe``)."""
-        if not values:
-            return
-        child = self.child(labels)
-        bounds = child._upper_bounds
-        for index, n in collections.Counter(bisect.bisect_left(bounds, v) for v in values).items():
-            child._buckets[index].inc(n)
-        child._sum.inc(sum(values))
-
-    def count(self, *labels: str) -> int:
-        return int(self._sample(self.name + "_count", labels))
-
-    def sum(self, *labels: str) -> float:
-        return self._sample(self.name + "_sum", labels)
 
 
 class _Sampled:
@@ -199,12 +49,10 @@ class _Sampled:
         return self._source.collect()
 
 
-class Metrics:
-    """The scheduler's metrics. ``max_depth`` sizes the served-depth histogram (one bucket per depth);
-    ``request_buckets`` (TTFT, end-to-end, queue time) and ``token_buckets`` (inter-token latency, time per output
-    token) replace the default latency buckets.
-
-    A ``prometheus_client`` collector itself (``collect``), over its own ``registry``."""
+class Metrics(MetricSeries):
+    """The scheduler's metrics: ``MetricSeries`` (``max_depth``, ``request_buckets``, ``token_buckets``: see there)
+    fed through the methods below. A ``prometheus_client`` collector itself (``collect``), over its own
+    ``registry``."""
 
     def __init__(
         self,
@@ -214,123 +62,15 @@ class Metrics:
         request_buckets: Sequence[float] = (),
         token_buckets: Sequence[float] = (),
     ) -> None:
-        self.registry = prom.CollectorRegistry()
-        self.model = model
-        r = self.registry
-        per_model: list[_Family] = []  # request series without labels of their own: exported from the start
-
-        def h(name: str, help_: str, buckets: Iterable[float], labels: Sequence[str] = ()) -> Histogram:
-            return Histogram(name, help_, buckets, labels, registry=r)
-
-        def rh(name: str, help_: str, buckets: Iterable[float]) -> Histogram:
-            family = Histogram(name, help_, buckets, (MODEL_LABEL,), registry=r, fixed=(model,))
-            per_model.append(family)
-            return family
-
-        def g(name: str, help_: str, labels: Sequence[str] = ()) -> Gauge:
-            return Gauge(name, help_, labels, registry=r)
-
-        def c(name: str, help_: str, labels: Sequence[str] = ()) -> Counter:
-            return Counter(name, help_, labels, registry=r)
-
-        def rc(name: str, help_: str, labels: Sequence[str]) -> Counter:
-            return Counter(name, help_, (*labels, MODEL_LABEL), registry=r, fixed=(model,))
-
-        request_buckets = tuple(request_buckets) or REQUEST_LATENCY_BUCKETS
-        token_buckets = tuple(token_buckets) or LATENCY_BUCKETS
-        self.ttft = rh("cdb_time_to_first_token_seconds", "Request arrival to first token streamed.", request_buckets)
-        self.itl = rh("cdb_inter_token_latency_seconds", "Gap between consecutive streamed tokens.", token_buckets)
-        self.e2e = rh("cdb_e2e_request_latency_seconds", "Request arrival to its final message.", request_buckets)
-        self.queue = rh(
-            "cdb_request_queue_time_seconds", "Admission to the first stage op serving it.", request_buckets
-        )
-        self.tpot = rh(
-            "cdb_request_time_per_output_token_seconds",
-            "Per request of two tokens or more: first token to last token / (generated tokens - 1).",
-            token_buckets,
-        )
-        self.request_prompt_tokens = rh(
-            "cdb_request_prompt_tokens", "Prompt tokens per finished request.", TOKEN_COUNT_BUCKETS
-        )
-        self.request_generation_tokens = rh(
-            "cdb_request_generation_tokens", "Tokens generated per finished request.", TOKEN_COUNT_BUCKETS
-        )
-        self.waiting = g("cdb_requests_waiting", "Requests admitted but not yet scheduled.")
-        self.running = g("cdb_requests_running", "Requests holding a slot (prefill or decode).")
-        self.occupancy = h(
-            "cdb_loop_batch_occupancy", "Loop batch tokens / loop batch capacity, per op.", OCCUPANCY_BUCKETS
-        )
-        self.batch_size = h("cdb_loop_batch_size", "Tokens per loop-stage op.", (1, 2, 4, 8, 16, 32, 64, 128, 256))
-        self.depth = h("cdb_served_depth", "Loop depth each generated token was served at.", range(1, max_depth + 1))
-        self.mean_depth = g("cdb_served_depth_mean", "Mean loop depth of the tokens generated since start.")
-        self.exit_threshold = g(
-            "cdb_exit_threshold",
-            "The engine's exit threshold q in effect (requests may override it), by exit rule and its source.",
-            ["rule", "source"],
-        )
-        self.refills = c("cdb_refill_events_total", "Loop slots refilled by a waiting token after an exit.")
-        self.spec_drafts = c(
-            "cdb_spec_drafts_total",
-            "Self-speculative decoding: successors started from a draft read at a shallow depth.",
-        )
-        self.spec_verified = rc(
-            "cdb_spec_verified_total",
-            "Drafts verified against the real token, by outcome (accepted: the successor's early work kept).",
-            ["outcome"],
-        )
-        self.spec_wasted = c("cdb_spec_wasted_loop_steps_total", "Loop steps run by speculative work that was dropped.")
-        self.loop_decode_compute = c(
-            "cdb_loop_decode_compute_seconds_total", "The loop stage's own compute in decode ops (not prefill ops)."
-        )
-        self.compute = h("cdb_stage_compute_seconds", "A stage's own compute time per op.", COMPUTE_BUCKETS, ["stage"])
-        self.stages_attached = OptionalGauge(
-            "cdb_stages_attached",
-            "1 while every stage server is attached; 0 during an outage or once given up (absent in-process).",
-            registry=r,
-        )
-        self.recoveries = c("cdb_stage_recoveries_total", "Stage losses recovered from (running requests recomputed).")
-        self.recomputed = c("cdb_recomputed_requests_total", "Requests re-queued for recomputation by recoveries.")
-        self.kv_used = g("cdb_kv_blocks_used", "KV cache blocks held by live requests.")
-        self.kv_total = g("cdb_kv_blocks_total", "KV cache blocks in the pool.")
-        self.kv_usage = g(
-            "cdb_kv_cache_usage_perc", "KV cache usage, 0 to 1: blocks held by live requests / blocks in the pool."
-        )
-        self.preemptions = c(
-            "cdb_num_preemptions_total", "Requests preempted (KV blocks released, recomputed later) to free KV blocks."
-        )
-        self.bank_used = g("cdb_bank_rows_used", "Hidden-state bank rows held by live requests.")
-        self.bank_total = g("cdb_bank_rows_total", "Hidden-state bank rows in total.")
-        self.finished = rc("cdb_requests_finished_total", "Requests ended, by finish reason.", ["finish_reason"])
-        self.rejected = rc("cdb_requests_rejected_total", "Requests refused at admission, by gRPC code.", ["code"])
-        self.prompt_tokens = c("cdb_prompt_tokens_total", "Prompt tokens of admitted requests.")
-        self.generated_tokens = c("cdb_generation_tokens_total", "Tokens generated.")
-        self.loop_steps = c("cdb_loop_steps_total", "Loop-block applications to generated tokens.")
-        self.engine_cpu = c(
-            "cdb_engine_thread_cpu_seconds_total",
-            "CPU of the engine (scheduler) thread by part: plan (schedule, on_result), submit (ops to the stages), "
-            "dispatch (tokens to their requests), other (commands, polling).",
-            ["part"],
-        )
-        self.synthetic = g(
-            "cdb_synthetic_stages",
-            "1 when the stages model device time instead of running the model (its tokens mean nothing), by cost.",
-            ["cost"],
-        )
-        self.info = g("cdb_model_info", "The served model (value always 1).", ["model"])
-        self.info.set(1, model)
-        prom.ProcessCollector(registry=r)
-        prom.PlatformCollector(registry=r)
-        prom.GCCollector(registry=r)
-        for family in per_model:
-            family.child(())  # the model's series exist (at zero) before the first request
+        super().__init__(model, max_depth, request_buckets, token_buckets)
         self._collectors: list[Callable[[Metrics], None]] = []
         self._threshold_labels: tuple[str, str] | None = None
-        self._scrape = _Sampled(self._run_collectors, r)
+        self._scrape = _Sampled(self._run_collectors, self.registry)
 
     @classmethod
     def from_settings(cls, model: str, max_depth: int, settings: Settings) -> Metrics:
         """The metrics of a scheduler serving ``model``, with the latency buckets ``settings`` give."""
-        from services.settings import parse_buckets
+        from services.settings.checks import parse_buckets
 
         return cls(
             model,
@@ -506,62 +246,3 @@ class Metrics:
     def render(self) -> str:
         """The Prometheus text exposition (0.0.4, ``CONTENT_TYPE``) of every metric, after running the collectors."""
         return generate_latest(self._scrape).decode()
-
-
-class _ThreadingWSGIServer(ThreadingMixIn, WSGIServer):
-    daemon_threads = True
-
-
-class _QuietHandler(WSGIRequestHandler):
-    def log_message(self, format: str, *args: Any) -> None:  # scrapes are not worth a log line
-        pass
-
-
-def metrics_app(metrics: Metrics) -> Callable[..., Iterable[bytes]]:
-    """WSGI app: ``/metrics`` is ``prometheus_client``'s app over ``metrics``; ``/`` and ``/healthz`` a short
-    text; anything else 404."""
-    exposition = make_wsgi_app(metrics)
-
-    def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
-        path = environ.get("PATH_INFO", "")
-        if path == "/metrics":
-            return exposition(environ, start_response)
-        ok = path in ("/", "/healthz")
-        body = b"cdb metrics: see /metrics\n" if ok else b"not found\n"
-        status = "200 OK" if ok else "404 Not Found"
-        start_response(status, [("Content-Type", "text/plain; charset=utf-8"), ("Content-Length", str(len(body)))])
-        return [body]
-
-    return app
-
-
-class MetricsServer:
-    """``GET /metrics`` on a daemon thread. ``port`` is the bound port (useful with port 0)."""
-
-    def __init__(self, metrics: Metrics, host: str = "0.0.0.0", port: int = 9464) -> None:
-        self._server = make_server(
-            host, port, metrics_app(metrics), server_class=_ThreadingWSGIServer, handler_class=_QuietHandler
-        )
-        self.host, self.port = host, int(self._server.server_port)
-        self._thread = threading.Thread(target=self._server.serve_forever, name="cdb-metrics", daemon=True)
-        self._thread.start()
-
-    def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join(timeout=5)
-
-
-def serve_metrics(metrics: Metrics, address: str) -> MetricsServer:
-    """Serve ``metrics`` on ``address`` = ``"host:port"`` (``":9464"`` means all interfaces)."""
-    host, _, port = address.rpartition(":")
-    return MetricsServer(metrics, host or "0.0.0.0", int(port))
-
-
-def metrics_address_from_env(environ: Mapping[str, str] | None = None) -> str | None:
-    """``CDB_METRICS_ADDR`` (e.g. ``0.0.0.0:9464``) as read by ``services.settings``; None when unset or empty (no
-    endpoint). Raises ``SettingsError`` when it is not ``HOST:PORT``."""
-    from services.settings import load_settings
-
-    env = os.environ if environ is None else environ
-    return load_settings({k: v for k, v in env.items() if k == "CDB_METRICS_ADDR"}).metrics_addr or None

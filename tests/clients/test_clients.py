@@ -11,9 +11,9 @@ import pytest
 
 from clients.async_client import AsyncClient
 from clients.cli import generate_main
-from clients.common import StreamFinish, StreamToken
+from clients.messages import StreamFinish, StreamToken
 from clients.sync_client import Client
-from services.launcher import ServeHandle
+from services.launcher.supervisor import ServeHandle
 from tests.services.tree import SHARED_CONFIG, SharedTree
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]

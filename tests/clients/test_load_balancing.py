@@ -25,9 +25,10 @@ from cdb_engine.config import EngineConfig
 from clients.async_client import AsyncClient
 from clients.balancing import LbPolicy, RetryPolicy, channel_options, channel_target, service_config
 from clients.cli import generate_main
-from clients.common import GenerateOptions, StreamToken
+from clients.messages import GenerateOptions, StreamToken
 from clients.sync_client import Client
-from services.launcher import ServeHandle, serve_all
+from services.launcher.supervisor import ServeHandle
+from services.launcher.tree import serve_all
 from tests.services.tree import TEST_ENV, StreamRun, free_port, wait_for_counters
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]

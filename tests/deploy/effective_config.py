@@ -15,8 +15,8 @@ from collections.abc import Mapping
 from cdb.processes import process_resolution
 from cdb_engine.config import EngineConfig
 from cdb_scheduler.plan import Stage
-from services.launcher import scheduler_command, stage_command
-from services.settings import Resolved
+from services.launcher.commands import scheduler_command, stage_command
+from services.settings.resolved import Resolved
 
 STAGES = ("prelude", "loop", "head")
 

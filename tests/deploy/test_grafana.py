@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.telemetry.metrics import Metrics, serve_metrics
+from services.telemetry.metrics import Metrics
+from services.telemetry.metrics_endpoint import serve_metrics
 from tests.deploy.process_tree import ROOT
 
 pytestmark = pytest.mark.timeout(30)

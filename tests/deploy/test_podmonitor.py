@@ -10,7 +10,8 @@ import jsonschema
 import pytest
 import yaml
 
-from services.telemetry.metrics import Metrics, metrics_app
+from services.telemetry.metrics import Metrics
+from services.telemetry.metrics_endpoint import metrics_app
 from tests.deploy.kustomize import build
 from tests.deploy.process_tree import ROOT
 

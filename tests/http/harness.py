@@ -29,7 +29,7 @@ from cdb_scheduler.plan import StageLoss, StageOp, StageResult
 from services.http.app import create_app, serve_http
 from services.scheduler.handlers import GenerationService
 from services.scheduler.readiness import Readiness
-from services.settings import Settings
+from services.settings.knobs import Settings
 
 SETTINGS = Settings(health_interval_s=0.05)
 TINY = EngineConfig(

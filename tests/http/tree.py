@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from cdb_engine.config import EngineConfig
-from services.launcher import ServeHandle
+from services.launcher.supervisor import ServeHandle
 from tests.http.harness import wait_until
 from tests.services.tree import SHARED_CONFIG, free_port, process_tree
 

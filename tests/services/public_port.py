@@ -20,7 +20,7 @@ from services.scheduler.handlers import GenerationService
 from services.scheduler.readiness import Readiness
 from services.scheduler.security import PortSecurity
 from services.scheduler.server import build_server
-from services.settings import Settings
+from services.settings.knobs import Settings
 
 TINY = EngineConfig(model="ouro-tiny", max_num_seqs=4, num_kv_blocks=256, max_total_tokens=1024, max_waiting=16)
 

@@ -15,7 +15,7 @@ import torch
 
 from cdb_engine.setup import StageSetup
 from cdb_scheduler.plan import HeadOp, LoopOp, Stage, StageOp, StageResult
-from services.settings import Settings
+from services.settings.knobs import Settings
 from services.transport.stage_server import build_server
 from services.transport.stage_service import StageService
 

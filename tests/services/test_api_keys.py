@@ -15,7 +15,7 @@ from cdb_engine.engine import Engine
 from clients.sync_client import Client
 from services.scheduler.errors import Unauthenticated
 from services.scheduler.security import ANONYMOUS_SCOPE, CallerAuth, SecurityConfigError, read_api_keys
-from services.settings import Settings
+from services.settings.knobs import Settings
 from tests.services.public_port import PublicServer, assert_no_errors_logged, public_server, tiny_engine
 
 pytestmark = pytest.mark.timeout(60)

@@ -9,10 +9,10 @@ import grpc
 import pytest
 
 from cdb_engine.engine import Engine
-from clients.common import StreamFinish, StreamToken
+from clients.messages import StreamFinish, StreamToken
 from clients.sync_client import Client
 from services.scheduler.security import ANONYMOUS_SCOPE
-from services.settings import Settings
+from services.settings.knobs import Settings
 from tests.services.public_port import PublicServer, public_server, tiny_engine
 
 pytestmark = pytest.mark.timeout(60)

@@ -20,7 +20,8 @@ from cdb.serve import serve_parser
 from cdb_engine.config import DType, EngineConfig
 from cdb_model.kv import KVPolicy
 from cdb_scheduler.config import Mode
-from services.settings import SettingsError, load_configuration, load_settings
+from services.settings.checks import SettingsError
+from services.settings.source import load_configuration, load_settings
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -262,7 +263,7 @@ def test_every_process_of_a_served_tree_runs_the_one_resolved_configuration(tmp_
 def test_the_stage_spin_is_auto_by_core_count_unless_set(monkeypatch: pytest.MonkeyPatch) -> None:
     """``CDB_FENCE_SPIN_S`` auto: a stage spins only on a host with cores to spare (on fewer, the spin takes the
     core the scheduler needs); a value given is used as given, 0 included."""
-    from services.settings import SPIN_MIN_CPUS, Settings
+    from services.settings.knobs import SPIN_MIN_CPUS, Settings
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(SPIN_MIN_CPUS)))
     assert Settings().fence_spin_s is None and Settings().spin_s == 2e-4

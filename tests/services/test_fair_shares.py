@@ -13,10 +13,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from cdb_api.v1 import generation_pb2 as pb
 from cdb_api.v1 import generation_pb2_grpc
 from cdb_engine.engine import Engine
-from clients.common import StreamFinish, StreamToken
+from clients.messages import StreamFinish, StreamToken
 from clients.sync_client import Client
 from services.scheduler.shares import grpc_peer_host, host_key, share_scope
-from services.settings import Settings
+from services.settings.knobs import Settings
 from tests.http.harness import wait_until
 from tests.services.public_port import PublicServer, public_server, tiny_engine
 

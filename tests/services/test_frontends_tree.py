@@ -18,9 +18,11 @@ import pytest
 from cdb_engine.config import RequestParams
 from cdb_engine.engine import Engine
 from cdb_scheduler.plan import SamplingParams
-from clients.common import GenerateOptions
+from clients.messages import GenerateOptions
 from clients.sync_client import Client
-from services.launcher import FRONTEND_PREFIX, ServeHandle, serve_all
+from services.launcher.commands import FRONTEND_PREFIX
+from services.launcher.supervisor import ServeHandle
+from services.launcher.tree import serve_all
 from services.telemetry.otlp_receiver import CollectedSpan, OtlpReceiver, children, descendants, one
 from tests.services.tree import IDLE, SHARED_CONFIG, TEST_ENV, StreamRun, free_port, wait_idle
 

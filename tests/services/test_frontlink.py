@@ -29,7 +29,7 @@ from cdb_scheduler.request import FinishReason
 from services.frontend.remote import LinkClient, MetricsRelay, RemoteEngine
 from services.scheduler.handlers import GenerationService
 from services.scheduler.link_server import LinkServer
-from services.settings import Settings
+from services.settings.knobs import Settings
 from services.transport.frontlink import LinkError, Wire, client_handshake, dumps, loads, server_handshake
 from tests.services.tree import SHARED_CONFIG
 

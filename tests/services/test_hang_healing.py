@@ -13,9 +13,9 @@ import pytest
 
 from cdb_engine.config import EngineConfig
 from cdb_scheduler.plan import Stage
-from clients.common import GenerateOptions
+from clients.messages import GenerateOptions
 from clients.sync_client import Client
-from services.launcher import ServeHandle
+from services.launcher.supervisor import ServeHandle
 from tests.services.tree import IDLE, StreamRun, process_tree, wait_for_counters
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]

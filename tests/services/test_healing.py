@@ -15,9 +15,9 @@ import pytest
 
 from cdb_engine.config import EngineConfig
 from cdb_scheduler.plan import Stage
-from clients.common import GenerateOptions
+from clients.messages import GenerateOptions
 from clients.sync_client import Client
-from services.launcher import serve_all
+from services.launcher.tree import serve_all
 from tests.services.tree import IDLE, TEST_ENV, StreamRun, free_port, process_tree, wait_for_counters
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]

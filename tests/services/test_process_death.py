@@ -20,7 +20,8 @@ import pytest
 from cdb_engine.config import EngineConfig
 from cdb_scheduler.plan import Stage
 from clients.sync_client import Client
-from services.launcher import ServeHandle, serve_all
+from services.launcher.supervisor import ServeHandle
+from services.launcher.tree import serve_all
 from tests.services.test_healing import run_all, tokens, workload
 from tests.services.tree import IDLE, TEST_ENV, StreamRun, free_port, wait_for_counters
 

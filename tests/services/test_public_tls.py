@@ -20,12 +20,13 @@ import pytest
 
 from cdb_engine.engine import Engine
 from clients.async_client import AsyncClient
+from clients.channel import TlsOptions
 from clients.cli import generate_main
-from clients.common import StreamFinish, TlsOptions
+from clients.messages import StreamFinish
 from clients.sync_client import Client
 from services.net import wait_ready_file
 from services.scheduler.security import PortSecurity, SecurityConfigError
-from services.settings import Settings
+from services.settings.knobs import Settings
 from tests.services.certs import CertificateAuthority, Pem
 from tests.services.public_port import PublicServer, public_server, tiny_engine
 

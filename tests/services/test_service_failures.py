@@ -12,7 +12,7 @@ import pytest
 
 from cdb_engine.config import EngineConfig
 from cdb_scheduler.plan import Stage
-from clients.common import GenerateOptions
+from clients.messages import GenerateOptions
 from clients.sync_client import Client
 from tests.services.tree import StreamRun, process_tree, wait_for_counters
 

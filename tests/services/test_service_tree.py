@@ -18,9 +18,9 @@ from cdb_engine.config import RequestParams, logits_processing
 from cdb_engine.engine import Engine
 from cdb_scheduler.plan import SamplingParams
 from clients.async_client import AsyncClient
-from clients.common import GenerateOptions, StreamFinish, StreamToken
+from clients.messages import GenerateOptions, StreamFinish, StreamToken
 from clients.sync_client import Client
-from services.launcher import ServeHandle
+from services.launcher.supervisor import ServeHandle
 from tests.services.tree import IDLE, SHARED_CONFIG, SharedTree, StreamRun, wait_idle
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]

@@ -17,7 +17,10 @@ import pytest
 from cdb_engine.config import EngineConfig
 from cdb_scheduler.plan import Stage
 from services.net import parse_stage_addrs, wait_ready_file, write_ready_file
-from services.settings import Resolved, Settings, SettingsError, load_settings
+from services.settings.checks import SettingsError
+from services.settings.knobs import Settings
+from services.settings.resolved import Resolved
+from services.settings.source import load_settings
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -29,7 +32,7 @@ def test_settings_defaults_and_overrides() -> None:
 
 
 def test_metrics_address_setting() -> None:
-    from services.telemetry.metrics import metrics_address_from_env
+    from services.telemetry.metrics_endpoint import metrics_address_from_env
 
     assert load_settings({}).metrics_addr == "" and metrics_address_from_env({"CDB_STAGE_THREADS": "x"}) is None
     assert load_settings({"CDB_METRICS_ADDR": " 0.0.0.0:9464 "}).metrics_addr == "0.0.0.0:9464"
@@ -117,7 +120,7 @@ def test_children_die_with_a_killed_launcher(tmp_path: Path) -> None:
     script = (
         "import sys, time\n"
         "from cdb_engine.config import EngineConfig\n"
-        "from services.launcher import serve_all\n"
+        "from services.launcher.tree import serve_all\n"
         "h = serve_all(EngineConfig(model='ouro-tiny'), '127.0.0.1:0')\n"
         "print(' '.join(str(p.pid) for p in h.processes()), flush=True)\n"
         "time.sleep(600)\n"
@@ -143,7 +146,7 @@ def _alive(pid: int) -> bool:
 
 
 def test_cpu_pinning_setting_parses_and_names_bad_parts() -> None:
-    from services.settings import cpu_map
+    from services.settings.checks import cpu_map
 
     assert cpu_map("loop:1, head:0+1,scheduler:0") == {"loop": {1}, "head": {0, 1}, "scheduler": {0}}
     assert load_settings({"CDB_CPUS": "prelude:0"}).cpus == "prelude:0"

@@ -17,7 +17,8 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from cdb_api.v1 import stage_pb2 as pb
 from cdb_api.v1 import stage_pb2_grpc
 from cdb_scheduler.plan import Fence, Stage, StageResult
-from services.settings import Settings, SettingsError
+from services.settings.checks import SettingsError
+from services.settings.knobs import Settings
 from services.stage_secret import call_metadata, create_secret_file, load_stage_secret, secret_matches
 from services.transport.convert import bank_spec_to_pb, role_to_pb
 from services.transport.executor import GrpcExecutor

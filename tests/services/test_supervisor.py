@@ -23,11 +23,13 @@ import pytest
 
 from cdb_engine.config import EngineConfig
 from cdb_scheduler.plan import Stage
-from clients.common import GenerateOptions
+from clients.messages import GenerateOptions
 from clients.sync_client import Client
-from services.launcher import RestartPolicy, ServeHandle, wait_for_end
+from services.launcher.foreground import wait_for_end
+from services.launcher.restarts import RestartPolicy
+from services.launcher.supervisor import ServeHandle
 from services.net import wait_ready_file
-from services.settings import Settings
+from services.settings.knobs import Settings
 from services.transport.segments import SHM_DIR
 from tests.services.tree import StreamRun, process_tree
 
@@ -212,7 +214,7 @@ def test_sighup_stops_the_tree_gracefully_with_status_0(tmp_path: Path) -> None:
         import sys
         from pathlib import Path
         sys.path.insert(0, {str(Path(__file__).parents[2])!r})
-        from services.launcher import stop_signals, wait_for_end
+        from services.launcher.foreground import stop_signals, wait_for_end
         from tests.services.test_supervisor import FakeTree
         stop = stop_signals()
         tree = FakeTree(Path({str(tmp_path)!r}))

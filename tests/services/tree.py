@@ -13,9 +13,11 @@ from dataclasses import dataclass, field
 import grpc
 
 from cdb_engine.config import EngineConfig
-from clients.common import RESUME_ATTEMPTS, GenerateOptions, StreamFinish, StreamToken
+from clients.messages import GenerateOptions, StreamFinish, StreamToken
+from clients.resume import RESUME_ATTEMPTS
 from clients.sync_client import Client
-from services.launcher import ServeHandle, serve_all
+from services.launcher.supervisor import ServeHandle
+from services.launcher.tree import serve_all
 from services.telemetry.otlp_receiver import OtlpReceiver
 
 # Faster readiness transitions than production defaults, so failures show up quickly in tests; and no HTTP API

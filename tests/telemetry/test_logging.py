@@ -18,7 +18,9 @@ from cdb_engine.events import FinishEvent, TokenEvent
 from cdb_scheduler.request import FinishReason
 from clients.sync_client import Client
 from services import telemetry
-from services.settings import Settings, SettingsError, load_configuration, load_settings
+from services.settings.checks import SettingsError
+from services.settings.knobs import Settings
+from services.settings.source import load_configuration, load_settings
 from services.telemetry.logs import REQUEST_LOG, ThroughputLog, configure_logging
 from services.telemetry.metrics import Metrics
 from services.telemetry.request_observer import ObservedRequest

@@ -14,7 +14,8 @@ import pytest
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
 from prometheus_client.parser import text_string_to_metric_families as parse_prometheus
 
-from services.telemetry.metrics import CONTENT_TYPE, Metrics, MetricsServer, metrics_address_from_env, serve_metrics
+from services.telemetry.metrics import CONTENT_TYPE, Metrics
+from services.telemetry.metrics_endpoint import MetricsServer, metrics_address_from_env, serve_metrics
 
 OPENMETRICS = "application/openmetrics-text; version=1.0.0; charset=utf-8"
 # Every cdb family with its type: the names dashboards, alerts and the autoscaler read.

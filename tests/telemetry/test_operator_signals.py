@@ -14,9 +14,11 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from cdb_engine.events import FinishEvent, TokenEvent
 from cdb_scheduler.request import FinishReason
 from services import telemetry
-from services.settings import SettingsError, load_settings, parse_buckets
+from services.settings.checks import SettingsError, parse_buckets
+from services.settings.source import load_settings
 from services.telemetry.lean import OtlpHttpExporter
-from services.telemetry.metrics import LATENCY_BUCKETS, Metrics
+from services.telemetry.metric_series import LATENCY_BUCKETS
+from services.telemetry.metrics import Metrics
 from services.telemetry.recorder import EngineGauges
 from services.telemetry.request_observer import ObservedRequest
 from tests.telemetry.test_metrics_endpoint import parse

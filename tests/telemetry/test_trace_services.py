@@ -157,7 +157,7 @@ def test_rejected_request_is_an_error_span(traced_tree: Tree) -> None:
 
 
 def test_abort_is_recorded_as_a_cancel(traced_tree: Tree) -> None:
-    from clients.common import GenerateOptions
+    from clients.messages import GenerateOptions
     from clients.sync_client import Client
     from tests.services.tree import StreamRun
 
