@@ -1,17 +1,15 @@
-"""A front end's view of the engine in the scheduler process: ``LinkClient`` (the connection), ``RemoteEngine``
-(what the public handlers use of an ``Engine``) and ``MetricsRelay`` (request metrics sent to the scheduler).
+"""A front end's view of the engine in the scheduler process: ``LinkClient`` (the connection), ``RemoteClient``
+(the ``EngineClient`` the front door uses) and ``MetricsRelay`` (request metrics sent to the scheduler).
 
-The handlers (``services.scheduler.handlers``, ``services.http``) run unchanged over a ``RemoteEngine``: it
-validates and tokenizes locally (an engine object that is never started: the model's config, tokenizer and
-limits), submits over the link and awaits the scheduler's acknowledgement (so a refusal, a full queue or a
-duplicate id is raised before anything is streamed, as in-process), and hands each request's events to its
-``RequestStream`` from the link's reader thread, one event-loop wake-up per frame.
+The front door (``services.scheduler.door``) runs unchanged over a ``RemoteClient``: requests are prepared here
+(``RequestPreparer``: the model's config, tokenizer and limits, no engine), submitted over the link with the
+scheduler's acknowledgement awaited (so a refusal, a full queue or a duplicate id is raised before anything is
+streamed, as in-process), and each request's events are handed to its ``RequestStream`` from the link's reader
+thread, one event-loop wake-up per frame.
 
 Text is made here, not in the scheduler process: the scheduler sends token ids (``Engine.submit(detokenize=
-False)``) and each request's ``Detokenizer`` runs on the link's reader thread, exactly as the engine would run it.
-A stop string found here ends the stream at once (the text stops before it) and asks the scheduler to end the
-request with ``FinishReason.STOP``; tokens the engine produced meanwhile are dropped, and its finish is reported
-as if it had stopped there (counts without them, reason STOP, no text after the stop).
+False)``) and each request's ``TextOutput`` runs on the link's reader thread, the same rule the engine runs. A stop
+string found here ends the stream at once and asks the scheduler to end the request with ``FinishReason.STOP``.
 """
 
 from __future__ import annotations
@@ -22,16 +20,14 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Awaitable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, replace
 from typing import Any
 
-from cdb_engine.config import EngineConfig, RequestParams
-from cdb_engine.detokenizer import Detokenizer
-from cdb_engine.engine import Engine
+from cdb_engine.config import RequestParams
 from cdb_engine.errors import EngineStopped, InvalidRequest
-from cdb_engine.events import EngineStats, FinishEvent, RequestObserver, TokenEvent
+from cdb_engine.events import EngineStats, FinishEvent, RequestObserver
+from cdb_engine.prepare import RequestPreparer
 from cdb_engine.stream import RequestStream
 from cdb_scheduler.request import FinishReason
 from services.transport.frontlink import (
@@ -54,42 +50,6 @@ def _down_stats(reason: str) -> EngineStats:
     return EngineStats(0, 0, 0, 0, 0, 0, 0, time.monotonic(), False, reason)
 
 
-@dataclass(slots=True)
-class _Remote:
-    """One live request of this front end: its stream and its detokenizer."""
-
-    stream: RequestStream
-    detok: Detokenizer
-    stopped: bool = False  # a stop string ended its text: what the engine sends after it is dropped
-    dropped: int = 0  # tokens dropped after the stop
-    dropped_steps: int = 0  # and their loop steps
-
-    def token(self, event: TokenEvent) -> TokenEvent | None:
-        """The event with its text (None: dropped after a stop string); sets ``stopped`` when it hits one."""
-        if self.stopped:
-            self.dropped += 1
-            self.dropped_steps += event.depth
-            return None
-        event.text, self.stopped = self.detok.push(event.token_id)  # (an unpickled event: this front end's own)
-        return event
-
-    def finish(self, event: FinishEvent) -> FinishEvent:
-        """The engine's finish as the stream reports it: the text held back, or, when the engine went on after a
-        stop string, the counts up to the token that hit it and the reason STOP. (A request that ended by itself
-        on the token that hit the stop string keeps its own reason, as in the engine, which finds the request
-        already ended when it would stop it.)"""
-        if not self.dropped:
-            tail = self.detok.flush() if event.finish_reason is not FinishReason.STOP else ""
-            return replace(event, text=tail) if tail else event
-        return replace(
-            event,
-            finish_reason=FinishReason.STOP,
-            generated_tokens=event.generated_tokens - self.dropped,
-            total_loop_steps=event.total_loop_steps - self.dropped_steps,
-            text="",
-        )
-
-
 class LinkClient:
     """The front end's connection to the scheduler's link: connects (and reconnects) on its own thread, reads
     frames on another. ``streams``: the live requests of this front end by engine id."""
@@ -97,7 +57,7 @@ class LinkClient:
     def __init__(self, path: str, secret: str) -> None:
         self.path = path
         self._secret = secret.encode()
-        self.streams: dict[str, _Remote] = {}
+        self.streams: dict[str, RequestStream] = {}
         self.reason: str | None = "connecting to the scheduler"  # the verdict to serve by (None: ready)
         self.stats = _down_stats(self.reason)
         self.connected = threading.Event()
@@ -176,15 +136,18 @@ class LinkClient:
             streams = self.streams
             for event in msg[1]:
                 key = event.request_id
-                remote = streams.get(key)
-                if remote is None:
+                stream = streams.get(key)
+                if stream is None:
                     continue  # its consumer left and aborted it
+                out = stream.text
+                assert out is not None  # (this side makes the text of every request it submitted)
                 if isinstance(event, FinishEvent):
                     del streams[key]
-                    remote.stream.sink(remote.finish(event))
-                elif (token := remote.token(event)) is not None:
-                    remote.stream.sink(token)
-                    if remote.stopped:
+                    stream.sink(out.finish(event))
+                elif (text := out.text(event.token_id, event.depth)) is not None:
+                    event.text = text  # (an unpickled event: this front end's own)
+                    stream.sink(event)
+                    if out.stopped:
                         with contextlib.suppress(EngineStopped):  # (a link that is down has ended it already)
                             self.send(("abort", 0, key, FinishReason.STOP))
         elif kind == "reply":
@@ -215,8 +178,8 @@ class LinkClient:
         for fut in calls.values():
             fut.set_exception(EngineStopped(why))
         streams, self.streams = self.streams, {}
-        for key, remote in streams.items():
-            remote.stream.sink(FinishEvent(key, FinishReason.ERROR, 0, 0, 0, error=why))
+        for key, stream in streams.items():
+            stream.sink(FinishEvent(key, FinishReason.ERROR, 0, 0, 0, error=why))
 
     def close(self) -> None:
         self._closed = True
@@ -225,59 +188,61 @@ class LinkClient:
             wire.close()
 
 
-class RemoteEngine:
-    """What the public handlers use of an ``Engine``, for an engine in the scheduler process behind ``link``."""
+class RemoteClient:
+    """``EngineClient`` for the engine in the scheduler process behind ``link``."""
 
-    def __init__(self, config: EngineConfig, link: LinkClient) -> None:
-        self._local = Engine(config)  # never started: the model's config, tokenizer and limits, for validation
-        self.config = config
-        self.model_config = self._local.model_config
-        self.tokenizer = self._local.tokenizer
-        self.limits = self._local.limits
+    def __init__(self, prep: RequestPreparer, link: LinkClient) -> None:
+        self._prep = prep
         self.link = link
 
-    def validate(self, prompt: str | list[int], params: RequestParams) -> list[int]:
-        return self._local.validate(prompt, params)
+    @property
+    def prep(self) -> RequestPreparer:
+        return self._prep
 
     def stats(self) -> EngineStats:
         return self.link.stats
+
+    def health(self) -> str | None:
+        """The scheduler's verdict as its last status frame carried it, or why the link is down."""
+        return self.link.reason
 
     async def open_stream(
         self,
         prompt_ids: Sequence[int],
         params: RequestParams,
-        request_id: str | None = None,
+        request_id: str,
         *,
         observer: RequestObserver | None = None,
     ) -> RequestStream:
-        """Submit validated ids to the scheduler and return the request's stream once it has taken it (raising
-        what ``Engine.open_stream`` raises)."""
         if not request_id:
             raise InvalidRequest("request_id", "a front end submits requests under their ids")
         link = self.link
         if request_id in link.streams:
             raise InvalidRequest("request_id", f"{request_id!r} is already used by a live request")
-        detok = self._local.detokenizer(params)
-        stream = RequestStream(lambda: self.abort(request_id), observer)
+        stream = RequestStream(lambda: self._abort_own(request_id), observer, self._prep.output(params))
         stream.request_id = request_id
-        remote = link.streams[request_id] = _Remote(stream, detok)  # before the submit: events may come with the ack
+        link.streams[request_id] = stream  # before the submit: events may come with the ack
         span = getattr(observer, "span", None)
         traceparent = span.traceparent if span is not None and span.recording else ""
         try:
             await link.ask("submit", request_id, list(prompt_ids), params, traceparent)
         except BaseException:
-            if link.streams.get(request_id) is remote:
+            if link.streams.get(request_id) is stream:
                 del link.streams[request_id]
             raise
         return stream
 
-    def abort(self, request_id: str) -> bool | Awaitable[bool]:
+    def _abort_own(self, request_id: str) -> None:
+        with contextlib.suppress(EngineStopped):  # the link is down: the scheduler has aborted it already
+            self.link.send(("abort", 0, request_id))
+
+    async def abort(self, request_id: str) -> bool:
         """End a request: one of this front end's at once (True); another's by asking the scheduler."""
         if self.link.streams.get(request_id) is not None:
-            with contextlib.suppress(EngineStopped):  # the link is down: the scheduler has aborted it already
-                self.link.send(("abort", 0, request_id))
+            self._abort_own(request_id)
             return True
-        return self.link.ask("abort", request_id)
+        found: bool = await self.link.ask("abort", request_id)
+        return found
 
 
 class MetricsRelay:

@@ -1,6 +1,6 @@
-"""The OpenAI-compatible HTTP API over the scheduler's engine, in the scheduler's process and event loop.
+"""The OpenAI-compatible HTTP API over the front door, in the serving process's event loop.
 
-- ``create_app(engine, service, settings)``: the FastAPI app. ``POST /v1/completions``, ``POST /v1/chat/completions``
+- ``create_app(door, settings)``: the FastAPI app. ``POST /v1/completions``, ``POST /v1/chat/completions``
   (non-streamed, or SSE with ``stream: true`` ending in ``data: [DONE]``), ``GET /v1/models`` (with the context
   length, ``max_model_len``, as vLLM gives it), ``POST /tokenize``, ``POST /detokenize`` and ``GET
   /tokenizer_info`` (vLLM's shapes: a remote tokenizer, e.g. the evaluation harness's, speaks them), ``GET
@@ -10,8 +10,8 @@
   ``n``): one engine request each (``calls.Choice``), joined into one response or one SSE stream; ``echo`` begins a
   completion with its prompt and, with ``logprobs``, the prompt's full-depth logprobs (``max_tokens`` 0: only
   those). Chats render with the tokenizer's chat template or ``CDB_CHAT_TEMPLATE`` (``chat_template``).
-  Requests go through the same engine and the same ``GenerationService`` state as the gRPC API: its drain,
-  readiness verdict, metrics and traces cover them too.
+  Requests go through the same front door (``services.scheduler.door``) as the gRPC API: its admission, drain,
+  health verdict, metrics and traces cover them too.
 - Request bodies over ``CDB_MAX_REQUEST_BYTES`` get 413 before they are parsed or their API key is checked, and
   bodies not received within ``CDB_BODY_READ_TIMEOUT_S`` 408 (``body_limit.BodyLimit``); building and validating a
   request (template, tokenization) runs off the event loop.
@@ -30,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import inspect
 import logging
 import socket
 import ssl
@@ -47,12 +46,11 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
 from cdb_engine.config import RequestParams
-from cdb_engine.engine import Engine
 from cdb_engine.errors import InvalidRequest
 from cdb_engine.validation import check_messages_size, check_text_size
 from cdb_model.loader import load_generation_defaults
 from services.http.body_limit import BodyLimit
-from services.http.calls import Call, Choice
+from services.http.calls import Choice, open_call
 from services.http.chat_template import ChatTemplate, read_chat_template
 from services.http.errors import ApiError, api_error, validation_error
 from services.http.protocol import guarded_protocol
@@ -66,7 +64,7 @@ from services.http.schemas import (
     TokenizeRequest,
 )
 from services.http.streaming import EventStream, sse_body, until_done_or_gone
-from services.scheduler.handlers import GenerationService
+from services.scheduler.door import FrontDoor, Ticket
 from services.scheduler.security import CallerAuth, read_api_keys
 from services.scheduler.shares import host_key, share_scope
 from services.settings import Settings, served_names
@@ -76,30 +74,30 @@ log = logging.getLogger("cdb.http")
 
 
 def create_app(
-    engine: Engine,
-    service: GenerationService,
+    door: FrontDoor,
     settings: Settings,
     *,
     model_names: Sequence[str] = (),
     api_keys: Collection[str] | None = None,
     chat_template: str | None = None,
 ) -> FastAPI:
-    """The API over the started ``engine`` and the public ``service`` (its draining / readiness state, metrics and
-    traces). ``model_names``: the names the model is served under, the first reported (default:
+    """The API over the front ``door`` (admission, draining, the health verdict, metrics and traces).
+    ``model_names``: the names the model is served under, the first reported (default:
     ``settings.served_model_name``, else the engine's ``model``); ``api_keys``: default from
     ``settings`` (``CDB_API_KEYS`` / ``CDB_API_KEYS_FILE``, read as the gRPC port reads them; none: no key needed;
     ``/health``, ``/version`` and ``/metrics`` never need one); ``chat_template``: the template's path or text that
     renders chats instead of the tokenizer's (default: ``settings.chat_template``; ``ChatTemplateError`` when it
     cannot be read or does not compile)."""
-    templates = ChatTemplate(engine.tokenizer, read_chat_template(chat_template or settings.chat_template))
-    names = list(model_names) or served_names(settings.served_model_name) or [engine.config.model]
+    prep = door.prep
+    templates = ChatTemplate(prep.tokenizer, read_chat_template(chat_template or settings.chat_template))
+    names = list(model_names) or served_names(settings.served_model_name) or [prep.config.model]
     served = names[0]
     if api_keys is not None:
         auth = CallerAuth(api_keys)
-    else:  # the gRPC port's keys when it has some, else the settings' (a service built without its port's auth)
-        auth = service.auth if service.auth.keys_on else CallerAuth(read_api_keys(settings))
+    else:  # the gRPC port's keys when it has some, else the settings' (a door built without its port's auth)
+        auth = door.auth if door.auth.keys_on else CallerAuth(read_api_keys(settings))
     created = int(time.time())
-    generation = load_generation_defaults(engine.config.model)  # sampling defaults of unset fields, max_new_tokens
+    generation = load_generation_defaults(prep.config.model)  # sampling defaults of unset fields, max_new_tokens
     app = FastAPI(title="cdb OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None)
     # before parsing and the API-key check
     app.add_middleware(BodyLimit, max_bytes=settings.max_request_bytes, read_timeout_s=settings.body_read_timeout_s)
@@ -135,9 +133,9 @@ def create_app(
             "object": "model",
             "created": created,
             "owned_by": "cdb",
-            "root": engine.config.model,  # what was loaded: a preset, a folder, a cache snapshot
+            "root": prep.config.model,  # what was loaded: a preset, a folder, a cache snapshot
             "parent": None,
-            "max_model_len": engine.limits.max_total_tokens,  # the context length: prompt + generated tokens
+            "max_model_len": prep.limits.max_total_tokens,  # the context length: prompt + generated tokens
         }
 
     async def run(
@@ -148,21 +146,21 @@ def create_app(
         fields: Mapping[str, str],
         operation: str,
         max_tokens: int,
-        echo: Callable[[Choice, Call], None] | None = None,
+        echo: Callable[[Choice, Ticket], None] | None = None,
     ) -> Response:
         """Admit the request's choices, one engine request each (a refusal of any is the error reply, and ends
         those admitted before it), then stream them or answer once all have finished. ``echo(choice, call)``:
         what an admitted choice begins with (its prompt)."""
         headers = request.headers.items()
         response_id = choices[0].render.id
-        calls: list[Call] = []
+        calls: list[Ticket] = []
         where = fields
         try:
             caller = share_scope(auth.scope_of(headers), host_key(request.client.host if request.client else ""))
             for choice in choices:
                 where = choice.fields
-                call = await Call.open(
-                    service,
+                call = await open_call(
+                    door,
                     choice.request_id,
                     choice.prepare,
                     operation=operation,
@@ -208,7 +206,7 @@ def create_app(
                 CompletionRender(
                     response_id,
                     served,
-                    engine.tokenizer,
+                    prep.tokenizer,
                     include_usage=body.include_usage,
                     logprobs=body.logprobs is not None,
                     index=index,
@@ -221,9 +219,9 @@ def create_app(
             for index, prompt, sample in body.choices()
         ]
 
-        def echo(choice: Choice, call: Call) -> None:
+        def echo(choice: Choice, call: Ticket) -> None:
             prompt = choice.prompt
-            text = prompt if isinstance(prompt, str) else engine.tokenizer.decode(call.prompt_ids)
+            text = prompt if isinstance(prompt, str) else prep.tokenizer.decode(call.prompt_ids)
             choice.render.echo_prompt(text, call.prompt_ids)
 
         return await run(
@@ -254,7 +252,7 @@ def create_app(
             ids = templates.apply(chat, add_generation_prompt=True)
             requested = body.requested_max_tokens()
             if requested is None:  # the checkpoint's max_new_tokens, else up to the context limit
-                requested = generation.max_new_tokens or max(1, engine.limits.max_total_tokens - len(ids))
+                requested = generation.max_new_tokens or max(1, prep.limits.max_total_tokens - len(ids))
             return ids, body.to_params(requested, generation, sample)
 
         choices = [
@@ -262,7 +260,7 @@ def create_app(
                 ChatRender(
                     response_id,
                     served,
-                    engine.tokenizer,
+                    prep.tokenizer,
                     include_usage=body.include_usage,
                     logprobs=body.logprobs,
                     index=sample,
@@ -273,7 +271,7 @@ def create_app(
             )
             for sample in range(body.samples)
         ]
-        max_tokens = body.requested_max_tokens() or engine.limits.max_total_tokens
+        max_tokens = body.requested_max_tokens() or prep.limits.max_total_tokens
         return await run(request, choices, stream=body.stream, fields=fields, operation="chat", max_tokens=max_tokens)
 
     @app.get("/v1/models", dependencies=[Depends(authorized)])
@@ -297,16 +295,14 @@ def create_app(
             return list(body.prompt)
         assert body.prompt is not None
         check_text_size(body.prompt, "prompt")
-        return engine.tokenizer.encode(body.prompt)
+        return prep.tokenizer.encode(body.prompt)
 
     def check_token_ids(ids: Sequence[int], param: str) -> None:
-        if len(ids) > engine.limits.max_total_tokens:
-            raise ApiError(400, f"more than {engine.limits.max_total_tokens} token ids (max_model_len)", param=param)
-        bad = [t for t in ids if not 0 <= t < engine.limits.vocab_size]
+        if len(ids) > prep.limits.max_total_tokens:
+            raise ApiError(400, f"more than {prep.limits.max_total_tokens} token ids (max_model_len)", param=param)
+        bad = [t for t in ids if not 0 <= t < prep.limits.vocab_size]
         if bad:
-            raise ApiError(
-                400, f"unknown token ids {bad[:5]} (vocabulary size {engine.limits.vocab_size})", param=param
-            )
+            raise ApiError(400, f"unknown token ids {bad[:5]} (vocabulary size {prep.limits.vocab_size})", param=param)
 
     @app.post("/tokenize", dependencies=[Depends(authorized)])
     async def tokenize(body: TokenizeRequest) -> Response:
@@ -316,11 +312,9 @@ def create_app(
             ids = await run_in_threadpool(tokenize_ids, body)
         except Exception as exc:
             return api_error(exc, CHAT_FIELDS if body.messages is not None else FIELDS).response()
-        strs = (
-            [engine.tokenizer.decode([i], skip_special_tokens=False) for i in ids] if body.return_token_strs else None
-        )
+        strs = [prep.tokenizer.decode([i], skip_special_tokens=False) for i in ids] if body.return_token_strs else None
         return JSONResponse(
-            {"count": len(ids), "max_model_len": engine.limits.max_total_tokens, "tokens": ids, "token_strs": strs}
+            {"count": len(ids), "max_model_len": prep.limits.max_total_tokens, "tokens": ids, "token_strs": strs}
         )
 
     @app.post("/detokenize", dependencies=[Depends(authorized)])
@@ -329,7 +323,7 @@ def create_app(
         check_model(body.model)
         try:
             check_token_ids(body.tokens, "tokens")
-            text = await run_in_threadpool(engine.tokenizer.decode, body.tokens)
+            text = await run_in_threadpool(prep.tokenizer.decode, body.tokens)
         except Exception as exc:
             return api_error(exc, FIELDS).response()
         return JSONResponse({"prompt": text})
@@ -339,12 +333,12 @@ def create_app(
         """What a remote tokenizer needs: the class, sizes, special tokens and ids, and the chat template (the
         harness's remote tokenizer reads ``eos_token``: the stop string it adds, and the prefix of an empty
         context)."""
-        tok = engine.tokenizer
+        tok = prep.tokenizer
         eos = tok.eos_token_id
         return {
             "tokenizer_class": type(tok).__name__,
-            "vocab_size": engine.limits.vocab_size,
-            "model_max_length": engine.limits.max_total_tokens,
+            "vocab_size": prep.limits.vocab_size,
+            "model_max_length": prep.limits.max_total_tokens,
             "eos_token": tok.decode([eos], skip_special_tokens=False) if eos is not None else None,
             "bos_token": None,  # none given: /tokenize adds what the tokenizer's own configuration says
             "pad_token": None,
@@ -359,32 +353,17 @@ def create_app(
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        reason = not_serving(service)
+        reason = door.verdict()
         if reason is None:
             return JSONResponse({"status": "serving", "model": served})
         return JSONResponse({"status": "not_serving", "reason": reason}, status_code=503)
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
-        exposition = service.metrics.exposition(request.headers.get("accept"))
-        # a front-end process's registry is the scheduler's, asked over the link
-        body, content_type = await exposition if inspect.isawaitable(exposition) else exposition
+        body, content_type = await door.exposition(request.headers.get("accept"))
         return Response(body, headers={"Content-Type": content_type})
 
     return app
-
-
-def not_serving(service: GenerationService) -> str | None:
-    """Why the server cannot take requests now (None: it can): draining, a stage down, the engine stopped, or the
-    readiness check's last verdict (``starting`` until its first check)."""
-    if service.draining:
-        return "draining"
-    if service.broken:
-        return service.broken
-    st = service.engine.stats()
-    if not st.healthy:
-        return st.error or "engine stopped"
-    return service.not_ready
 
 
 class _Server(uvicorn.Server):
@@ -495,8 +474,7 @@ async def serve_http(
 
 
 async def serve_api(
-    engine: Engine,
-    service: GenerationService,
+    door: FrontDoor,
     settings: Settings,
     address: str | None = None,
     *,
@@ -506,11 +484,11 @@ async def serve_api(
     """A scheduler's (or front end's) HTTP API: ``create_app`` served on ``address`` (default ``CDB_HTTP_ADDR``)
     until cancelled; ``reuse_port``: shared by several front-end processes.
 
-    Start it as a task beside the gRPC server once the service exists; cancel and await it after the drain (the
+    Start it as a task beside the gRPC server once the door exists; cancel and await it after the drain (the
     drain already covers HTTP requests, so the stop is quick)."""
     address = address or settings.http_addr
     if not address:
         raise ValueError("no address for the HTTP API (CDB_HTTP_ADDR or --http HOST:PORT)")
-    app = create_app(engine, service, settings)
+    app = create_app(door, settings)
     # the drain has already ended every request when this is cancelled: the stop only closes idle connections
     await serve_http(app, address, settings=settings, on_bound=on_bound, shutdown_timeout_s=2.0, reuse_port=reuse_port)

@@ -16,12 +16,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from cdb_api.v1 import generation_pb2 as pb
 from cdb_engine.engine import Engine
 from cdb_engine.errors import EngineError
 from cdb_engine.events import Event, FinishEvent
 from cdb_scheduler.request import FinishReason
 from services import telemetry
-from services.scheduler.handlers import GenerationService
+from services.scheduler.door import FrontDoor
 from services.transport.frontlink import (
     LinkError,
     Wire,
@@ -149,13 +150,16 @@ class _Peer:
 
 
 class LinkServer:
-    """Serve the front-end link on ``path`` for ``engine`` (``service``: Info replies and the readiness verdict;
-    its ``metrics`` take the front ends' observations)."""
+    """Serve the front-end link on ``path`` for ``engine`` (``door``: the readiness verdict, and the registry that
+    takes the front ends' observations; ``info``: the ``Info`` reply)."""
 
-    def __init__(self, path: str, engine: Engine, service: GenerationService, secret: str) -> None:
+    def __init__(
+        self, path: str, engine: Engine, door: FrontDoor, info: Callable[[], pb.InfoResponse], secret: str
+    ) -> None:
         self.path = path
         self.engine = engine
-        self.service = service
+        self.door = door
+        self.info = info
         self._secret = secret.encode()
         self._sock: socket.socket | None = None
         self._peers: set[_Peer] = set()
@@ -182,7 +186,7 @@ class LinkServer:
 
     def reason(self) -> str | None:
         """The readiness verdict front ends serve by (None: ready)."""
-        return self.service.broken or self.service.not_ready
+        return self.door.verdict()
 
     def _accept(self) -> None:
         assert self._sock is not None
@@ -203,7 +207,7 @@ class LinkServer:
             log.warning("front-end link: refused a connection: %s", exc)
             wire.close()
             return
-        peer = _Peer(wire, name, self.reason, self.engine.stats, self.service.settings.health_interval_s)
+        peer = _Peer(wire, name, self.reason, self.engine.stats, self.door.settings.health_interval_s)
         with self._lock:
             self._peers.add(peer)
         peer.start()  # (counted before it can hear it is ready)
@@ -245,7 +249,7 @@ class LinkServer:
     def _handle(self, peer: _Peer, msg: tuple[Any, ...]) -> None:
         kind = msg[0]
         if kind == "observe":
-            metrics = self.service.metrics
+            metrics = self.door.metrics
             for method, args in msg[1]:
                 if method in OBSERVATIONS:
                     getattr(metrics, method)(*args)
@@ -261,9 +265,9 @@ class LinkServer:
                     raise LinkError(f"abort: {reason!r} is not a finish reason")
                 value = self.engine.abort(msg[2], reason)
             elif kind == "info":
-                value = self.service.info().SerializeToString()
+                value = self.info().SerializeToString()
             elif kind == "exposition":
-                value = self.service.metrics.exposition(msg[2])
+                value = self.door.metrics.exposition(msg[2])
             else:
                 raise LinkError(f"unknown call {kind!r}")
         except EngineError as exc:
@@ -280,7 +284,7 @@ class LinkServer:
                 metadata=(("traceparent", traceparent),),
                 operation="engine",  # no request id: the front end's span is the request's (SERVER) span
             )
-        traces = self.service.traces
+        traces = self.door.traces
 
         def queued(rid: int) -> None:
             if traces is not None and span is not None:

@@ -21,11 +21,11 @@ LONG = {"ignore_eos": True}  # random weights may sample a stop id at once; thes
 
 
 def held(s: Served) -> dict[str, tuple[int, int]]:
-    return s.on_loop(s.service.shares.held)
+    return s.on_loop(s.door.shares.held)
 
 
 def settled(s: Served) -> None:
-    wait_until(lambda: not held(s) and not s.on_loop(lambda: len(s.service.live)), "every share to be given back")
+    wait_until(lambda: not held(s) and not s.on_loop(lambda: len(s.door.live)), "every share to be given back")
 
 
 def test_a_caller_at_its_limit_gets_429_and_another_key_is_served() -> None:

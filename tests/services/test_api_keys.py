@@ -67,7 +67,7 @@ def test_calls_without_a_valid_key_are_unauthenticated_and_do_no_work(
             assert err.value.details() == message
     after = engine.stats()
     assert (after.tokens, after.loop_steps) == (before.tokens, before.loop_steps)
-    assert not server.service.live
+    assert not server.door.live
 
 
 @pytest.mark.parametrize("key", ["alpha-key-1", "beta-key-2", "gamma-key-3"])

@@ -124,7 +124,7 @@ def test_client_certificates_scope_request_ids(mtls_server: PublicServer, pki: P
     with Client(mtls_server.address, timeout=30, tls=alice) as a, Client(mtls_server.address, tls=bob) as b:
         stream = a.stream("hello", request_id="job", max_tokens=1000, ignore_eos=True)
         next(stream)
-        (scoped,) = mtls_server.service.live
+        (scoped,) = mtls_server.door.live
         assert scoped.startswith("cert-") and scoped.endswith("/job")
         assert b.generate("x", request_id="job", max_tokens=2).request_id == "job"  # bob's own "job"
         assert b.abort("job") is False

@@ -106,7 +106,7 @@ def test_invalid_utf8_names_the_field_and_the_server_keeps_serving(
     assert "Traceback" not in capfd.readouterr().err  # nor printed by gRPC itself
     with Client(server.address, timeout=30) as client:
         assert len(client.generate("hello", max_tokens=3, ignore_eos=True).tokens) == 3
-    assert not server.service.live
+    assert not server.door.live
 
 
 def test_a_broken_wire_format_is_invalid_argument(server: PublicServer, caplog: pytest.LogCaptureFixture) -> None:
