@@ -19,9 +19,9 @@ from cdb_engine.preflight import ConfigError, check_config
 from cdb_model.loader import DEFAULT_MODEL
 from clients.common import StreamToken
 from clients.sync_client import Client
+from services.api.security import PortSecurity, read_api_keys
 from services.launcher import serve_all, serve_forever
 from services.net import ListenError, check_can_listen
-from services.scheduler.security import PortSecurity, read_api_keys
 from services.settings import Configuration
 from services.telemetry.logs import configure_logging
 

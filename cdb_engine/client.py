@@ -1,7 +1,7 @@
 """``EngineClient``: what the public front door needs of an engine, wherever the engine runs.
 
 Two implementations: ``InProcessClient`` (the engine in this process) and the remote client of a front-end process
-(``services.frontend.remote.RemoteClient``: the engine in the scheduler process, over the front-end link). Both
+(``services.frontlink.client.RemoteClient``: the engine in the scheduler process, over the front-end link). Both
 prepare requests with the same ``RequestPreparer`` and hand events out through the same ``RequestStream``, whose
 text the same ``TextOutput`` makes.
 """

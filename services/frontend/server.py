@@ -1,5 +1,5 @@
 """``cdb frontend``: a front-end process. It serves the public gRPC API (and the HTTP API when configured) over the
-engine of the scheduler process, reached through the front-end link (``services.transport.frontlink``).
+engine of the scheduler process, reached through the front-end link (``services.frontlink.wire``).
 
 Everything a public call does that is not planning happens here: authentication, fair shares and call caps,
 validation and tokenization, the request's metrics (relayed to the scheduler's registry) and span, streaming and
@@ -18,17 +18,17 @@ from cdb_api.v1 import generation_pb2 as pb
 from cdb_engine.config import EngineConfig
 from cdb_engine.prepare import RequestPreparer
 from services import heap, telemetry
-from services.frontend.remote import LinkClient, MetricsRelay, RemoteClient
+from services.api.door import FrontDoor
+from services.api.handlers import GenerationService
+from services.api.readiness import Readiness
+from services.api.security import PortSecurity
+from services.api.server import FrontEnd, event_loop_runner, serve
+from services.frontlink.client import LinkClient, MetricsRelay, RemoteClient
+from services.frontlink.wire import socket_path
 from services.http import serve_api
-from services.scheduler.door import FrontDoor
-from services.scheduler.handlers import GenerationService
-from services.scheduler.readiness import Readiness
-from services.scheduler.security import PortSecurity
-from services.scheduler.server import FrontEnd, event_loop_runner, serve
 from services.settings import Settings
 from services.stage_secret import load_stage_secret
 from services.telemetry.metrics import Metrics
-from services.transport.frontlink import socket_path
 
 log = logging.getLogger("cdb.frontend")
 

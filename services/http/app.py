@@ -10,12 +10,12 @@
   ``n``): one engine request each (``calls.Choice``), joined into one response or one SSE stream; ``echo`` begins a
   completion with its prompt and, with ``logprobs``, the prompt's full-depth logprobs (``max_tokens`` 0: only
   those). Chats render with the tokenizer's chat template or ``CDB_CHAT_TEMPLATE`` (``chat_template``).
-  Requests go through the same front door (``services.scheduler.door``) as the gRPC API: its admission, drain,
+  Requests go through the same front door (``services.api.door``) as the gRPC API: its admission, drain,
   health verdict, metrics and traces cover them too.
 - Request bodies over ``CDB_MAX_REQUEST_BYTES`` get 413 before they are parsed or their API key is checked, and
   bodies not received within ``CDB_BODY_READ_TIMEOUT_S`` 408 (``body_limit.BodyLimit``); building and validating a
   request (template, tokenization) runs off the event loop.
-- Fair shares: a caller's generation requests count in its share (``services.scheduler.shares``: its API key, else
+- Fair shares: a caller's generation requests count in its share (``services.api.shares``: its API key, else
   its client host), with the gRPC API's: over ``CDB_MAX_REQUESTS_PER_CALLER`` / ``CDB_MAX_STREAMS_PER_CALLER``
   (``stream: true``) it gets 429 ``rate_limit_exceeded`` naming the setting. Connections (``protocol``): request
   headers within ``CDB_HEADER_READ_TIMEOUT_S``, idle keep-alive ``CDB_HTTP_KEEP_ALIVE_S``, and a client that takes
@@ -49,6 +49,9 @@ from cdb_engine.config import RequestParams
 from cdb_engine.errors import InvalidRequest
 from cdb_engine.validation import check_messages_size, check_text_size
 from cdb_model.loader import load_generation_defaults
+from services.api.door import FrontDoor, Ticket
+from services.api.security import CallerAuth, read_api_keys
+from services.api.shares import host_key, share_scope
 from services.http.body_limit import BodyLimit
 from services.http.calls import Choice, open_call
 from services.http.chat_template import ChatTemplate, read_chat_template
@@ -64,9 +67,6 @@ from services.http.schemas import (
     TokenizeRequest,
 )
 from services.http.streaming import EventStream, sse_body, until_done_or_gone
-from services.scheduler.door import FrontDoor, Ticket
-from services.scheduler.security import CallerAuth, read_api_keys
-from services.scheduler.shares import host_key, share_scope
 from services.settings import Settings, served_names
 from services.version import server_version
 

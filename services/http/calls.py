@@ -11,10 +11,10 @@ from dataclasses import dataclass
 
 from cdb_engine.limits import INT32_MAX
 from services import telemetry
+from services.api.door import FrontDoor, Prepare, Ticket
+from services.api.errors import Unauthenticated, status_for
+from services.api.security import ANONYMOUS_SCOPE
 from services.http.responses import Render
-from services.scheduler.door import FrontDoor, Prepare, Ticket
-from services.scheduler.errors import Unauthenticated, status_for
-from services.scheduler.security import ANONYMOUS_SCOPE
 from services.telemetry.request_observer import ObservedRequest
 
 

@@ -20,9 +20,9 @@ from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from cdb_engine.events import Event, TokenEvent
+from services.api.door import Ticket
 from services.http.errors import ApiError, api_error
 from services.http.responses import Render, usage_of
-from services.scheduler.door import Ticket
 
 
 def sse_data(obj: Any) -> bytes:

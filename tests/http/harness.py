@@ -27,9 +27,9 @@ from cdb_engine.engine import Engine
 from cdb_engine.inprocess import InProcessExecutor
 from cdb_engine.setup import StageSetup
 from cdb_scheduler.plan import StageLoss, StageOp, StageResult
+from services.api.door import FrontDoor
+from services.api.readiness import Readiness
 from services.http.app import create_app, serve_http
-from services.scheduler.door import FrontDoor
-from services.scheduler.readiness import Readiness
 from services.settings import Settings
 
 SETTINGS = Settings(health_interval_s=0.05)

@@ -17,9 +17,9 @@ import pytest
 
 from cdb_engine.client import InProcessClient
 from cdb_engine.engine import Engine
+from services.api.door import FrontDoor
 from services.http.app import serve_api
 from services.http.errors import param_of
-from services.scheduler.door import FrontDoor
 from tests.http.harness import SETTINGS, TINY, Served, served, wait_until
 from tests.services.tree import free_port
 
@@ -29,7 +29,7 @@ LONG = {"ignore_eos": True}  # random weights may sample a stop id at once; thes
 
 
 def drain(s: Served, timeout: float) -> asyncio.Future:
-    """The scheduler's drain (``services.scheduler.server.serve``) run on the server's loop: refuse new work, wait
+    """The scheduler's drain (``services.api.server.serve``) run on the server's loop: refuse new work, wait
     up to ``timeout`` s for in-flight requests, then cut the rest. Resolves to "idle" or "cut"."""
     door = s.door
 

@@ -16,13 +16,13 @@ import pytest
 from cdb_engine.client import InProcessClient
 from cdb_engine.config import EngineConfig
 from cdb_engine.engine import Engine
+from services.api.door import FrontDoor
+from services.api.handlers import GenerationService
+from services.api.info import EngineInfo
+from services.api.readiness import Readiness
+from services.api.security import PortSecurity
+from services.api.server import build_server
 from services.net import listen_on
-from services.scheduler.door import FrontDoor
-from services.scheduler.handlers import GenerationService
-from services.scheduler.info import EngineInfo
-from services.scheduler.readiness import Readiness
-from services.scheduler.security import PortSecurity
-from services.scheduler.server import build_server
 from services.settings import Settings
 
 TINY = EngineConfig(model="ouro-tiny", max_num_seqs=4, num_kv_blocks=256, max_total_tokens=1024, max_waiting=16)

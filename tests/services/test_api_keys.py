@@ -13,8 +13,8 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from cdb_engine.engine import Engine
 from clients.sync_client import Client
-from services.scheduler.errors import Unauthenticated
-from services.scheduler.security import ANONYMOUS_SCOPE, CallerAuth, SecurityConfigError, read_api_keys
+from services.api.errors import Unauthenticated
+from services.api.security import ANONYMOUS_SCOPE, CallerAuth, SecurityConfigError, read_api_keys
 from services.settings import Settings
 from tests.services.public_port import PublicServer, assert_no_errors_logged, public_server, tiny_engine
 

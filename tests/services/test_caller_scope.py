@@ -11,7 +11,7 @@ import pytest
 from cdb_engine.engine import Engine
 from clients.common import StreamFinish, StreamToken
 from clients.sync_client import Client
-from services.scheduler.security import ANONYMOUS_SCOPE
+from services.api.security import ANONYMOUS_SCOPE
 from services.settings import Settings
 from tests.services.public_port import PublicServer, public_server, tiny_engine
 

@@ -15,7 +15,7 @@ from cdb_api.v1 import generation_pb2_grpc
 from cdb_engine.engine import Engine
 from clients.common import StreamFinish, StreamToken
 from clients.sync_client import Client
-from services.scheduler.shares import grpc_peer_host, host_key, share_scope
+from services.api.shares import grpc_peer_host, host_key, share_scope
 from services.settings import Settings
 from tests.http.harness import wait_until
 from tests.services.public_port import PublicServer, public_server, tiny_engine

@@ -28,12 +28,12 @@ from cdb_engine.events import FinishEvent, TokenEvent
 from cdb_engine.prepare import RequestPreparer
 from cdb_scheduler.plan import LogitsProcessing, SamplingParams
 from cdb_scheduler.request import FinishReason
-from services.frontend.remote import LinkClient, MetricsRelay, RemoteClient
-from services.scheduler.door import FrontDoor
-from services.scheduler.info import EngineInfo
-from services.scheduler.link_server import LinkServer
+from services.api.door import FrontDoor
+from services.api.info import EngineInfo
+from services.frontlink.client import LinkClient, MetricsRelay, RemoteClient
+from services.frontlink.server import LinkServer
+from services.frontlink.wire import LinkError, Wire, client_handshake, dumps, loads, server_handshake
 from services.settings import Settings
-from services.transport.frontlink import LinkError, Wire, client_handshake, dumps, loads, server_handshake
 from tests.services.tree import SHARED_CONFIG
 
 pytestmark = pytest.mark.timeout(120)

@@ -23,8 +23,8 @@ from clients.async_client import AsyncClient
 from clients.cli import generate_main
 from clients.common import StreamFinish, TlsOptions
 from clients.sync_client import Client
+from services.api.security import PortSecurity, SecurityConfigError
 from services.net import wait_ready_file
-from services.scheduler.security import PortSecurity, SecurityConfigError
 from services.settings import Settings
 from tests.services.certs import CertificateAuthority, Pem
 from tests.services.public_port import PublicServer, public_server, tiny_engine

@@ -13,7 +13,7 @@ from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from cdb_api.v1 import generation_pb2 as pb
 from cdb_engine.engine import Engine
 from clients.sync_client import Client
-from services.scheduler.decoding import Undecodable, describe_undecodable, tolerant_deserializer
+from services.api.decoding import Undecodable, describe_undecodable, tolerant_deserializer
 from tests.services.public_port import PublicServer, assert_no_errors_logged, public_server, tiny_engine
 
 pytestmark = pytest.mark.timeout(60)

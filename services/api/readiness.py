@@ -19,7 +19,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from cdb_api.v1 import generation_pb2 as pb
 from cdb_scheduler.plan import Stage
-from services.scheduler.door import FrontDoor
+from services.api.door import FrontDoor
 from services.settings import Settings
 
 log = logging.getLogger("cdb.scheduler")

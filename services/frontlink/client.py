@@ -1,7 +1,7 @@
 """A front end's view of the engine in the scheduler process: ``LinkClient`` (the connection), ``RemoteClient``
 (the ``EngineClient`` the front door uses) and ``MetricsRelay`` (request metrics sent to the scheduler).
 
-The front door (``services.scheduler.door``) runs unchanged over a ``RemoteClient``: requests are prepared here
+The front door (``services.api.door``) runs unchanged over a ``RemoteClient``: requests are prepared here
 (``RequestPreparer``: the model's config, tokenizer and limits, no engine), submitted over the link with the
 scheduler's acknowledgement awaited (so a refusal, a full queue or a duplicate id is raised before anything is
 streamed, as in-process), and each request's events are handed to its ``RequestStream`` from the link's reader
@@ -30,7 +30,7 @@ from cdb_engine.events import EngineStats, FinishEvent, RequestObserver
 from cdb_engine.prepare import RequestPreparer
 from cdb_engine.stream import RequestStream
 from cdb_scheduler.request import FinishReason
-from services.transport.frontlink import (
+from services.frontlink.wire import (
     LinkError,
     Wire,
     client_handshake,

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from cdb_api.v1 import generation_pb2 as pb
 from cdb_engine.engine import Engine
-from services.scheduler import messages
-from services.scheduler.door import FrontDoor
+from services.api import messages
+from services.api.door import FrontDoor
 from services.settings import Resolved, served_names
 from services.version import server_version
 

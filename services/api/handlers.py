@@ -1,6 +1,6 @@
-"""``cdb.v1.Generation`` handlers over the front door (``services.scheduler.door``): protobuf -> door -> protobuf.
+"""``cdb.v1.Generation`` handlers over the front door (``services.api.door``): protobuf -> door -> protobuf.
 
-- Every exception goes through ``services.scheduler.errors`` (the one status map).
+- Every exception goes through ``services.api.errors`` (the one status map).
 - Admission, shares, the live registry, finishing and aborting are the door's; a request's events come from its
   ticket (``Ticket.batches``). A client cancel, disconnect or deadline leaves the ticket, which aborts the request.
 - Request ids live in the caller's scope (``CallerAuth.scope``: its API key's digest, its client certificate, or
@@ -8,8 +8,8 @@
   abort nor collide with another caller's ids; responses, spans and errors carry the caller's own ``request_id``
   (spans add the scope as ``cdb.caller``).
 - ``add_generation_service`` registers the handlers with request deserializers that never raise
-  (``services.scheduler.decoding``): an undecodable request gets INVALID_ARGUMENT naming the field.
-- ``caps`` are the gRPC server's call caps (an interceptor, ``services.scheduler.shares``); a ``GenerateStream``
+  (``services.api.decoding``): an undecodable request gets INVALID_ARGUMENT naming the field.
+- ``caps`` are the gRPC server's call caps (an interceptor, ``services.api.shares``); a ``GenerateStream``
   whose client takes no message for ``CDB_STREAM_STALL_TIMEOUT_S`` is ended with DEADLINE_EXCEEDED and its request
   aborted.
 """
@@ -30,11 +30,11 @@ from cdb_api.v1 import generation_pb2_grpc
 from cdb_engine.events import TokenEvent
 from cdb_engine.validation import check_request_id
 from services import telemetry
-from services.scheduler import messages
-from services.scheduler.decoding import Undecodable, tolerant_deserializer
-from services.scheduler.door import FrontDoor, Ticket
-from services.scheduler.errors import UndecodableRequest, mapped_errors, status_for
-from services.scheduler.shares import CallCaps, StallGuard
+from services.api import messages
+from services.api.decoding import Undecodable, tolerant_deserializer
+from services.api.door import FrontDoor, Ticket
+from services.api.errors import UndecodableRequest, mapped_errors, status_for
+from services.api.shares import CallCaps, StallGuard
 from services.telemetry.request_observer import ObservedRequest
 
 _SERVICE = pb.DESCRIPTOR.services_by_name["Generation"]

@@ -1,4 +1,4 @@
-"""``LinkServer``: the scheduler's end of the front-end link (``services.transport.frontlink``).
+"""``LinkServer``: the scheduler's end of the front-end link (``services.frontlink.wire``).
 
 One thread accepts connections; each admitted front end gets a reader thread (its calls: submit, abort, info,
 exposition, observe) and a writer thread. The engine thread never writes to a socket: a request's sink appends the
@@ -14,7 +14,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from cdb_api.v1 import generation_pb2 as pb
 from cdb_engine.engine import Engine
@@ -22,8 +22,7 @@ from cdb_engine.errors import EngineError
 from cdb_engine.events import Event, FinishEvent
 from cdb_scheduler.request import FinishReason
 from services import telemetry
-from services.scheduler.door import FrontDoor
-from services.transport.frontlink import (
+from services.frontlink.wire import (
     LinkError,
     Wire,
     dumps,
@@ -32,8 +31,21 @@ from services.transport.frontlink import (
     loads,
     server_handshake,
 )
+from services.settings import Settings
+from services.telemetry.metrics import Metrics
 
 log = logging.getLogger("cdb.link")
+
+
+class Door(Protocol):
+    """What the link uses of the scheduler's front door (``services.api.door.FrontDoor``)."""
+
+    settings: Settings
+    metrics: Metrics
+    traces: telemetry.RequestTraces | None
+
+    def verdict(self) -> str | None: ...
+
 
 # the request metrics a front end records (``ObservedRequest``) and the scheduler's registry takes from it
 OBSERVATIONS = frozenset(
@@ -153,9 +165,7 @@ class LinkServer:
     """Serve the front-end link on ``path`` for ``engine`` (``door``: the readiness verdict, and the registry that
     takes the front ends' observations; ``info``: the ``Info`` reply)."""
 
-    def __init__(
-        self, path: str, engine: Engine, door: FrontDoor, info: Callable[[], pb.InfoResponse], secret: str
-    ) -> None:
+    def __init__(self, path: str, engine: Engine, door: Door, info: Callable[[], pb.InfoResponse], secret: str) -> None:
         self.path = path
         self.engine = engine
         self.door = door

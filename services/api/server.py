@@ -51,15 +51,15 @@ from cdb_engine.setup import StageSetup
 from cdb_scheduler import _native as native
 from cdb_scheduler.plan import Executor, Stage
 from services import heap, telemetry
+from services.api.door import FrontDoor
+from services.api.fatal import ExitOnEngineFailure
+from services.api.handlers import GenerationService, add_generation_service
+from services.api.info import EngineInfo
+from services.api.readiness import SERVICE_NAME, Readiness
+from services.api.security import PortSecurity
+from services.frontlink.server import LinkServer
 from services.net import NO_REUSEPORT, bound_address, is_host_port, listen_on, require_loopback, write_ready_file
 from services.reflection import enable_reflection
-from services.scheduler.door import FrontDoor
-from services.scheduler.fatal import ExitOnEngineFailure
-from services.scheduler.handlers import GenerationService, add_generation_service
-from services.scheduler.info import EngineInfo
-from services.scheduler.link_server import LinkServer
-from services.scheduler.readiness import SERVICE_NAME, Readiness
-from services.scheduler.security import PortSecurity
 from services.settings import Settings, load_settings, served_names
 from services.stage_secret import load_stage_secret
 from services.telemetry.logs import ThroughputLog

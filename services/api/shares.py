@@ -34,7 +34,7 @@ from typing import Any
 
 import grpc
 
-from services.scheduler.errors import CallerLimit
+from services.api.errors import CallerLimit
 from services.settings import Settings
 
 ANONYMOUS_SCOPE = "anon"  # callers without an API key or a client certificate (``security.CallerAuth.scope``)

@@ -16,7 +16,7 @@ its wire format; nothing else. The door holds what a request goes through betwee
   periodic readiness check's (``not_ready``, set by ``readiness.Readiness``).
 
 The same door runs in the scheduler process over an ``InProcessClient`` and in a front-end process over the remote
-client (``services.frontend.remote``).
+client (``services.frontlink.client``).
 """
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ from cdb_engine.prepare import RequestPreparer
 from cdb_engine.stream import RequestStream
 from cdb_scheduler.request import FinishReason
 from services import telemetry
-from services.scheduler.errors import ServerDraining, StageFailed
-from services.scheduler.security import CallerAuth
-from services.scheduler.shares import CallerShares, Share
+from services.api.errors import ServerDraining, StageFailed
+from services.api.security import CallerAuth
+from services.api.shares import CallerShares, Share
 from services.settings import Settings
 from services.telemetry.metrics import Metrics
 from services.telemetry.request_observer import ObservedRequest
