@@ -24,6 +24,7 @@ from services.api.readiness import Readiness
 from services.api.security import PortSecurity
 from services.api.server import FrontEnd, event_loop_runner, serve
 from services.frontlink.client import LinkClient, MetricsRelay, RemoteClient
+from services.frontlink.messages import AskInfo
 from services.frontlink.wire import socket_path
 from services.http import serve_api
 from services.settings import Settings
@@ -54,7 +55,7 @@ def run_frontend(
         door = FrontDoor(engine, settings, cast(Metrics, relay), auth=security.auth, exposition=relay.exposition)
 
         async def info() -> pb.InfoResponse:
-            return pb.InfoResponse.FromString(await client.ask("info"))
+            return pb.InfoResponse.FromString(await client.ask(AskInfo(0)))
 
         shared = settings.frontends > 1
         service = GenerationService(door, info, "microservices")

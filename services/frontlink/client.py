@@ -30,15 +30,23 @@ from cdb_engine.events import EngineStats, FinishEvent, RequestObserver
 from cdb_engine.prepare import RequestPreparer
 from cdb_engine.stream import RequestStream
 from cdb_scheduler.request import FinishReason
-from services.frontlink.wire import (
+from services.frontlink.messages import (
+    Abort,
+    AskExposition,
+    AskInfo,
+    Call,
+    Events,
     LinkError,
-    Wire,
-    client_handshake,
-    connect_unix,
-    dumps,
-    loads,
-    raise_error,
+    News,
+    Observe,
+    Reply,
+    Submit,
+    decode_news,
+    encode,
 )
+from services.frontlink.wire import Wire, client_handshake, connect_unix
+
+Asking = Submit | Abort | AskInfo | AskExposition  # the calls that want an answer
 
 log = logging.getLogger("cdb.frontend")
 
@@ -73,32 +81,33 @@ class LinkClient:
         return self
 
     # --- calls -------------------------------------------------------------------------------------------------
-    def send(self, message: tuple[Any, ...]) -> None:
+    def send(self, message: Call) -> None:
         """Send a frame that wants no answer; raises ``EngineStopped`` when the link is down."""
         wire = self._wire
         if wire is None:
             raise EngineStopped(self.reason or "the scheduler link is down")
         try:
-            wire.send(dumps(message))
+            wire.send(encode(message))
         except OSError as exc:
             raise EngineStopped(f"the scheduler link is down ({exc})") from None
 
-    def call(self, kind: str, *args: Any) -> Future[Any]:
-        """Send a call; its answer (or the engine error it raised) completes the returned future."""
+    def call(self, message: Asking) -> Future[Any]:
+        """Send a call (under a call id of its own); its answer (or the engine error it raised) completes the
+        returned future."""
         fut: Future[Any] = Future()
-        cid = next(self._cids)
+        cid = message.cid = next(self._cids)
         with self._lock:
             self._calls[cid] = fut
         try:
-            self.send((kind, cid, *args))
+            self.send(message)
         except EngineStopped as exc:
             with self._lock:
                 self._calls.pop(cid, None)
             fut.set_exception(exc)
         return fut
 
-    async def ask(self, kind: str, *args: Any) -> Any:
-        return await asyncio.wrap_future(self.call(kind, *args))
+    async def ask(self, message: Asking) -> Any:
+        return await asyncio.wrap_future(self.call(message))
 
     # --- the connection ----------------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -121,7 +130,7 @@ class LinkClient:
             why = "the scheduler closed the link"
             try:
                 while True:
-                    self._on_frame(loads(wire.recv()))
+                    self._on_frame(decode_news(wire.recv()))
             except (OSError, LinkError, EOFError) as exc:
                 why = f"the scheduler link was lost ({exc})"
             finally:
@@ -130,41 +139,41 @@ class LinkClient:
                 wire.close()
                 self._lost(why)
 
-    def _on_frame(self, msg: tuple[Any, ...]) -> None:
-        kind = msg[0]
-        if kind == "events":
-            streams = self.streams
-            for event in msg[1]:
-                key = event.request_id
-                stream = streams.get(key)
-                if stream is None:
-                    continue  # its consumer left and aborted it
-                out = stream.text
-                assert out is not None  # (this side makes the text of every request it submitted)
-                if isinstance(event, FinishEvent):
-                    del streams[key]
-                    stream.sink(out.finish(event))
-                elif (text := out.text(event.token_id, event.depth)) is not None:
-                    event.text = text  # (an unpickled event: this front end's own)
-                    stream.sink(event)
-                    if out.stopped:
-                        with contextlib.suppress(EngineStopped):  # (a link that is down has ended it already)
-                            self.send(("abort", 0, key, FinishReason.STOP))
-        elif kind == "reply":
-            _, cid, err, value = msg
+    def _on_frame(self, msg: News) -> None:
+        if isinstance(msg, Events):
+            self._on_events(msg)
+        elif isinstance(msg, Reply):
             with self._lock:
-                fut = self._calls.pop(cid, None)
+                fut = self._calls.pop(msg.cid, None)
             if fut is None:
                 return
-            if err is None:
-                fut.set_result(value)
+            if msg.error is None:
+                fut.set_result(msg.value)
             else:
-                try:
-                    raise_error(err)
-                except Exception as exc:
-                    fut.set_exception(exc)
-        elif kind == "status":
-            _, self.reason, self.stats = msg
+                fut.set_exception(msg.error.exception())
+        else:
+            self.reason, self.stats = msg.reason, msg.stats
+
+    def _on_events(self, msg: Events) -> None:
+        """Each event to its stream, with its text made here (``TextOutput``: the stop-string rule)."""
+        streams = self.streams
+        for token in msg.tokens:
+            key = token.request_id
+            stream = streams.get(key)
+            if stream is None or stream.text is None:
+                continue  # its consumer left and aborted it
+            out = stream.text
+            if (text := out.text(token.token_id, token.depth)) is not None:
+                token.text = text  # (a decoded event: this front end's own)
+                stream.sink(token)
+                if out.stopped:
+                    with contextlib.suppress(EngineStopped):  # (a link that is down has ended it already)
+                        self.send(Abort(0, key, FinishReason.STOP))
+        for finish in msg.finishes:
+            key = finish.request_id
+            stream = streams.pop(key, None)
+            if stream is not None and stream.text is not None:
+                stream.sink(stream.text.finish(finish))
 
     def _lost(self, why: str) -> None:
         """The scheduler is gone: its requests cannot go on; every live one ends with an error."""
@@ -225,7 +234,7 @@ class RemoteClient:
         span = getattr(observer, "span", None)
         traceparent = span.traceparent if span is not None and span.recording else ""
         try:
-            await link.ask("submit", request_id, list(prompt_ids), params, traceparent)
+            await link.ask(Submit(0, request_id, list(prompt_ids), params, traceparent))
         except BaseException:
             if link.streams.get(request_id) is stream:
                 del link.streams[request_id]
@@ -234,14 +243,14 @@ class RemoteClient:
 
     def _abort_own(self, request_id: str) -> None:
         with contextlib.suppress(EngineStopped):  # the link is down: the scheduler has aborted it already
-            self.link.send(("abort", 0, request_id))
+            self.link.send(Abort(0, request_id))
 
     async def abort(self, request_id: str) -> bool:
         """End a request: one of this front end's at once (True); another's by asking the scheduler."""
         if self.link.streams.get(request_id) is not None:
             self._abort_own(request_id)
             return True
-        found: bool = await self.link.ask("abort", request_id)
+        found: bool = await self.link.ask(Abort(0, request_id))
         return found
 
 
@@ -252,7 +261,7 @@ class MetricsRelay:
 
     def __init__(self, link: LinkClient) -> None:
         self.link = link
-        self._calls: list[tuple[str, tuple[Any, ...]]] = []
+        self._calls: list[tuple[str, list[Any]]] = []
         self._itls: list[float] = []
         self._depths: list[int] = []
         self._lock = threading.Lock()
@@ -274,12 +283,12 @@ class MetricsRelay:
 
         def record(*args: Any) -> None:  # per request, not per token
             with self._lock:
-                self._calls.append((name, args))
+                self._calls.append((name, list(args)))
 
         return record
 
     async def exposition(self, accept: str | None) -> tuple[bytes, str]:
-        body, content_type = await self.link.ask("exposition", accept)
+        body, content_type = await self.link.ask(AskExposition(0, accept))
         return body, content_type
 
     def flush(self) -> None:
@@ -288,12 +297,12 @@ class MetricsRelay:
             itls, self._itls = self._itls, []
             depths, self._depths = self._depths, []
         if itls:
-            buf.append(("observe_itls", (itls,)))
+            buf.append(("observe_itls", [itls]))
         if depths:
-            buf.append(("observe_token_depths", (depths,)))
+            buf.append(("observe_token_depths", [depths]))
         if buf:
             with contextlib.suppress(EngineStopped):  # the scheduler is gone, and its registry with it
-                self.link.send(("observe", buf))
+                self.link.send(Observe(buf))
 
     def _run(self) -> None:
         while not self._stop.wait(_FLUSH_S):

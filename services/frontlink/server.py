@@ -20,17 +20,22 @@ from cdb_api.v1 import generation_pb2 as pb
 from cdb_engine.engine import Engine
 from cdb_engine.errors import EngineError
 from cdb_engine.events import Event, FinishEvent
-from cdb_scheduler.request import FinishReason
 from services import telemetry
-from services.frontlink.wire import (
+from services.frontlink.messages import (
+    Abort,
+    AskInfo,
+    Call,
+    Events,
     LinkError,
-    Wire,
-    dumps,
-    error_tuple,
-    listen_unix,
-    loads,
-    server_handshake,
+    Observe,
+    Refusal,
+    Reply,
+    Status,
+    Submit,
+    decode_call,
+    encode,
 )
+from services.frontlink.wire import Wire, listen_unix, server_handshake
 from services.settings import Settings
 from services.telemetry.metrics import Metrics
 
@@ -77,7 +82,7 @@ class _Peer:
         self._last_reason: str | None = None
         self._cond = threading.Condition()
         self._events: list[Event] = []
-        self._replies: list[tuple[Any, ...]] = []
+        self._replies: list[Reply] = []
         self._closed = False
         self._departed = False
         self.admitting = threading.Lock()  # its submissions and its departure, one at a time
@@ -120,11 +125,11 @@ class _Peer:
             if len(self._events) == 1:
                 self._cond.notify()
 
-    def reply(self, cid: int, err: tuple[str, tuple[Any, ...]] | None, value: Any = None) -> None:
-        if not cid:
+    def reply(self, message: Reply) -> None:
+        if not message.cid:
             return
         with self._cond:
-            self._replies.append(("reply", cid, err, value))
+            self._replies.append(message)
             self._cond.notify()
 
     def _write(self) -> None:
@@ -138,10 +143,10 @@ class _Peer:
                         return
                     events, self._events = self._events, []
                     replies, self._replies = self._replies, []
-                for frame in replies:  # an ack before the events of its request's first result
-                    self.wire.send(dumps(frame))
+                for reply in replies:  # an ack before the events of its request's first result
+                    self.wire.send(encode(reply))
                 if events:
-                    self.wire.send(dumps(("events", events)))
+                    self.wire.send(encode(Events.of(events)))
                 self._send_status()
         except (OSError, LinkError):
             self.close()  # the reader sees the socket end and releases the requests
@@ -152,7 +157,7 @@ class _Peer:
         if not force and now < self._status_due and reason == self._last_reason:
             return
         self._last_reason, self._status_due = reason, now + self._interval_s
-        self.wire.send(dumps(("status", reason, self._stats())))
+        self.wire.send(encode(Status(reason, self._stats())))
 
     def close(self) -> None:
         with self._cond:
@@ -224,7 +229,7 @@ class LinkServer:
         log.info("front end %s connected", name)
         try:
             while True:
-                self._handle(peer, loads(wire.recv()))
+                self._handle(peer, decode_call(wire.recv()))
         except (OSError, LinkError, EOFError):
             pass
         except Exception:  # a frame it may not send: drop the connection, keep serving the others
@@ -256,36 +261,30 @@ class LinkServer:
             if other.wire.peer_gone():
                 self._depart(other)
 
-    def _handle(self, peer: _Peer, msg: tuple[Any, ...]) -> None:
-        kind = msg[0]
-        if kind == "observe":
+    def _handle(self, peer: _Peer, msg: Call) -> None:
+        if isinstance(msg, Observe):
             metrics = self.door.metrics
-            for method, args in msg[1]:
+            for method, args in msg.calls:
                 if method in OBSERVATIONS:
                     getattr(metrics, method)(*args)
             return
-        cid = msg[1]
         value: Any = None
         try:
-            if kind == "submit":
-                self._submit(peer, *msg[2:])
-            elif kind == "abort":  # (key[, reason]: a front end that found a stop string ends it with STOP)
-                reason = msg[3] if len(msg) > 3 else FinishReason.CANCELLED
-                if not isinstance(reason, FinishReason):
-                    raise LinkError(f"abort: {reason!r} is not a finish reason")
-                value = self.engine.abort(msg[2], reason)
-            elif kind == "info":
+            if isinstance(msg, Submit):
+                self._submit(peer, msg)
+            elif isinstance(msg, Abort):
+                value = self.engine.abort(msg.key, msg.reason)
+            elif isinstance(msg, AskInfo):
                 value = self.info().SerializeToString()
-            elif kind == "exposition":
-                value = self.door.metrics.exposition(msg[2])
             else:
-                raise LinkError(f"unknown call {kind!r}")
+                value = self.door.metrics.exposition(msg.accept)
         except EngineError as exc:
-            peer.reply(cid, error_tuple(exc))
+            peer.reply(Reply(msg.cid, Refusal.of(exc)))
         else:
-            peer.reply(cid, None, value)
+            peer.reply(Reply(msg.cid, None, value))
 
-    def _submit(self, peer: _Peer, key: str, ids: list[int], params: Any, traceparent: str) -> None:
+    def _submit(self, peer: _Peer, msg: Submit) -> None:
+        key, params, traceparent = msg.key, msg.params, msg.traceparent
         span = None
         if traceparent and telemetry.enabled():  # the stage hops of a traced request, under the front end's span
             span = telemetry.start_request_span(
@@ -311,7 +310,7 @@ class LinkServer:
             if not peer.track(key):
                 raise LinkError(f"front end {peer.name} has left")
             try:
-                self.engine.submit(ids, params, sink, key, on_queued=queued, detokenize=False)  # (text: front end)
+                self.engine.submit(msg.ids, params, sink, key, on_queued=queued, detokenize=False)  # (text: front end)
             except BaseException:
                 peer.untrack(key)
                 if span is not None:

@@ -26,13 +26,24 @@ from cdb_engine.engine import Engine
 from cdb_engine.errors import InvalidRequest
 from cdb_engine.events import FinishEvent, TokenEvent
 from cdb_engine.prepare import RequestPreparer
-from cdb_scheduler.plan import LogitsProcessing, SamplingParams
+from cdb_scheduler.plan import LogitsProcessing, SamplingParams, TokenLogprobs
 from cdb_scheduler.request import FinishReason
 from services.api.door import FrontDoor
 from services.api.info import EngineInfo
 from services.frontlink.client import LinkClient, MetricsRelay, RemoteClient
+from services.frontlink.messages import (
+    Abort,
+    AskInfo,
+    Events,
+    LinkError,
+    Reply,
+    Submit,
+    decode_call,
+    decode_news,
+    encode,
+)
 from services.frontlink.server import LinkServer
-from services.frontlink.wire import LinkError, Wire, client_handshake, dumps, loads, server_handshake
+from services.frontlink.wire import Wire, client_handshake, server_handshake
 from services.settings import Settings
 from tests.services.tree import SHARED_CONFIG
 
@@ -192,11 +203,11 @@ def test_a_stream_resumed_before_the_dead_front_ends_link_end_is_read_is_admitte
     dead = Wire(sock)
     client_handshake(dead, SECRET.encode())
     long = RequestParams(max_tokens=300, ignore_eos=True)
-    dead.send(dumps(("submit", 1, "x/resumed", [4, 5, 6], long, "")))
-    while (frame := loads(dead.recv()))[0] != "reply":  # (status frames first)
+    dead.send(encode(Submit(1, "x/resumed", [4, 5, 6], long, "")))
+    while not isinstance(frame := decode_news(dead.recv()), Reply):  # (status frames first)
         pass
-    assert frame[1:3] == (1, None), frame
-    dead.send(dumps(("info", 2)))
+    assert (frame.cid, frame.error) == (1, None), frame
+    dead.send(encode(AskInfo(2)))
     assert busy.wait(10)
     dead.close()  # the front end's process is gone; its reader is still inside the Info call
     b = _ready(link.front_end())
@@ -251,15 +262,18 @@ class _Evil:
         return (os.system, ("true",))
 
 
-def test_frames_carry_data_not_code() -> None:
+def test_frames_carry_typed_data_not_code() -> None:
     processing = LogitsProcessing(presence_penalty=0.5, logit_bias=((3, 1.0),), min_tokens=2, stop_ids=(0,))
     sampling = SamplingParams(temperature=0.5, top_k=4, top_p=0.9, seed=1, logprobs=2, processing=processing)
     params = RequestParams(max_tokens=3, sampling=sampling, stop_strings=("a",))
     event = FinishEvent("k", FinishReason.STOP, 1, 2, 3)
-    assert loads(dumps(("submit", 1, "k", [1, 2], params, ""))) == ("submit", 1, "k", [1, 2], params, "")
-    token = TokenEvent("k", 0, 5, "a", 3, None, 7)
-    assert loads(dumps(("events", [token, event])))[1] == [token, event]
-    with pytest.raises(pickle.UnpicklingError, match="does not carry"):
-        loads(pickle.dumps(_Evil()))
-    with pytest.raises(pickle.UnpicklingError, match="does not carry"):
-        loads(pickle.dumps(Engine))  # a project class that is not plain data
+    assert decode_call(encode(Submit(1, "k", [1, 2], params, ""))) == Submit(1, "k", [1, 2], params, "")
+    token = TokenEvent("k", 0, 5, "a", 3, TokenLogprobs(-0.5, (5, 6), (-0.5, -1.5)), 7)
+    assert decode_news(encode(Events.of([token, event]))) == Events([token], [event])
+    assert decode_call(encode(Abort(0, "k", FinishReason.STOP))).reason is FinishReason.STOP
+    with pytest.raises(LinkError, match="not a message"):
+        decode_call(pickle.dumps(_Evil()))
+    with pytest.raises(LinkError, match="not a message"):
+        decode_call(encode(Events.of([token])))  # a message of the other direction
+    with pytest.raises(LinkError, match="not a message"):
+        decode_call(encode(Submit(1, "k", [1, 2], params, ""))[:-1] + b"\xc1")  # a field that is no message
