@@ -22,11 +22,11 @@ from cdb_engine.config import EngineConfig, RequestParams
 from cdb_engine.detokenizer import TextOutput
 from cdb_engine.errors import EngineStopped, InvalidRequest, Overloaded
 from cdb_engine.events import Completion, EngineStats, Event, FinishEvent, RequestObserver, TokenEvent
-from cdb_engine.limits import Limits, build_policy
+from cdb_engine.limits import Limits
 from cdb_engine.prepare import RequestPreparer
 from cdb_engine.setup import StageSetup
 from cdb_engine.stream import RequestStream
-from cdb_scheduler.plan import Executor, SamplingParams, StageLoss
+from cdb_scheduler.plan import Executor, StageLoss
 from cdb_scheduler.request import Finished, FinishReason, Request, TokenOut
 from cdb_scheduler.scheduler import Scheduler
 from cdb_scheduler.stats import SchedulerStats
@@ -167,7 +167,7 @@ class Engine:
                 )
             self._by_id[request_id] = rid
         try:
-            req = self._request(rid, prompt_ids, params)
+            req = self.prep.request(rid, prompt_ids, params)
             out = self.prep.output(params)  # (checks resumed tokens even when the caller makes the text)
             live = _Live(request_id, req, sink, out if detokenize else None)
         except InvalidRequest:
@@ -183,30 +183,6 @@ class Engine:
 
         self._command(add)
         return request_id
-
-    def _request(self, rid: int, prompt_ids: Sequence[int], params: RequestParams) -> Request:
-        stop = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            stop.update(self.model_config.stop_token_ids)
-        if any(t in stop for t in params.resume_tokens):
-            raise InvalidRequest("resume", "the resumed tokens already end at a stop token")
-        req = Request(
-            rid=rid,
-            prompt=list(prompt_ids),
-            max_tokens=params.max_tokens,
-            policy=build_policy(self.limits, params.exit_threshold, replay=params.replay_depths is not None),
-            sampling=_with_stop_ids(params.sampling, stop),
-            stop_token_ids=frozenset(stop),
-            init_seed=self.config.init_seed,
-            replay_depths=list(params.replay_depths) if params.replay_depths is not None else None,
-            score_prompt=params.prompt_logprobs,
-            speculate=params.speculative,
-            arrival=time.monotonic(),
-        )
-        if params.resume_tokens:  # recomputed at their depths and not reported again, as after a preemption
-            req.output, req.depths = list(params.resume_tokens), list(params.resume_depths)
-            req.loop_steps = sum(params.resume_depths)
-        return req
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.CANCELLED) -> bool:
         """End a request (thread-safe); True if it was live. Ordered after its own submission. Its id is free again
@@ -393,11 +369,3 @@ class Engine:
     @property
     def sched_stats(self) -> SchedulerStats:
         return self.scheduler.stats
-
-
-def _with_stop_ids(sampling: SamplingParams, stop: set[int]) -> SamplingParams:
-    """``min_tokens`` bans the request's stop ids (its own and, unless ``ignore_eos``, the model's) until then."""
-    proc = sampling.processing
-    if proc is None or proc.min_tokens <= 0:
-        return sampling
-    return replace(sampling, processing=replace(proc, stop_ids=tuple(sorted(stop))))

@@ -29,7 +29,8 @@ from cdb_engine.setup import StageSetup
 from cdb_scheduler.plan import StageLoss, StageOp, StageResult
 from services.api.door import FrontDoor
 from services.api.readiness import Readiness
-from services.http.app import create_app, serve_http
+from services.http.app import create_app
+from services.http.server import serve_http
 from services.settings import Settings
 
 SETTINGS = Settings(health_interval_s=0.05)

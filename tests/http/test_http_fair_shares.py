@@ -12,7 +12,7 @@ from dataclasses import replace
 import openai
 import pytest
 
-import services.http.app
+import services.http.server
 from tests.http.harness import SETTINGS, TINY, Served, served, wait_until
 
 pytestmark = pytest.mark.timeout(120)
@@ -68,14 +68,14 @@ def test_without_keys_the_client_host_is_the_caller() -> None:
 def small_send_buffers(monkeypatch: pytest.MonkeyPatch) -> None:
     """The server's sockets buffer 8 KiB instead of up to 4 MiB: a client that reads nothing blocks the server's
     writes after a few hundred tokens instead of thousands."""
-    listen = services.http.app._listen
+    listen = services.http.server._listen
 
     def small(address: str, reuse_port: bool = False) -> socket.socket:
         sock = listen(address, reuse_port)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)  # accepted connections inherit it
         return sock
 
-    monkeypatch.setattr(services.http.app, "_listen", small)
+    monkeypatch.setattr(services.http.server, "_listen", small)
 
 
 def connect(s: Served, rcvbuf: int | None = None) -> socket.socket:
