@@ -3,7 +3,7 @@
 Two implementations: ``InProcessClient`` (the engine in this process) and the remote client of a front-end process
 (``services.frontlink.client.RemoteClient``: the engine in the scheduler process, over the front-end link). Both
 prepare requests with the same ``RequestPreparer`` and hand events out through the same ``RequestStream``, whose
-text the same ``TextOutput`` makes.
+text the same ``TextOutput`` (a detokenizer with the stop-string rule) makes.
 """
 
 from __future__ import annotations

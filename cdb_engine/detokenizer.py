@@ -78,8 +78,8 @@ class Detokenizer:
 
 
 @dataclass(slots=True)
-class TextOutput:
-    """One request's output text: its detokenizer and the stop-string rule, the same in the engine and in a
+class TextOutput(Detokenizer):
+    """One request's output text: a ``Detokenizer`` with the stop-string rule, the same in the engine and in a
     front-end process.
 
     A stop string ends the text before it (``stopped``); the owner then ends the request with
@@ -90,24 +90,23 @@ class TextOutput:
     released with the finish, unless a stop string ended the request.
     """
 
-    detok: Detokenizer
     stopped: bool = False
     dropped: int = 0  # tokens dropped after the stop
     dropped_steps: int = 0  # and their loop steps
 
-    def text(self, token_id: int, depth: int) -> str | None:
+    def token_text(self, token_id: int, depth: int) -> str | None:
         """The token's text (None: dropped after a stop string); sets ``stopped`` when it hits one."""
         if self.stopped:
             self.dropped += 1
             self.dropped_steps += depth
             return None
-        text, self.stopped = self.detok.push(token_id)
+        text, self.stopped = self.push(token_id)
         return text
 
     def finish(self, event: FinishEvent) -> FinishEvent:
         """The engine's finish as the stream reports it (the class docstring)."""
         if not self.dropped:
-            tail = self.detok.flush() if event.finish_reason is not FinishReason.STOP else ""
+            tail = self.flush() if event.finish_reason is not FinishReason.STOP else ""
             return replace(event, text=tail) if tail else event
         return replace(
             event,

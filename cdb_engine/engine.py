@@ -265,7 +265,7 @@ class Engine:
 
     def _on_token(self, live: _Live, ev: TokenOut, now: int) -> None:
         out = live.out
-        text = (out.text(ev.token_id, ev.depth) or "") if out is not None else ""
+        text = (out.token_text(ev.token_id, ev.depth) or "") if out is not None else ""
         stopped = out is not None and out.stopped
         token = TokenEvent(live.request_id, ev.index, ev.token_id, text, ev.depth, ev.logprobs, now)
         if ev.index == 0 and live.req.score_prompt:

@@ -1,8 +1,8 @@
 """``RequestPreparer``: everything a request needs before it reaches a scheduler, built from the configuration alone.
 
 The model's config, its tokenizer and the resolved limits: enough to validate and tokenize a request, build its
-scheduler record and make its output text, with no engine, scheduler or executor. The engine prepares its own requests with one; a front-end
-process builds one to prepare requests for an engine in another process.
+scheduler record and make its output text, with no engine, scheduler or executor. The engine prepares its own
+requests with one; a front-end process builds one to prepare requests for an engine in another process.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from cdb_engine.config import EngineConfig, RequestParams
-from cdb_engine.detokenizer import Detokenizer, TextOutput
+from cdb_engine.detokenizer import TextOutput
 from cdb_engine.errors import InvalidRequest
 from cdb_engine.limits import Limits, build_policy, resolve_limits
 from cdb_engine.validation import validate
@@ -45,11 +45,11 @@ class RequestPreparer:
         """The request's output text; a resumed stream's is primed with the tokens it had delivered, so that the
         text of what follows (an unfinished character, a stop string across the boundary) is what it would have
         been."""
-        detok = Detokenizer(self.tokenizer, params.stop_strings)
+        out = TextOutput(self.tokenizer, params.stop_strings)
         for token in params.resume_tokens:
-            if detok.push(token)[1]:
+            if out.push(token)[1]:
                 raise InvalidRequest("resume", "the resumed tokens already end at a stop string")
-        return TextOutput(detok)
+        return out
 
     def request(self, rid: int, prompt_ids: Sequence[int], params: RequestParams) -> Request:
         """The scheduler's record of a validated request under the engine's id ``rid``."""

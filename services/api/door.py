@@ -35,7 +35,7 @@ from cdb_scheduler.request import FinishReason
 from services import telemetry
 from services.api.errors import ServerDraining, StageFailed
 from services.api.security import CallerAuth
-from services.api.shares import CallerShares, Share
+from services.api.shares import CallerShares
 from services.settings import Settings
 from services.telemetry.metrics import Metrics
 from services.telemetry.request_observer import ObservedRequest
@@ -51,9 +51,10 @@ class Exposition(Protocol):
 
 
 class Ticket:
-    """One admitted request at the door: its engine stream, observer and share, registered under ``key``."""
+    """One admitted request at the door, registered under ``key``: its engine stream and observer, and the share it
+    holds of its caller (``caller``: the share scope; ``streaming``: a streamed response)."""
 
-    __slots__ = ("_closed", "door", "key", "observer", "prompt_ids", "share", "stream")
+    __slots__ = ("_closed", "caller", "door", "key", "observer", "prompt_ids", "stream", "streaming")
 
     def __init__(
         self,
@@ -61,15 +62,17 @@ class Ticket:
         key: str,
         stream: RequestStream,
         observer: ObservedRequest,
-        share: Share,
         prompt_ids: list[int],
+        caller: str,
+        streaming: bool,
     ) -> None:
         self.door = door
         self.key = key
         self.stream = stream
         self.observer = observer
-        self.share = share
         self.prompt_ids = prompt_ids  # as validated (what ``echo`` gives back)
+        self.caller = caller
+        self.streaming = streaming
         self._closed = False
 
     async def batches(self) -> AsyncGenerator[list[Event]]:
@@ -163,9 +166,10 @@ class FrontDoor:
         scope; ``streaming``: a streamed response), build it (``prepare``: prompt and params), validate it, refuse
         it while draining or when the stages are given up on, open its engine stream and register it. A duplicate
         id is reported under ``shown_id`` (the caller's own id, when ``key`` is scoped)."""
-        share: Share | None = None
+        taken = False
         try:
-            share = self.shares.acquire(caller, streaming)
+            self.shares.take(caller, streaming)
+            taken = True
             ids, params = await asyncio.to_thread(self._build, prepare)
             observer.validated(len(ids), params)
             if self.draining:
@@ -177,17 +181,17 @@ class FrontDoor:
             except InvalidRequest as exc:
                 raise _own_id(exc, shown_id or key) from None
         except asyncio.CancelledError as exc:  # the caller left while its request was being built
-            if share is not None:
-                share.release()
+            if taken:
+                self.shares.give_back(caller, streaming)
             observer.gone(exc)
             raise
         except Exception as exc:
-            if share is not None:
-                share.release()
+            if taken:
+                self.shares.give_back(caller, streaming)
             observer.rejected(exc)
             raise
         observer.admitted(len(ids))
-        ticket = self.live[key] = Ticket(self, key, stream, observer, share, ids)
+        ticket = self.live[key] = Ticket(self, key, stream, observer, ids, caller, streaming)
         self.idle.clear()
         return ticket
 
@@ -200,7 +204,7 @@ class FrontDoor:
         """An admitted request has ended: unregistered, its caller's share given back."""
         if self.live.get(ticket.key) is ticket:
             del self.live[ticket.key]
-        ticket.share.release()
+        self.shares.give_back(ticket.caller, ticket.streaming)
         if not self.live:
             self.idle.set()
 

@@ -163,7 +163,7 @@ class LinkClient:
             if stream is None or stream.text is None:
                 continue  # its consumer left and aborted it
             out = stream.text
-            if (text := out.text(token.token_id, token.depth)) is not None:
+            if (text := out.token_text(token.token_id, token.depth)) is not None:
                 token.text = text  # (a decoded event: this front end's own)
                 stream.sink(token)
                 if out.stopped:
