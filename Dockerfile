@@ -29,7 +29,7 @@ RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
 # The project (generated gRPC stubs are committed under cdb_api/, so no protoc step is needed).
 COPY . /app
 RUN pip install /app \
-    && python -c "import cdb.processes, services.scheduler.server, services.transport.stage_server, services.healthcheck"
+    && python -c "import cdb.processes, services.api.server, services.transport.stage_server, services.healthcheck"
 
 # The scheduler compiled with mypyc (cdb_scheduler/_native.py), in a stage of its own: the compiler and mypy stay
 # out of the image, only the built modules come over (they are used while they match the installed sources).

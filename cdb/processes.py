@@ -129,11 +129,11 @@ def scheduler_parser(conf: Configuration) -> argparse.ArgumentParser:
 def scheduler_main(argv: list[str] | None = None) -> int:
     """``cdb scheduler``: serve ``cdb.v1.Generation`` over stage servers until SIGTERM/SIGINT, then drain."""
     from cdb_engine.preflight import check_config
+    from services.api.security import PortSecurity
+    from services.api.server import run_scheduler
+    from services.frontlink.wire import socket_path
     from services.http import serve_api
     from services.net import check_can_listen
-    from services.scheduler.security import PortSecurity
-    from services.scheduler.server import run_scheduler
-    from services.transport.frontlink import socket_path
     from services.transport.segments import SharedMemoryFull, sweep_stale_segments
 
     die_with_parent()
@@ -190,10 +190,10 @@ def frontend_parser(conf: Configuration) -> argparse.ArgumentParser:
 def frontend_main(argv: list[str] | None = None) -> int:
     """``cdb frontend``: serve the public ports (``cdb.v1.Generation``, the HTTP API) over the engine of a
     ``cdb scheduler --link`` until SIGTERM/SIGINT, then drain (``CDB_FRONTENDS``)."""
+    from services.api.security import PortSecurity
     from services.frontend.server import run_frontend
+    from services.frontlink.wire import socket_path
     from services.net import check_can_listen
-    from services.scheduler.security import PortSecurity
-    from services.transport.frontlink import socket_path
 
     die_with_parent()
     command = parse_command(argv, "cdb frontend", frontend_parser)

@@ -19,10 +19,10 @@ from cdb_engine.preflight import ConfigError, check_config
 from cdb_model.loader import DEFAULT_MODEL
 from clients.messages import StreamToken
 from clients.sync_client import Client
+from services.api.security import PortSecurity, read_api_keys
 from services.launcher.foreground import serve_forever
 from services.launcher.tree import serve_all
 from services.net import ListenError, check_can_listen
-from services.scheduler.security import PortSecurity, read_api_keys
 from services.settings.source import Configuration
 from services.telemetry.logs import configure_logging
 

@@ -21,7 +21,7 @@ def measure(process: str, model: str) -> dict[str, Any]:
 
         loaded.append(load_model(model))
     else:
-        from services.scheduler import server  # noqa: F401 (what the scheduler's process imports)
+        from services.api import server  # noqa: F401 (what the scheduler's process imports)
     unsettled = heap.full_collection_ms()
     tracked = len(gc.get_objects())
     frozen = heap.settle()

@@ -1,10 +1,13 @@
-"""Streaming detokenization: text deltas per token, in time independent of the length of the output so far."""
+"""Streaming detokenization: text deltas per token, in time independent of the length of the output so far, and
+``TextOutput``, the one stop-string rule of a request's output, wherever its text is made."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from cdb_engine.events import FinishEvent
 from cdb_model.tokenizer import Tokenizer
+from cdb_scheduler.request import FinishReason
 
 _INCOMPLETE = "\ufffd"  # what a decoder gives for the first bytes of an unfinished UTF-8 sequence
 # Ids held back at most: no UTF-8 sequence spans more (4 bytes, a byte per id at worst); more are ids that decode
@@ -72,3 +75,43 @@ class Detokenizer:
         delta = text[self.sent : end] if end > self.sent else ""
         self.sent = max(self.sent, end)
         return delta, False
+
+
+@dataclass(slots=True)
+class TextOutput(Detokenizer):
+    """One request's output text: a ``Detokenizer`` with the stop-string rule, the same in the engine and in a
+    front-end process.
+
+    A stop string ends the text before it (``stopped``); the owner then ends the request with
+    ``FinishReason.STOP``. Tokens that still arrive after the stop (an engine in another process went on until it
+    heard) are dropped, and the finish is reported as if the request had stopped there: counts without them,
+    reason STOP, no text after the stop. A request that ended by itself on the token that hit the stop string keeps
+    its own reason (the engine finds it already ended when it would stop it). Text held back at the end is
+    released with the finish, unless a stop string ended the request.
+    """
+
+    stopped: bool = False
+    dropped: int = 0  # tokens dropped after the stop
+    dropped_steps: int = 0  # and their loop steps
+
+    def token_text(self, token_id: int, depth: int) -> str | None:
+        """The token's text (None: dropped after a stop string); sets ``stopped`` when it hits one."""
+        if self.stopped:
+            self.dropped += 1
+            self.dropped_steps += depth
+            return None
+        text, self.stopped = self.push(token_id)
+        return text
+
+    def finish(self, event: FinishEvent) -> FinishEvent:
+        """The engine's finish as the stream reports it (the class docstring)."""
+        if not self.dropped:
+            tail = self.flush() if event.finish_reason is not FinishReason.STOP else ""
+            return replace(event, text=tail) if tail else event
+        return replace(
+            event,
+            finish_reason=FinishReason.STOP,
+            generated_tokens=event.generated_tokens - self.dropped,
+            total_loop_steps=event.total_loop_steps - self.dropped_steps,
+            text="",
+        )

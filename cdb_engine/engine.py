@@ -19,15 +19,14 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, replace
 
 from cdb_engine.config import EngineConfig, RequestParams
-from cdb_engine.detokenizer import Detokenizer
+from cdb_engine.detokenizer import TextOutput
 from cdb_engine.errors import EngineStopped, InvalidRequest, Overloaded
 from cdb_engine.events import Completion, EngineStats, Event, FinishEvent, RequestObserver, TokenEvent
-from cdb_engine.limits import Limits, build_policy, resolve_limits
+from cdb_engine.limits import Limits
+from cdb_engine.prepare import RequestPreparer
 from cdb_engine.setup import StageSetup
 from cdb_engine.stream import RequestStream
-from cdb_engine.validation import validate
-from cdb_model.loader import load_config, load_tokenizer
-from cdb_scheduler.plan import Executor, SamplingParams, StageLoss
+from cdb_scheduler.plan import Executor, StageLoss
 from cdb_scheduler.request import Finished, FinishReason, Request, TokenOut
 from cdb_scheduler.scheduler import Scheduler
 from cdb_scheduler.stats import SchedulerStats
@@ -56,7 +55,7 @@ class _Live:
     request_id: str
     req: Request
     sink: Callable[[Event], None]
-    detok: Detokenizer | None  # None: the caller detokenizes (``submit(detokenize=False)``)
+    out: TextOutput | None  # None: the caller makes the text (``submit(detokenize=False)``)
 
 
 class Engine:
@@ -71,9 +70,10 @@ class Engine:
         """``on_fatal(error)``: called on the engine thread if the loop itself fails, after every live request has
         been failed (a server exits non-zero there, so that it is restarted instead of refusing everything)."""
         self.config = config
-        self.model_config = load_config(config.model)
-        self.tokenizer = load_tokenizer(config.model)
-        self.limits: Limits = resolve_limits(config, self.model_config)
+        self.prep = RequestPreparer.of(config)
+        self.model_config = self.prep.model_config
+        self.tokenizer = self.prep.tokenizer
+        self.limits: Limits = self.prep.limits
         self.scheduler = Scheduler(self.limits.scheduler_config(config, self.model_config))
         self.setup = StageSetup.of(config, self.model_config, self.limits.max_depth)
         self._factory = executor_factory
@@ -132,7 +132,7 @@ class Engine:
 
     # ----------------------------------------------------------------- requests
     def validate(self, prompt: str | list[int], params: RequestParams) -> list[int]:
-        return validate(self.limits, self.tokenizer, prompt, params, self.config.kv_policy)
+        return self.prep.validate(prompt, params)
 
     def submit(
         self,
@@ -150,8 +150,8 @@ class Engine:
         ``force`` skips the admission cap (offline batch jobs queue everything at once). ``on_queued(rid)`` runs on
         the engine thread when the scheduler takes the request (tracing keys its stage ops by that id).
         ``detokenize=False``: its events carry no text and its stop strings are the caller's to find (a front-end
-        process detokenizes with ``detokenizer(params)`` and aborts the request with ``FinishReason.STOP``), so
-        the engine thread spends nothing on text."""
+        process makes the text with ``RequestPreparer.output(params)`` and aborts the request with
+        ``FinishReason.STOP``), so the engine thread spends nothing on text."""
         if not self._accepting or self._thread is None or self.error:
             raise EngineStopped(self.error or "the engine is not accepting requests")
         rid = next(self._rids)
@@ -167,9 +167,9 @@ class Engine:
                 )
             self._by_id[request_id] = rid
         try:
-            req = self._request(rid, prompt_ids, params)
-            detok = self.detokenizer(params)  # (checks resumed tokens even when the caller detokenizes)
-            live = _Live(request_id, req, sink, detok if detokenize else None)
+            req = self.prep.request(rid, prompt_ids, params)
+            out = self.prep.output(params)  # (checks resumed tokens even when the caller makes the text)
+            live = _Live(request_id, req, sink, out if detokenize else None)
         except InvalidRequest:
             with self._lock:
                 del self._by_id[request_id]
@@ -183,40 +183,6 @@ class Engine:
 
         self._command(add)
         return request_id
-
-    def detokenizer(self, params: RequestParams) -> Detokenizer:
-        """The request's detokenizer; a resumed stream's is primed with the tokens it had delivered, so that the
-        text of what follows (an unfinished character, a stop string across the boundary) is what it would have
-        been."""
-        detok = Detokenizer(self.tokenizer, params.stop_strings)
-        for token in params.resume_tokens:
-            if detok.push(token)[1]:
-                raise InvalidRequest("resume", "the resumed tokens already end at a stop string")
-        return detok
-
-    def _request(self, rid: int, prompt_ids: Sequence[int], params: RequestParams) -> Request:
-        stop = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            stop.update(self.model_config.stop_token_ids)
-        if any(t in stop for t in params.resume_tokens):
-            raise InvalidRequest("resume", "the resumed tokens already end at a stop token")
-        req = Request(
-            rid=rid,
-            prompt=list(prompt_ids),
-            max_tokens=params.max_tokens,
-            policy=build_policy(self.limits, params.exit_threshold, replay=params.replay_depths is not None),
-            sampling=_with_stop_ids(params.sampling, stop),
-            stop_token_ids=frozenset(stop),
-            init_seed=self.config.init_seed,
-            replay_depths=list(params.replay_depths) if params.replay_depths is not None else None,
-            score_prompt=params.prompt_logprobs,
-            speculate=params.speculative,
-            arrival=time.monotonic(),
-        )
-        if params.resume_tokens:  # recomputed at their depths and not reported again, as after a preemption
-            req.output, req.depths = list(params.resume_tokens), list(params.resume_depths)
-            req.loop_steps = sum(params.resume_depths)
-        return req
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.CANCELLED) -> bool:
         """End a request (thread-safe); True if it was live. Ordered after its own submission. Its id is free again
@@ -298,8 +264,9 @@ class Engine:
                 self._on_finish(live, ev)
 
     def _on_token(self, live: _Live, ev: TokenOut, now: int) -> None:
-        detok = live.detok
-        text, stopped = detok.push(ev.token_id) if detok is not None else ("", False)
+        out = live.out
+        text = (out.token_text(ev.token_id, ev.depth) or "") if out is not None else ""
+        stopped = out is not None and out.stopped
         token = TokenEvent(live.request_id, ev.index, ev.token_id, text, ev.depth, ev.logprobs, now)
         if ev.index == 0 and live.req.score_prompt:
             token = replace(token, prompt_logprobs=tuple(live.req.prompt_logprobs))
@@ -315,11 +282,12 @@ class Engine:
             if self._by_id.get(live.request_id) == ev.rid:  # (an aborted request's id may serve another already)
                 del self._by_id[live.request_id]
         req = live.req
-        tail = live.detok.flush() if live.detok is not None and ev.reason is not FinishReason.STOP else ""
         queue_s = req.admitted - req.arrival if req.admitted else 0.0
         finish = FinishEvent(
-            live.request_id, ev.reason, req.prompt_len, ev.generated, ev.loop_steps, tail, ev.error, queue_s
+            live.request_id, ev.reason, req.prompt_len, ev.generated, ev.loop_steps, "", ev.error, queue_s
         )
+        if live.out is not None:
+            finish = live.out.finish(finish)  # the text held back
         if (spec := req.spec) is not None:
             finish.spec_drafts, finish.spec_accepted, finish.spec_rejected = spec.drafts, spec.accepted, spec.rejected
         if req.score_prompt and ev.generated == 0:  # no token carried the prompt's logprobs
@@ -401,11 +369,3 @@ class Engine:
     @property
     def sched_stats(self) -> SchedulerStats:
         return self.scheduler.stats
-
-
-def _with_stop_ids(sampling: SamplingParams, stop: set[int]) -> SamplingParams:
-    """``min_tokens`` bans the request's stop ids (its own and, unless ``ignore_eos``, the model's) until then."""
-    proc = sampling.processing
-    if proc is None or proc.min_tokens <= 0:
-        return sampling
-    return replace(sampling, processing=replace(proc, stop_ids=tuple(sorted(stop))))

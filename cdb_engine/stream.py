@@ -9,6 +9,7 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import ClassVar
 
+from cdb_engine.detokenizer import TextOutput
 from cdb_engine.events import Event, FinishEvent, RequestObserver
 
 
@@ -63,18 +64,26 @@ class LoopMailbox:
 class RequestStream:
     """Events of one request, in order, ending with its ``FinishEvent``.
 
-    Made by ``Engine.open_stream``, which has already submitted the request. Use as an async context manager:
-    leaving it before the finish event (the consumer stopped, was cancelled, or failed) aborts the request and
-    tells the observer why.
+    Made by an engine client (``cdb_engine.client``), which has already submitted the request. Use as an async
+    context manager: leaving it before the finish event (the consumer stopped, was cancelled, or failed) aborts the
+    request and tells the observer why. ``text``: the request's output text when it is made on the consumer's side
+    of a link (None: the engine made it).
     """
 
-    def __init__(self, abort: Callable[[], object], observer: RequestObserver | None) -> None:
+    def __init__(
+        self, abort: Callable[[], object], observer: RequestObserver | None, text: TextOutput | None = None
+    ) -> None:
         self._mailbox = LoopMailbox.of(asyncio.get_running_loop())
         self._queue: asyncio.Queue[Event] = asyncio.Queue()
         self._abort = abort
         self._observer = observer
+        self.text = text
         self.finished = False
         self.request_id = ""  # set by the engine once submitted
+
+    def cancel(self) -> None:
+        """Ask the engine to end the request; its stream still ends with the engine's finish event."""
+        self._abort()
 
     def sink(self, event: Event) -> None:
         """The engine thread's end: hand ``event`` to the consumer's loop (batched with the other streams' events

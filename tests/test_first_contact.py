@@ -206,12 +206,12 @@ def test_cdb_scheduler_resolves_a_hub_id_and_serves_it_under_the_id_or_the_names
 ) -> None:
     """The scheduler as compose and Kubernetes run it: ``CDB_MODEL`` a hub id, then the snapshot as ``--model`` and
     the names in ``CDB_SERVED_MODEL_NAME``."""
-    import services.scheduler.server
+    import services.api.server
 
     snapshot = fake_hub_cache(tmp_path / "hub")
     runs: list[tuple[Any, Any]] = []
     monkeypatch.setattr(processes, "die_with_parent", lambda: None)  # not this test process
-    monkeypatch.setattr(services.scheduler.server, "run_scheduler", lambda c, *a, **kw: runs.append((c, kw)))
+    monkeypatch.setattr(services.api.server, "run_scheduler", lambda c, *a, **kw: runs.append((c, kw)))
     os.environ.update(HF_HUB_CACHE=str(tmp_path / "hub"), CDB_MODEL=HUB_ID)
     assert processes.scheduler_main(["--in-process", "--listen", "127.0.0.1:0"]) == 0
     config, kw = runs[-1]

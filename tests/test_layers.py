@@ -6,8 +6,8 @@ imports under ``if TYPE_CHECKING:`` are left out (they never run). Layers, lowes
     cdb_scheduler (stdlib only) < cdb_model (torch) < cdb_engine < services < cdb_bench < cdb (the CLI)
     cdb_api (generated stubs) and clients (cdb_api + grpc only) sit beside them; cdb_train uses the model only.
 
-Inside ``services`` the rooms are ordered too: net, settings, healthcheck, version < telemetry < transport < scheduler
-< http < frontend < launcher. Nothing outside ``tests`` imports ``tests``.
+Inside ``services`` the rooms are ordered too: net, settings, healthcheck, version < telemetry < transport < frontlink
+< api < http < frontend < launcher. Nothing outside ``tests`` imports ``tests``.
 """
 
 from __future__ import annotations
@@ -60,10 +60,11 @@ SERVICE_ROOMS = {
     "heap": 0,
     "telemetry": 1,
     "transport": 2,
-    "scheduler": 3,
-    "http": 4,
-    "frontend": 5,
-    "launcher": 6,
+    "frontlink": 3,
+    "api": 4,
+    "http": 5,
+    "frontend": 6,
+    "launcher": 7,
 }
 
 
@@ -182,8 +183,8 @@ def test_the_cycle_finder_and_the_layer_rule_can_fail() -> None:
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
     assert upward_arrows({"cdb_scheduler.x": {"cdb_engine.y"}}) == ["cdb_scheduler.x -> cdb_engine.y"]
-    assert upward_arrows({"services.transport.a": {"services.scheduler.b"}})
-    assert upward_arrows({"services.scheduler.b": {"services.transport.a"}}) == []
+    assert upward_arrows({"services.transport.a": {"services.api.b"}})
+    assert upward_arrows({"services.api.b": {"services.transport.a"}}) == []
 
 
 def test_the_graph_sees_lazy_and_relative_imports(tmp_path: Path) -> None:

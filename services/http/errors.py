@@ -1,6 +1,6 @@
 """OpenAI-style errors: ``{"error": {"message", "type", "param", "code"}}`` with the HTTP status of the cause.
 
-The cause is classified once, by the public API's status map (``services.scheduler.errors.status_for``); this
+The cause is classified once, by the public API's status map (``services.api.errors.status_for``); this
 module only turns that gRPC status into an HTTP status and names the field in this API's terms.
 
 | cause | HTTP | ``type`` | ``code`` |
@@ -25,7 +25,7 @@ import grpc
 from fastapi.responses import JSONResponse
 
 from cdb_engine.errors import InvalidRequest
-from services.scheduler.errors import CallerLimit, status_for
+from services.api.errors import CallerLimit, status_for
 
 log = logging.getLogger("cdb.http")
 

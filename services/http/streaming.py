@@ -2,7 +2,7 @@
 one. However the response ends (finished, failed, the client gone, the server stopping), the request is closed:
 aborted in the engine if it had not finished, and unregistered from the service.
 
-A response with several choices (a list of prompts, ``n`` > 1) has one engine request (``Call``) and one
+A response with several choices (a list of prompts, ``n`` > 1) has one engine request (``Ticket``) and one
 ``Render`` per choice: its SSE body interleaves their chunks as their events come, and ends, after every
 choice's last chunk, with one usage chunk (when asked) and ``[DONE]``; the first failure ends it (and closes the
 other choices' requests)."""
@@ -20,7 +20,7 @@ from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from cdb_engine.events import Event, TokenEvent
-from services.http.calls import Call
+from services.api.door import Ticket
 from services.http.errors import ApiError, api_error
 from services.http.responses import Render, usage_of
 
@@ -30,7 +30,9 @@ def sse_data(obj: Any) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
 
-async def sse_body(calls: Sequence[Call], renders: Sequence[Render], fields: Mapping[str, str]) -> AsyncIterator[bytes]:
+async def sse_body(
+    calls: Sequence[Ticket], renders: Sequence[Render], fields: Mapping[str, str]
+) -> AsyncIterator[bytes]:
     """The SSE body of the choices ``renders[k]`` of ``calls[k]``: chunks, then the usage chunk when asked, then
     ``[DONE]``; a failure after the headers went out is an ``error`` chunk."""
     try:
@@ -49,7 +51,7 @@ async def sse_body(calls: Sequence[Call], renders: Sequence[Render], fields: Map
     yield b"data: [DONE]\n\n"
 
 
-async def _events(calls: Sequence[Call]) -> AsyncIterator[tuple[int, Event]]:
+async def _events(calls: Sequence[Ticket]) -> AsyncIterator[tuple[int, Event]]:
     """``(k, event of calls[k])`` as the events come; one call's events in order. The first failure is raised."""
     if len(calls) == 1:  # the common case, without a task per call
         async for ev in calls[0].events():
@@ -57,7 +59,7 @@ async def _events(calls: Sequence[Call]) -> AsyncIterator[tuple[int, Event]]:
         return
     merged: asyncio.Queue[tuple[int, Event | BaseException | None]] = asyncio.Queue()
 
-    async def pump(k: int, call: Call) -> None:
+    async def pump(k: int, call: Ticket) -> None:
         try:
             async for ev in call.events():
                 merged.put_nowait((k, ev))
@@ -85,7 +87,7 @@ async def _events(calls: Sequence[Call]) -> AsyncIterator[tuple[int, Event]]:
 class EventStream(StreamingResponse):
     """``text/event-stream`` whose requests are aborted however the response ends (also if it never started)."""
 
-    def __init__(self, body: AsyncIterator[bytes], calls: Sequence[Call], headers: Mapping[str, str]) -> None:
+    def __init__(self, body: AsyncIterator[bytes], calls: Sequence[Ticket], headers: Mapping[str, str]) -> None:
         headers = {**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no proxy buffering
         super().__init__(body, media_type="text/event-stream", headers=headers)
         self.calls = calls
@@ -98,7 +100,7 @@ class EventStream(StreamingResponse):
                 await call.close()
 
 
-async def until_done_or_gone(calls: Sequence[Call], renders: Sequence[Render], request: Request) -> None:
+async def until_done_or_gone(calls: Sequence[Ticket], renders: Sequence[Render], request: Request) -> None:
     """Record every event of ``calls[k]`` into ``renders[k]``; a client that disconnects first aborts the
     requests."""
 

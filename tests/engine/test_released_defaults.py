@@ -19,9 +19,8 @@ from cdb_engine.errors import InvalidRequest
 from cdb_engine.limits import FAMILY_EXIT_THRESHOLD, ThresholdSource, describe, resolve_limits
 from cdb_model.loader import load_config
 from cdb_scheduler.exit_policy import ExitRule
-from services.scheduler.messages import info_to_pb
-from services.settings.knobs import Settings
-from services.settings.resolved import Resolved
+from services.api.messages import info_to_pb
+from services.settings import Resolved, Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 # Released configs shrunk to a CPU test's size; every other field (early_exit_threshold 1.0 for Ouro, no exit field

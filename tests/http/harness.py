@@ -1,6 +1,6 @@
 """The HTTP API on a real uvicorn server (127.0.0.1, port 0) over an in-process engine, on its own event loop thread.
 
-``served(config)`` starts the engine, the public ``GenerationService`` with its readiness check, and
+``served(config)`` starts the engine, the public ``FrontDoor`` with its readiness check, and
 ``serve_http(create_app(...))`` as the scheduler does, and stops them on exit. ``GatedExecutor`` holds every stage
 op until its gate opens: requests are admitted (and counted) but make no progress, which makes overload, drain
 and disconnect tests deterministic.
@@ -21,15 +21,17 @@ from typing import Any
 import openai
 import uvloop
 
+from cdb_engine.client import InProcessClient
 from cdb_engine.config import EngineConfig
 from cdb_engine.engine import Engine
 from cdb_engine.inprocess import InProcessExecutor
 from cdb_engine.setup import StageSetup
 from cdb_scheduler.plan import StageLoss, StageOp, StageResult
-from services.http.app import create_app, serve_http
-from services.scheduler.handlers import GenerationService
-from services.scheduler.readiness import Readiness
-from services.settings.knobs import Settings
+from services.api.door import FrontDoor
+from services.api.readiness import Readiness
+from services.http.app import create_app
+from services.http.server import serve_http
+from services.settings import Settings
 
 SETTINGS = Settings(health_interval_s=0.05)
 TINY = EngineConfig(
@@ -64,7 +66,7 @@ class GatedExecutor:
 @dataclass
 class Served:
     engine: Engine
-    service: GenerationService
+    door: FrontDoor
     address: str
     loop: asyncio.AbstractEventLoop
     thread: threading.Thread
@@ -88,7 +90,7 @@ class Served:
         return openai.OpenAI(api_key=key, max_retries=0, timeout=60, **kw)
 
     def on_loop(self, fn: Callable[[], Any]) -> Any:
-        """Run ``fn`` on the server's event loop (where the service's state lives) and return its result."""
+        """Run ``fn`` on the server's event loop (where the door's state lives) and return its result."""
 
         async def call() -> Any:
             return fn()
@@ -152,8 +154,8 @@ def served(
             raise
 
     async def serve() -> None:
-        service = GenerationService(engine, None, settings)
-        readiness = Readiness(service, None, settings)
+        door = FrontDoor(InProcessClient(engine), settings)
+        readiness = Readiness(door, None, settings)
         watcher = asyncio.create_task(readiness.run())
         stop, bound = asyncio.Event(), asyncio.Event()
 
@@ -161,7 +163,7 @@ def served(
             box["address"] = address
             bound.set()
 
-        app = create_app(engine, service, settings, api_keys=api_keys)
+        app = create_app(door, settings, api_keys=api_keys)
         serving = asyncio.create_task(
             serve_http(
                 app,
@@ -175,7 +177,7 @@ def served(
         await bound.wait()
         if start_engine:
             await readiness.first_ready.wait()
-        box.update(service=service, stop=stop)
+        box.update(door=door, stop=stop)
         ready.set()
         try:
             await serving
@@ -191,9 +193,7 @@ def served(
             raise box["error"]
         gate = executors[0].gate if executors else None
         scheme = "https" if settings.tls_cert else "http"
-        yield Served(
-            engine, box["service"], box["address"], loop, thread, box["stop"], gate, list(api_keys or ()), scheme
-        )
+        yield Served(engine, box["door"], box["address"], loop, thread, box["stop"], gate, list(api_keys or ()), scheme)
     finally:
         for ex in executors:
             ex.gate.set()

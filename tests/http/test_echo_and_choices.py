@@ -184,6 +184,6 @@ def test_a_refused_choice_refuses_the_request_and_ends_the_choices_admitted_befo
     status, _, raw = api.request("POST", "/v1/completions", {"prompt": [PROMPT, OTHER, ""], **long})
     error = json.loads(raw)["error"]
     assert status == 400 and error["param"] == "prompt[2]", error
-    wait_until(lambda: not api.on_loop(lambda: dict(api.service.live)), "the admitted choices to end")
+    wait_until(lambda: not api.on_loop(lambda: dict(api.door.live)), "the admitted choices to end")
     wait_until(lambda: api.engine.stats().running == 0 and api.engine.stats().waiting == 0, "an idle engine")
     assert api.engine.stats().used_kv_blocks == 0

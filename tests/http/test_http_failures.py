@@ -15,10 +15,11 @@ from types import SimpleNamespace
 import openai
 import pytest
 
+from cdb_engine.client import InProcessClient
 from cdb_engine.engine import Engine
+from services.api.door import FrontDoor
 from services.http.app import serve_api
 from services.http.errors import param_of
-from services.scheduler.handlers import GenerationService
 from tests.http.harness import SETTINGS, TINY, Served, served, wait_until
 from tests.services.tree import free_port
 
@@ -28,19 +29,19 @@ LONG = {"ignore_eos": True}  # random weights may sample a stop id at once; thes
 
 
 def drain(s: Served, timeout: float) -> asyncio.Future:
-    """The scheduler's drain (``services.scheduler.server.serve``) run on the server's loop: refuse new work, wait
+    """The scheduler's drain (``services.api.server.serve``) run on the server's loop: refuse new work, wait
     up to ``timeout`` s for in-flight requests, then cut the rest. Resolves to "idle" or "cut"."""
-    service = s.service
+    door = s.door
 
     async def run() -> str:
-        service.draining = True
+        door.draining = True
         try:
-            await asyncio.wait_for(service.idle.wait(), timeout)
+            await asyncio.wait_for(door.idle.wait(), timeout)
             return "idle"
         except TimeoutError:
-            service.cut = True
-            service.abort_all()
-            await service.idle.wait()
+            door.cut = True
+            door.abort_all()
+            await door.idle.wait()
             return "cut"
 
     return asyncio.run_coroutine_threadsafe(run(), s.loop)  # type: ignore[return-value]
@@ -79,7 +80,7 @@ def test_overload_is_429_at_once_and_admitted_requests_still_finish() -> None:
         with pytest.raises(openai.RateLimitError) as err:
             client.completions.create(model="ouro-tiny", prompt="one too many", max_tokens=2)
         assert err.value.code == "overloaded" and err.value.response.headers["retry-after"] == "1"
-        assert s.service.metrics.rejected.value("RESOURCE_EXHAUSTED") == 1
+        assert s.door.metrics.rejected.value("RESOURCE_EXHAUSTED") == 1
         s.gate.set()
         for stream in held:
             chunks = list(stream)
@@ -100,13 +101,13 @@ def test_an_engine_that_is_not_running_is_503_on_health_and_requests() -> None:
 def test_a_stage_down_is_503_naming_it() -> None:
     with served() as s:
         broken = SimpleNamespace(executor=SimpleNamespace(broken="loop stage lost (connection reset)"))
-        s.on_loop(lambda: setattr(s.service, "factory", broken))
+        s.on_loop(lambda: setattr(s.door, "factory", broken))
         status, _, body = s.request("GET", "/health")
         assert status == 503 and json.loads(body)["reason"] == "loop stage lost (connection reset)"
         with pytest.raises(openai.InternalServerError) as err:
             s.client().completions.create(model="ouro-tiny", prompt="hi", max_tokens=2)
         assert err.value.status_code == 503 and "loop stage lost" in err.value.message
-        s.on_loop(lambda: setattr(s.service, "factory", None))
+        s.on_loop(lambda: setattr(s.door, "factory", None))
 
 
 def test_a_drain_waits_for_http_streams_refuses_new_ones_and_cuts_the_rest_at_its_deadline() -> None:
@@ -126,10 +127,10 @@ def test_a_drain_waits_for_http_streams_refuses_new_ones_and_cuts_the_rest_at_it
         assert drained.result(30) == "idle"
 
         s.gate.clear()
-        s.on_loop(lambda: setattr(s.service, "draining", False))
+        s.on_loop(lambda: setattr(s.door, "draining", False))
         stream = client.completions.create(model="ouro-tiny", prompt="b", max_tokens=3, stream=True, extra_body=LONG)
         drained = drain(s, timeout=0.2)  # the drain deadline passes while the stream's ops are held
-        wait_until(lambda: s.service.cut, "the drain deadline")
+        wait_until(lambda: s.door.cut, "the drain deadline")
         s.gate.set()
         with pytest.raises(openai.APIError, match="shut down before the request finished"):
             list(stream)
@@ -144,19 +145,19 @@ def test_a_client_that_disconnects_aborts_its_request() -> None:
         head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
         with socket.create_connection((host, int(port))) as sock:  # non-streamed
             sock.sendall(f"{head}Content-Length: {len(body)}\r\n\r\n".encode() + body)
-            wait_until(lambda: len(s.service.live) == 1, "the request to be admitted")
-        wait_until(lambda: not s.service.live, "the request to be dropped")
+            wait_until(lambda: len(s.door.live) == 1, "the request to be admitted")
+        wait_until(lambda: not s.door.live, "the request to be dropped")
 
         stream = s.client().completions.create(
             model="ouro-tiny", prompt="bye", max_tokens=300, stream=True, extra_body=LONG
         )
-        assert len(s.service.live) == 1
+        assert len(s.door.live) == 1
         stream.close()
-        wait_until(lambda: not s.service.live, "the streamed request to be dropped")
+        wait_until(lambda: not s.door.live, "the streamed request to be dropped")
         s.gate.set()
         wait_until(lambda: s.engine.stats().running + s.engine.stats().waiting == 0, "the engine to be idle")
-        assert s.service.metrics.finished.value("cancelled") == 2
-        assert s.service.metrics.generated_tokens.value() < 600
+        assert s.door.metrics.finished.value("cancelled") == 2
+        assert s.door.metrics.generated_tokens.value() < 600
 
 
 def test_stopping_the_server_closes_the_listener_and_lets_a_stream_finish() -> None:
@@ -192,7 +193,7 @@ def test_stopping_cuts_a_stream_that_outlives_the_shutdown_timeout() -> None:
         s.stop()
         s.thread.join(30)  # uvicorn cancels the response after 1 s, which aborts the request
         assert not s.thread.is_alive()
-        assert not s.service.live and s.service.idle.is_set()
+        assert not s.door.live and s.door.idle.is_set()
         with pytest.raises(openai.APIConnectionError):
             list(stream)
 
@@ -203,9 +204,9 @@ def test_serve_api_serves_on_the_settings_address_until_cancelled() -> None:
     host, port = settings.http_addr.rsplit(":", 1)
 
     async def main(engine: Engine) -> tuple[str, str | None]:
-        service = GenerationService(engine, None, settings)
+        door = FrontDoor(InProcessClient(engine), settings)
         bound: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-        task = asyncio.create_task(serve_api(engine, service, settings, on_bound=bound.set_result))
+        task = asyncio.create_task(serve_api(door, settings, on_bound=bound.set_result))
         address = await bound
         client = openai.OpenAI(base_url=f"http://{address}/v1", api_key="none", max_retries=0)
         out = await asyncio.to_thread(

@@ -12,7 +12,7 @@ from dataclasses import replace
 import openai
 import pytest
 
-import services.http.app
+import services.http.server
 from tests.http.harness import SETTINGS, TINY, Served, served, wait_until
 
 pytestmark = pytest.mark.timeout(120)
@@ -21,11 +21,11 @@ LONG = {"ignore_eos": True}  # random weights may sample a stop id at once; thes
 
 
 def held(s: Served) -> dict[str, tuple[int, int]]:
-    return s.on_loop(s.service.shares.held)
+    return s.on_loop(s.door.shares.held)
 
 
 def settled(s: Served) -> None:
-    wait_until(lambda: not held(s) and not s.on_loop(lambda: len(s.service.live)), "every share to be given back")
+    wait_until(lambda: not held(s) and not s.on_loop(lambda: len(s.door.live)), "every share to be given back")
 
 
 def test_a_caller_at_its_limit_gets_429_and_another_key_is_served() -> None:
@@ -68,14 +68,14 @@ def test_without_keys_the_client_host_is_the_caller() -> None:
 def small_send_buffers(monkeypatch: pytest.MonkeyPatch) -> None:
     """The server's sockets buffer 8 KiB instead of up to 4 MiB: a client that reads nothing blocks the server's
     writes after a few hundred tokens instead of thousands."""
-    listen = services.http.app._listen
+    listen = services.http.server._listen
 
     def small(address: str, reuse_port: bool = False) -> socket.socket:
         sock = listen(address, reuse_port)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)  # accepted connections inherit it
         return sock
 
-    monkeypatch.setattr(services.http.app, "_listen", small)
+    monkeypatch.setattr(services.http.server, "_listen", small)
 
 
 def connect(s: Served, rcvbuf: int | None = None) -> socket.socket:

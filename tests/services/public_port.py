@@ -13,14 +13,17 @@ from dataclasses import dataclass
 import grpc
 import pytest
 
+from cdb_engine.client import InProcessClient
 from cdb_engine.config import EngineConfig
 from cdb_engine.engine import Engine
+from services.api.door import FrontDoor
+from services.api.handlers import GenerationService
+from services.api.info import EngineInfo
+from services.api.readiness import Readiness
+from services.api.security import PortSecurity
+from services.api.server import build_server
 from services.net import listen_on
-from services.scheduler.handlers import GenerationService
-from services.scheduler.readiness import Readiness
-from services.scheduler.security import PortSecurity
-from services.scheduler.server import build_server
-from services.settings.knobs import Settings
+from services.settings import Settings
 
 TINY = EngineConfig(model="ouro-tiny", max_num_seqs=4, num_kv_blocks=256, max_total_tokens=1024, max_waiting=16)
 
@@ -41,6 +44,10 @@ class PublicServer:
     service: GenerationService
     security: PortSecurity
 
+    @property
+    def door(self) -> FrontDoor:
+        return self.service.door
+
 
 @contextmanager
 def public_server(engine: Engine, settings: Settings | None = None) -> Iterator[PublicServer]:
@@ -52,8 +59,10 @@ def public_server(engine: Engine, settings: Settings | None = None) -> Iterator[
 
     async def start() -> tuple[PublicServer, grpc.aio.Server, Readiness, asyncio.Task[None]]:
         security = PortSecurity.from_settings(settings)
-        service = GenerationService(engine, None, settings, auth=security.auth)
-        readiness = Readiness(service, None, settings)
+        door = FrontDoor(InProcessClient(engine), settings, auth=security.auth)
+        info = EngineInfo(engine, door)
+        service = GenerationService(door, info, info.deployment)
+        readiness = Readiness(door, None, settings)
         server = build_server(service, readiness, settings, security)
         port = listen_on(server, "127.0.0.1:0", security.credentials)
         await server.start()

@@ -13,9 +13,9 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from cdb_engine.engine import Engine
 from clients.sync_client import Client
-from services.scheduler.errors import Unauthenticated
-from services.scheduler.security import ANONYMOUS_SCOPE, CallerAuth, SecurityConfigError, read_api_keys
-from services.settings.knobs import Settings
+from services.api.errors import Unauthenticated
+from services.api.security import ANONYMOUS_SCOPE, CallerAuth, SecurityConfigError, read_api_keys
+from services.settings import Settings
 from tests.services.public_port import PublicServer, assert_no_errors_logged, public_server, tiny_engine
 
 pytestmark = pytest.mark.timeout(60)
@@ -67,7 +67,7 @@ def test_calls_without_a_valid_key_are_unauthenticated_and_do_no_work(
             assert err.value.details() == message
     after = engine.stats()
     assert (after.tokens, after.loop_steps) == (before.tokens, before.loop_steps)
-    assert not server.service.live
+    assert not server.door.live
 
 
 @pytest.mark.parametrize("key", ["alpha-key-1", "beta-key-2", "gamma-key-3"])

@@ -9,10 +9,10 @@ import grpc
 import pytest
 
 from cdb_engine.engine import Engine
-from clients.messages import StreamFinish, StreamToken
+from clients.common import StreamFinish, StreamToken
 from clients.sync_client import Client
-from services.scheduler.security import ANONYMOUS_SCOPE
-from services.settings.knobs import Settings
+from services.api.security import ANONYMOUS_SCOPE
+from services.settings import Settings
 from tests.services.public_port import PublicServer, public_server, tiny_engine
 
 pytestmark = pytest.mark.timeout(60)
@@ -97,7 +97,7 @@ def test_scoped_ids_name_the_key_by_digest_only(keyed: PublicServer) -> None:
     with Client(keyed.address, timeout=30, api_key="key-of-a") as a:
         stream = a.stream("hello", request_id="visible", **LONG)
         next(stream)
-        (scoped,) = keyed.service.live
+        (scoped,) = keyed.service.door.live
         scope, _, request_id = scoped.partition("/")
         assert request_id == "visible" and scope.startswith("key-") and len(scope) == 16
         assert "key-of-a" not in scoped
@@ -109,7 +109,7 @@ def test_without_keys_every_caller_shares_the_anonymous_scope(engine: Engine) ->
     with public_server(engine) as server, Client(server.address, timeout=30) as a, Client(server.address) as b:
         stream = a.stream("hello", request_id="anon-job", **LONG)
         next(stream)
-        assert list(server.service.live) == [f"{ANONYMOUS_SCOPE}/anon-job"]
+        assert list(server.door.live) == [f"{ANONYMOUS_SCOPE}/anon-job"]
         with pytest.raises(grpc.RpcError) as err:
             b.generate("x", request_id="anon-job")
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT

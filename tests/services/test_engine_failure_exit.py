@@ -1,5 +1,5 @@
 """A scheduler whose engine loop cannot go on exits non-zero (so that it is restarted) instead of staying up and
-refusing everything: ``services.scheduler.fatal.ExitOnEngineFailure`` on its own, and a real ``cdb scheduler``
+refusing everything: ``services.api.fatal.ExitOnEngineFailure`` on its own, and a real ``cdb scheduler``
 process whose scheduler core is made to fail."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 
 from cdb_api.v1 import generation_pb2 as pb
 from cdb_api.v1 import generation_pb2_grpc
-from services.scheduler.fatal import ExitOnEngineFailure
+from services.api.fatal import ExitOnEngineFailure
 from tests.http.harness import wait_until
 from tests.services.tree import free_port
 

@@ -13,10 +13,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from cdb_api.v1 import generation_pb2 as pb
 from cdb_api.v1 import generation_pb2_grpc
 from cdb_engine.engine import Engine
-from clients.messages import StreamFinish, StreamToken
+from clients.common import StreamFinish, StreamToken
 from clients.sync_client import Client
-from services.scheduler.shares import grpc_peer_host, host_key, share_scope
-from services.settings.knobs import Settings
+from services.api.shares import grpc_peer_host, host_key, share_scope
+from services.settings import Settings
 from tests.http.harness import wait_until
 from tests.services.public_port import PublicServer, public_server, tiny_engine
 
@@ -43,8 +43,8 @@ def settled(server: PublicServer, engine: Engine) -> None:
     def idle() -> bool:
         stats = engine.stats()
         return (
-            not service.shares.held()
-            and not service.live
+            not server.door.shares.held()
+            and not server.door.live
             and service.caps.calls.in_use == 0
             and stats.running + stats.waiting == 0
         )
@@ -81,7 +81,7 @@ def test_a_caller_at_its_limit_is_refused_and_another_key_is_served(engine: Engi
         assert _code(err)[0] == grpc.StatusCode.RESOURCE_EXHAUSTED
         whole = b.generate("b's turn", max_tokens=3, ignore_eos=True)  # another key: served at once
         assert whole.finish.finish_reason == "length" and len(whole.tokens) == 3
-        assert list(server.service.shares.held().values()) == [(2, 2)]  # A's two streams, nothing of B left
+        assert list(server.door.shares.held().values()) == [(2, 2)]  # A's two streams, nothing of B left
         for i, stream in enumerate(streams):
             assert isinstance(next(stream), StreamToken)  # A's requests went on
             assert a.abort(f"a{i}") is True
@@ -96,8 +96,8 @@ def test_without_keys_each_host_has_its_own_streams_share(engine: Engine) -> Non
     with public_server(engine, settings) as server, Client(server.address, timeout=30, retry=None) as client:
         stream = client.stream("hello", request_id="only-stream", **LONG)
         assert isinstance(next(stream), StreamToken)
-        assert server.service.shares.held() == {"peer-127.0.0.1": (1, 1)}
-        assert list(server.service.live) == ["anon/only-stream"]  # request ids keep the shared anonymous scope
+        assert server.door.shares.held() == {"peer-127.0.0.1": (1, 1)}
+        assert list(server.door.live) == ["anon/only-stream"]  # request ids keep the shared anonymous scope
         with pytest.raises(grpc.RpcError) as err:
             next(client.stream("a second stream", max_tokens=2))
         code, details = _code(err)

@@ -1,5 +1,5 @@
 """The front-end link in one process: a real engine and ``LinkServer``, front ends as ``LinkClient`` +
-``RemoteEngine``. Tokens equal the engine's own, ids and aborts reach across front ends, a front end that leaves
+``RemoteClient``. Tokens equal the engine's own, ids and aborts reach across front ends, a front end that leaves
 has its requests aborted, request metrics reach the scheduler's registry, and a wrong secret or a frame carrying
 code is refused."""
 
@@ -20,17 +20,31 @@ from dataclasses import replace
 
 import pytest
 
+from cdb_engine.client import InProcessClient
 from cdb_engine.config import RequestParams
 from cdb_engine.engine import Engine
 from cdb_engine.errors import InvalidRequest
 from cdb_engine.events import FinishEvent, TokenEvent
-from cdb_scheduler.plan import LogitsProcessing, SamplingParams
+from cdb_engine.prepare import RequestPreparer
+from cdb_scheduler.plan import LogitsProcessing, SamplingParams, TokenLogprobs
 from cdb_scheduler.request import FinishReason
-from services.frontend.remote import LinkClient, MetricsRelay, RemoteEngine
-from services.scheduler.handlers import GenerationService
-from services.scheduler.link_server import LinkServer
-from services.settings.knobs import Settings
-from services.transport.frontlink import LinkError, Wire, client_handshake, dumps, loads, server_handshake
+from services.api.door import FrontDoor
+from services.api.info import EngineInfo
+from services.frontlink.client import LinkClient, MetricsRelay, RemoteClient
+from services.frontlink.messages import (
+    Abort,
+    AskInfo,
+    Events,
+    LinkError,
+    Reply,
+    Submit,
+    decode_call,
+    decode_news,
+    encode,
+)
+from services.frontlink.server import LinkServer
+from services.frontlink.wire import Wire, client_handshake, server_handshake
+from services.settings import Settings
 from tests.services.tree import SHARED_CONFIG
 
 pytestmark = pytest.mark.timeout(120)
@@ -39,24 +53,25 @@ SECRET = "front-end-link-test-secret"
 
 
 class Link:
-    def __init__(self, engine: Engine, service: GenerationService, server: LinkServer, path: str) -> None:
-        self.engine, self.service, self.server, self.path = engine, service, server, path
+    def __init__(self, engine: Engine, door: FrontDoor, server: LinkServer, path: str) -> None:
+        self.engine, self.door, self.server, self.path = engine, door, server, path
+        self.prep = RequestPreparer.of(SHARED_CONFIG)  # (a front end's own: no engine)
         self.clients: list[LinkClient] = []
 
-    def front_end(self, secret: str = SECRET) -> RemoteEngine:
+    def front_end(self, secret: str = SECRET) -> RemoteClient:
         client = LinkClient(self.path, secret).start()
         self.clients.append(client)
-        return RemoteEngine(SHARED_CONFIG, client)
+        return RemoteClient(self.prep, client)
 
 
 @pytest.fixture(scope="module")
 def link() -> Iterator[Link]:
     with tempfile.TemporaryDirectory() as tmp, Engine(SHARED_CONFIG) as engine:
-        service = GenerationService(engine, None, Settings(health_interval_s=0.1))
-        service.not_ready = None
+        door = FrontDoor(InProcessClient(engine), Settings(health_interval_s=0.1))
+        door.not_ready = None
         path = os.path.join(tmp, "link.sock")
-        server = LinkServer(path, engine, service, SECRET).start()
-        out = Link(engine, service, server, path)
+        server = LinkServer(path, engine, door, EngineInfo(engine, door).reply, SECRET).start()
+        out = Link(engine, door, server, path)
         try:
             yield out
         finally:
@@ -67,7 +82,7 @@ def link() -> Iterator[Link]:
             server.close()
 
 
-def _ready(remote: RemoteEngine) -> RemoteEngine:
+def _ready(remote: RemoteClient) -> RemoteClient:
     assert remote.link.connected.wait(10), remote.link.reason
     deadline = time.monotonic() + 10
     while remote.link.reason is not None:  # the first status frame follows the handshake
@@ -76,7 +91,7 @@ def _ready(remote: RemoteEngine) -> RemoteEngine:
     return remote
 
 
-async def _collect(remote: RemoteEngine, ids: list[int], params: RequestParams, key: str) -> tuple[list, FinishEvent]:
+async def _collect(remote: RemoteClient, ids: list[int], params: RequestParams, key: str) -> tuple[list, FinishEvent]:
     tokens: list[TokenEvent] = []
     async with await remote.open_stream(ids, params, key) as stream:
         async for ev in stream:
@@ -139,7 +154,7 @@ def test_duplicate_ids_and_aborts_reach_across_front_ends(link: Link) -> None:
             assert await found is True
             rest = [ev async for ev in stream]
             assert isinstance(rest[-1], FinishEvent) and rest[-1].finish_reason is FinishReason.CANCELLED
-        assert await b.abort("x/never-seen") is False  # type: ignore[misc]
+        assert await b.abort("x/never-seen") is False
 
     asyncio.run(main())
     _wait(lambda: link.engine.stats().running == 0 and link.engine.stats().waiting == 0, "engine idle")
@@ -175,24 +190,24 @@ def test_a_stream_resumed_before_the_dead_front_ends_link_end_is_read_is_admitte
     one's reader is still busy with an earlier frame (here: an Info call held open), so it has not read the end of
     the link: the resumed request is admitted all the same, and the dead one's request is aborted."""
     gate, busy = threading.Event(), threading.Event()
-    info = link.service.info
+    info = link.server.info
 
     def held_info() -> object:
         busy.set()
         gate.wait(30)
         return info()
 
-    monkeypatch.setattr(link.service, "info", held_info)
+    monkeypatch.setattr(link.server, "info", held_info)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.connect(link.path)
     dead = Wire(sock)
     client_handshake(dead, SECRET.encode())
     long = RequestParams(max_tokens=300, ignore_eos=True)
-    dead.send(dumps(("submit", 1, "x/resumed", [4, 5, 6], long, "")))
-    while (frame := loads(dead.recv()))[0] != "reply":  # (status frames first)
+    dead.send(encode(Submit(1, "x/resumed", [4, 5, 6], long, "")))
+    while not isinstance(frame := decode_news(dead.recv()), Reply):  # (status frames first)
         pass
-    assert frame[1:3] == (1, None), frame
-    dead.send(dumps(("info", 2)))
+    assert (frame.cid, frame.error) == (1, None), frame
+    dead.send(encode(AskInfo(2)))
     assert busy.wait(10)
     dead.close()  # the front end's process is gone; its reader is still inside the Info call
     b = _ready(link.front_end())
@@ -211,7 +226,7 @@ def test_a_stream_resumed_before_the_dead_front_ends_link_end_is_read_is_admitte
 def test_request_metrics_reach_the_scheduler_registry(link: Link) -> None:
     a = _ready(link.front_end())
     relay = MetricsRelay(a.link)
-    metrics = link.service.metrics
+    metrics = link.door.metrics
     tokens, itl = metrics.generated_tokens.value(), metrics.itl.count()
     relay.observe_token_depth(3)
     relay.observe_token_depth(2)
@@ -247,15 +262,18 @@ class _Evil:
         return (os.system, ("true",))
 
 
-def test_frames_carry_data_not_code() -> None:
+def test_frames_carry_typed_data_not_code() -> None:
     processing = LogitsProcessing(presence_penalty=0.5, logit_bias=((3, 1.0),), min_tokens=2, stop_ids=(0,))
     sampling = SamplingParams(temperature=0.5, top_k=4, top_p=0.9, seed=1, logprobs=2, processing=processing)
     params = RequestParams(max_tokens=3, sampling=sampling, stop_strings=("a",))
     event = FinishEvent("k", FinishReason.STOP, 1, 2, 3)
-    assert loads(dumps(("submit", 1, "k", [1, 2], params, ""))) == ("submit", 1, "k", [1, 2], params, "")
-    token = TokenEvent("k", 0, 5, "a", 3, None, 7)
-    assert loads(dumps(("events", [token, event])))[1] == [token, event]
-    with pytest.raises(pickle.UnpicklingError, match="does not carry"):
-        loads(pickle.dumps(_Evil()))
-    with pytest.raises(pickle.UnpicklingError, match="does not carry"):
-        loads(pickle.dumps(Engine))  # a project class that is not plain data
+    assert decode_call(encode(Submit(1, "k", [1, 2], params, ""))) == Submit(1, "k", [1, 2], params, "")
+    token = TokenEvent("k", 0, 5, "a", 3, TokenLogprobs(-0.5, (5, 6), (-0.5, -1.5)), 7)
+    assert decode_news(encode(Events.of([token, event]))) == Events([token], [event])
+    assert decode_call(encode(Abort(0, "k", FinishReason.STOP))).reason is FinishReason.STOP
+    with pytest.raises(LinkError, match="not a message"):
+        decode_call(pickle.dumps(_Evil()))
+    with pytest.raises(LinkError, match="not a message"):
+        decode_call(encode(Events.of([token])))  # a message of the other direction
+    with pytest.raises(LinkError, match="not a message"):
+        decode_call(encode(Submit(1, "k", [1, 2], params, ""))[:-1] + b"\xc1")  # a field that is no message

@@ -33,7 +33,7 @@ EXAMPLES = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example],
 )
 
-# What a gRPC refusal may name (services.scheduler.errors: the engine's fields as request paths).
+# What a gRPC refusal may name (services.api.errors: the engine's fields as request paths).
 GRPC_FIELDS = {
     "request_id",
     "prompt",

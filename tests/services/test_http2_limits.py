@@ -10,8 +10,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cdb_engine.engine import Engine
-from services.scheduler.server import server_options
-from services.settings.knobs import Settings
+from services.api.server import server_options
+from services.settings import Settings
 from tests.services.public_port import public_server, tiny_engine
 
 pytestmark = pytest.mark.timeout(60)

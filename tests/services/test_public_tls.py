@@ -20,13 +20,12 @@ import pytest
 
 from cdb_engine.engine import Engine
 from clients.async_client import AsyncClient
-from clients.channel import TlsOptions
 from clients.cli import generate_main
-from clients.messages import StreamFinish
+from clients.common import StreamFinish, TlsOptions
 from clients.sync_client import Client
+from services.api.security import PortSecurity, SecurityConfigError
 from services.net import wait_ready_file
-from services.scheduler.security import PortSecurity, SecurityConfigError
-from services.settings.knobs import Settings
+from services.settings import Settings
 from tests.services.certs import CertificateAuthority, Pem
 from tests.services.public_port import PublicServer, public_server, tiny_engine
 
@@ -125,7 +124,7 @@ def test_client_certificates_scope_request_ids(mtls_server: PublicServer, pki: P
     with Client(mtls_server.address, timeout=30, tls=alice) as a, Client(mtls_server.address, tls=bob) as b:
         stream = a.stream("hello", request_id="job", max_tokens=1000, ignore_eos=True)
         next(stream)
-        (scoped,) = mtls_server.service.live
+        (scoped,) = mtls_server.door.live
         assert scoped.startswith("cert-") and scoped.endswith("/job")
         assert b.generate("x", request_id="job", max_tokens=2).request_id == "job"  # bob's own "job"
         assert b.abort("job") is False

@@ -158,7 +158,7 @@ def test_the_schedulers_process_owns_a_cpu_bank_without_importing_torch() -> Non
     out = _run_child(
         """
         import sys
-        import services.scheduler.server
+        import services.api.server
         from services.transport.bank import SharedBank
         bank = SharedBank.create(4, 8)
         print(sorted(m for m in sys.modules if m == "torch" or m.startswith("torch.")))

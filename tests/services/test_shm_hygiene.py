@@ -189,7 +189,7 @@ def test_a_bank_whose_name_was_unlinked_is_recreated_when_the_stages_are_reattac
 def test_a_scheduler_without_room_in_dev_shm_exits_1_with_one_line(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    import services.scheduler.server
+    import services.api.server
     from cdb import processes
 
     message = f"{SHM_DIR} has 1024 of 4096 bytes free; the 16 x 64 float32 bank needs 4096 bytes"
@@ -198,6 +198,6 @@ def test_a_scheduler_without_room_in_dev_shm_exits_1_with_one_line(
         raise SharedMemoryFull(message)
 
     monkeypatch.setattr(processes, "die_with_parent", lambda: None)  # not this test process
-    monkeypatch.setattr(services.scheduler.server, "run_scheduler", full)
+    monkeypatch.setattr(services.api.server, "run_scheduler", full)
     assert processes.scheduler_main(["--in-process", "--model", "ouro-tiny", "--listen", "127.0.0.1:0"]) == 1
     assert capsys.readouterr().err.strip().splitlines() == [f"cdb scheduler: {message}"]

@@ -13,7 +13,7 @@ from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from cdb_api.v1 import generation_pb2 as pb
 from cdb_engine.engine import Engine
 from clients.sync_client import Client
-from services.scheduler.decoding import Undecodable, describe_undecodable, tolerant_deserializer
+from services.api.decoding import Undecodable, describe_undecodable, tolerant_deserializer
 from tests.services.public_port import PublicServer, assert_no_errors_logged, public_server, tiny_engine
 
 pytestmark = pytest.mark.timeout(60)
@@ -106,7 +106,7 @@ def test_invalid_utf8_names_the_field_and_the_server_keeps_serving(
     assert "Traceback" not in capfd.readouterr().err  # nor printed by gRPC itself
     with Client(server.address, timeout=30) as client:
         assert len(client.generate("hello", max_tokens=3, ignore_eos=True).tokens) == 3
-    assert not server.service.live
+    assert not server.door.live
 
 
 def test_a_broken_wire_format_is_invalid_argument(server: PublicServer, caplog: pytest.LogCaptureFixture) -> None:

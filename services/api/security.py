@@ -28,8 +28,8 @@ from typing import Any
 
 import grpc
 
-from services.scheduler.errors import Unauthenticated, status_for
-from services.scheduler.shares import ANONYMOUS_SCOPE, grpc_peer_host, share_scope
+from services.api.errors import Unauthenticated, status_for
+from services.api.shares import ANONYMOUS_SCOPE, grpc_peer_host, share_scope
 from services.settings import Settings
 
 log = logging.getLogger("cdb.scheduler")

@@ -42,11 +42,11 @@ class Unauthenticated(Exception):
 
 
 class CallerLimit(Exception):
-    """The caller is at one of its limits (``services.scheduler.shares``); the message names the setting."""
+    """The caller is at one of its limits (``services.api.shares``); the message names the setting."""
 
 
 class UndecodableRequest(Exception):
-    """The request bytes do not parse; the message is ``field: problem`` (``services.scheduler.decoding``)."""
+    """The request bytes do not parse; the message is ``field: problem`` (``services.api.decoding``)."""
 
 
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:

@@ -1,8 +1,10 @@
-"""``Readiness``: the scheduler's periodic health verdict, fed into ``grpc.health.v1``.
+"""``Readiness``: the periodic health check of a serving process, fed into ``grpc.health.v1`` and into the front
+door's verdict (``FrontDoor.not_ready``).
 
-SERVING only while the engine is healthy and either idle or making progress, every stage is attached (no outage)
-and answers its own health check. When the executor gives up on the stages (down past ``CDB_STAGE_DOWN_LIMIT_S``)
-``on_fatal`` runs once: the server stops and the process exits 1.
+SERVING only while the engine client is healthy (a remote engine: the scheduler's own verdict, as its link
+reports it), the engine is either idle or making progress, every stage is attached (no outage) and answers its own
+health check. When the executor gives up on the stages (down past ``CDB_STAGE_DOWN_LIMIT_S``) ``on_fatal`` runs
+once: the server stops and the process exits 1.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from cdb_api.v1 import generation_pb2 as pb
 from cdb_scheduler.plan import Stage
-from services.scheduler.handlers import GenerationService
+from services.api.door import FrontDoor
 from services.settings import Settings
 
 log = logging.getLogger("cdb.scheduler")
@@ -30,8 +32,8 @@ _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 class Readiness:
     """Periodic readiness check feeding ``grpc.health.v1`` (overall "" and ``cdb.v1.Generation``)."""
 
-    def __init__(self, service: GenerationService, stage_addrs: Mapping[Stage, str] | None, settings: Settings):
-        self.service = service
+    def __init__(self, door: FrontDoor, stage_addrs: Mapping[Stage, str] | None, settings: Settings):
+        self.door = door
         self.settings = settings
         self.health = health.aio.HealthServicer()
         self.reason: str | None = "starting"
@@ -44,16 +46,17 @@ class Readiness:
 
     async def check(self) -> str | None:
         """Why the server is not ready, or None."""
-        st = self.service.engine.stats()
-        if not st.healthy:
-            return st.error or "engine stopped"
-        if self.service.broken:
-            self._fatal(self.service.broken)
-            return self.service.broken
-        executor = self.service.factory.executor if self.service.factory is not None else None
+        door = self.door
+        why = door.client.health()
+        if why is not None:
+            return why
+        if door.broken:
+            self._fatal(door.broken)
+            return door.broken
+        executor = door.factory.executor if door.factory is not None else None
         if executor is not None and executor.outage is not None:
             return f"re-attaching the stages after: {executor.outage}"
-        now = time.monotonic()
+        st, now = door.client.stats(), time.monotonic()
         if st.waiting + st.running == 0:
             self._busy_since = None
         else:
@@ -98,7 +101,7 @@ class Readiness:
                 log.info("readiness: %s", "SERVING" if reason is None else f"NOT_SERVING ({reason})")
                 for name in ("", SERVICE_NAME):
                     await self.health.set(name, _SERVING if reason is None else _NOT_SERVING)
-                self.reason = self.service.not_ready = reason
+                self.reason = self.door.not_ready = reason
             if reason is None:
                 self.first_ready.set()
             await asyncio.sleep(self.settings.health_interval_s)  # a period, not a synchronisation

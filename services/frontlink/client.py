@@ -1,17 +1,15 @@
-"""A front end's view of the engine in the scheduler process: ``LinkClient`` (the connection), ``RemoteEngine``
-(what the public handlers use of an ``Engine``) and ``MetricsRelay`` (request metrics sent to the scheduler).
+"""A front end's view of the engine in the scheduler process: ``LinkClient`` (the connection), ``RemoteClient``
+(the ``EngineClient`` the front door uses) and ``MetricsRelay`` (request metrics sent to the scheduler).
 
-The handlers (``services.scheduler.handlers``, ``services.http``) run unchanged over a ``RemoteEngine``: it
-validates and tokenizes locally (an engine object that is never started: the model's config, tokenizer and
-limits), submits over the link and awaits the scheduler's acknowledgement (so a refusal, a full queue or a
-duplicate id is raised before anything is streamed, as in-process), and hands each request's events to its
-``RequestStream`` from the link's reader thread, one event-loop wake-up per frame.
+The front door (``services.api.door``) runs unchanged over a ``RemoteClient``: requests are prepared here
+(``RequestPreparer``: the model's config, tokenizer and limits, no engine), submitted over the link with the
+scheduler's acknowledgement awaited (so a refusal, a full queue or a duplicate id is raised before anything is
+streamed, as in-process), and each request's events are handed to its ``RequestStream`` from the link's reader
+thread, one event-loop wake-up per frame.
 
 Text is made here, not in the scheduler process: the scheduler sends token ids (``Engine.submit(detokenize=
-False)``) and each request's ``Detokenizer`` runs on the link's reader thread, exactly as the engine would run it.
-A stop string found here ends the stream at once (the text stops before it) and asks the scheduler to end the
-request with ``FinishReason.STOP``; tokens the engine produced meanwhile are dropped, and its finish is reported
-as if it had stopped there (counts without them, reason STOP, no text after the stop).
+False)``) and each request's ``TextOutput`` runs on the link's reader thread, the same rule the engine runs. A stop
+string found here ends the stream at once and asks the scheduler to end the request with ``FinishReason.STOP``.
 """
 
 from __future__ import annotations
@@ -22,27 +20,33 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Awaitable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, replace
 from typing import Any
 
-from cdb_engine.config import EngineConfig, RequestParams
-from cdb_engine.detokenizer import Detokenizer
-from cdb_engine.engine import Engine
+from cdb_engine.config import RequestParams
 from cdb_engine.errors import EngineStopped, InvalidRequest
-from cdb_engine.events import EngineStats, FinishEvent, RequestObserver, TokenEvent
+from cdb_engine.events import EngineStats, FinishEvent, RequestObserver
+from cdb_engine.prepare import RequestPreparer
 from cdb_engine.stream import RequestStream
 from cdb_scheduler.request import FinishReason
-from services.transport.frontlink import (
+from services.frontlink.messages import (
+    Abort,
+    AskExposition,
+    AskInfo,
+    Call,
+    Events,
     LinkError,
-    Wire,
-    client_handshake,
-    connect_unix,
-    dumps,
-    loads,
-    raise_error,
+    News,
+    Observe,
+    Reply,
+    Submit,
+    decode_news,
+    encode,
 )
+from services.frontlink.wire import Wire, client_handshake, connect_unix
+
+Asking = Submit | Abort | AskInfo | AskExposition  # the calls that want an answer
 
 log = logging.getLogger("cdb.frontend")
 
@@ -54,42 +58,6 @@ def _down_stats(reason: str) -> EngineStats:
     return EngineStats(0, 0, 0, 0, 0, 0, 0, time.monotonic(), False, reason)
 
 
-@dataclass(slots=True)
-class _Remote:
-    """One live request of this front end: its stream and its detokenizer."""
-
-    stream: RequestStream
-    detok: Detokenizer
-    stopped: bool = False  # a stop string ended its text: what the engine sends after it is dropped
-    dropped: int = 0  # tokens dropped after the stop
-    dropped_steps: int = 0  # and their loop steps
-
-    def token(self, event: TokenEvent) -> TokenEvent | None:
-        """The event with its text (None: dropped after a stop string); sets ``stopped`` when it hits one."""
-        if self.stopped:
-            self.dropped += 1
-            self.dropped_steps += event.depth
-            return None
-        event.text, self.stopped = self.detok.push(event.token_id)  # (an unpickled event: this front end's own)
-        return event
-
-    def finish(self, event: FinishEvent) -> FinishEvent:
-        """The engine's finish as the stream reports it: the text held back, or, when the engine went on after a
-        stop string, the counts up to the token that hit it and the reason STOP. (A request that ended by itself
-        on the token that hit the stop string keeps its own reason, as in the engine, which finds the request
-        already ended when it would stop it.)"""
-        if not self.dropped:
-            tail = self.detok.flush() if event.finish_reason is not FinishReason.STOP else ""
-            return replace(event, text=tail) if tail else event
-        return replace(
-            event,
-            finish_reason=FinishReason.STOP,
-            generated_tokens=event.generated_tokens - self.dropped,
-            total_loop_steps=event.total_loop_steps - self.dropped_steps,
-            text="",
-        )
-
-
 class LinkClient:
     """The front end's connection to the scheduler's link: connects (and reconnects) on its own thread, reads
     frames on another. ``streams``: the live requests of this front end by engine id."""
@@ -97,7 +65,7 @@ class LinkClient:
     def __init__(self, path: str, secret: str) -> None:
         self.path = path
         self._secret = secret.encode()
-        self.streams: dict[str, _Remote] = {}
+        self.streams: dict[str, RequestStream] = {}
         self.reason: str | None = "connecting to the scheduler"  # the verdict to serve by (None: ready)
         self.stats = _down_stats(self.reason)
         self.connected = threading.Event()
@@ -113,32 +81,33 @@ class LinkClient:
         return self
 
     # --- calls -------------------------------------------------------------------------------------------------
-    def send(self, message: tuple[Any, ...]) -> None:
+    def send(self, message: Call) -> None:
         """Send a frame that wants no answer; raises ``EngineStopped`` when the link is down."""
         wire = self._wire
         if wire is None:
             raise EngineStopped(self.reason or "the scheduler link is down")
         try:
-            wire.send(dumps(message))
+            wire.send(encode(message))
         except OSError as exc:
             raise EngineStopped(f"the scheduler link is down ({exc})") from None
 
-    def call(self, kind: str, *args: Any) -> Future[Any]:
-        """Send a call; its answer (or the engine error it raised) completes the returned future."""
+    def call(self, message: Asking) -> Future[Any]:
+        """Send a call (under a call id of its own); its answer (or the engine error it raised) completes the
+        returned future."""
         fut: Future[Any] = Future()
-        cid = next(self._cids)
+        cid = message.cid = next(self._cids)
         with self._lock:
             self._calls[cid] = fut
         try:
-            self.send((kind, cid, *args))
+            self.send(message)
         except EngineStopped as exc:
             with self._lock:
                 self._calls.pop(cid, None)
             fut.set_exception(exc)
         return fut
 
-    async def ask(self, kind: str, *args: Any) -> Any:
-        return await asyncio.wrap_future(self.call(kind, *args))
+    async def ask(self, message: Asking) -> Any:
+        return await asyncio.wrap_future(self.call(message))
 
     # --- the connection ----------------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -161,7 +130,7 @@ class LinkClient:
             why = "the scheduler closed the link"
             try:
                 while True:
-                    self._on_frame(loads(wire.recv()))
+                    self._on_frame(decode_news(wire.recv()))
             except (OSError, LinkError, EOFError) as exc:
                 why = f"the scheduler link was lost ({exc})"
             finally:
@@ -170,38 +139,41 @@ class LinkClient:
                 wire.close()
                 self._lost(why)
 
-    def _on_frame(self, msg: tuple[Any, ...]) -> None:
-        kind = msg[0]
-        if kind == "events":
-            streams = self.streams
-            for event in msg[1]:
-                key = event.request_id
-                remote = streams.get(key)
-                if remote is None:
-                    continue  # its consumer left and aborted it
-                if isinstance(event, FinishEvent):
-                    del streams[key]
-                    remote.stream.sink(remote.finish(event))
-                elif (token := remote.token(event)) is not None:
-                    remote.stream.sink(token)
-                    if remote.stopped:
-                        with contextlib.suppress(EngineStopped):  # (a link that is down has ended it already)
-                            self.send(("abort", 0, key, FinishReason.STOP))
-        elif kind == "reply":
-            _, cid, err, value = msg
+    def _on_frame(self, msg: News) -> None:
+        if isinstance(msg, Events):
+            self._on_events(msg)
+        elif isinstance(msg, Reply):
             with self._lock:
-                fut = self._calls.pop(cid, None)
+                fut = self._calls.pop(msg.cid, None)
             if fut is None:
                 return
-            if err is None:
-                fut.set_result(value)
+            if msg.error is None:
+                fut.set_result(msg.value)
             else:
-                try:
-                    raise_error(err)
-                except Exception as exc:
-                    fut.set_exception(exc)
-        elif kind == "status":
-            _, self.reason, self.stats = msg
+                fut.set_exception(msg.error.exception())
+        else:
+            self.reason, self.stats = msg.reason, msg.stats
+
+    def _on_events(self, msg: Events) -> None:
+        """Each event to its stream, with its text made here (``TextOutput``: the stop-string rule)."""
+        streams = self.streams
+        for token in msg.tokens:
+            key = token.request_id
+            stream = streams.get(key)
+            if stream is None or stream.text is None:
+                continue  # its consumer left and aborted it
+            out = stream.text
+            if (text := out.token_text(token.token_id, token.depth)) is not None:
+                token.text = text  # (a decoded event: this front end's own)
+                stream.sink(token)
+                if out.stopped:
+                    with contextlib.suppress(EngineStopped):  # (a link that is down has ended it already)
+                        self.send(Abort(0, key, FinishReason.STOP))
+        for finish in msg.finishes:
+            key = finish.request_id
+            stream = streams.pop(key, None)
+            if stream is not None and stream.text is not None:
+                stream.sink(stream.text.finish(finish))
 
     def _lost(self, why: str) -> None:
         """The scheduler is gone: its requests cannot go on; every live one ends with an error."""
@@ -215,8 +187,8 @@ class LinkClient:
         for fut in calls.values():
             fut.set_exception(EngineStopped(why))
         streams, self.streams = self.streams, {}
-        for key, remote in streams.items():
-            remote.stream.sink(FinishEvent(key, FinishReason.ERROR, 0, 0, 0, error=why))
+        for key, stream in streams.items():
+            stream.sink(FinishEvent(key, FinishReason.ERROR, 0, 0, 0, error=why))
 
     def close(self) -> None:
         self._closed = True
@@ -225,59 +197,61 @@ class LinkClient:
             wire.close()
 
 
-class RemoteEngine:
-    """What the public handlers use of an ``Engine``, for an engine in the scheduler process behind ``link``."""
+class RemoteClient:
+    """``EngineClient`` for the engine in the scheduler process behind ``link``."""
 
-    def __init__(self, config: EngineConfig, link: LinkClient) -> None:
-        self._local = Engine(config)  # never started: the model's config, tokenizer and limits, for validation
-        self.config = config
-        self.model_config = self._local.model_config
-        self.tokenizer = self._local.tokenizer
-        self.limits = self._local.limits
+    def __init__(self, prep: RequestPreparer, link: LinkClient) -> None:
+        self._prep = prep
         self.link = link
 
-    def validate(self, prompt: str | list[int], params: RequestParams) -> list[int]:
-        return self._local.validate(prompt, params)
+    @property
+    def prep(self) -> RequestPreparer:
+        return self._prep
 
     def stats(self) -> EngineStats:
         return self.link.stats
+
+    def health(self) -> str | None:
+        """The scheduler's verdict as its last status frame carried it, or why the link is down."""
+        return self.link.reason
 
     async def open_stream(
         self,
         prompt_ids: Sequence[int],
         params: RequestParams,
-        request_id: str | None = None,
+        request_id: str,
         *,
         observer: RequestObserver | None = None,
     ) -> RequestStream:
-        """Submit validated ids to the scheduler and return the request's stream once it has taken it (raising
-        what ``Engine.open_stream`` raises)."""
         if not request_id:
             raise InvalidRequest("request_id", "a front end submits requests under their ids")
         link = self.link
         if request_id in link.streams:
             raise InvalidRequest("request_id", f"{request_id!r} is already used by a live request")
-        detok = self._local.detokenizer(params)
-        stream = RequestStream(lambda: self.abort(request_id), observer)
+        stream = RequestStream(lambda: self._abort_own(request_id), observer, self._prep.output(params))
         stream.request_id = request_id
-        remote = link.streams[request_id] = _Remote(stream, detok)  # before the submit: events may come with the ack
+        link.streams[request_id] = stream  # before the submit: events may come with the ack
         span = getattr(observer, "span", None)
         traceparent = span.traceparent if span is not None and span.recording else ""
         try:
-            await link.ask("submit", request_id, list(prompt_ids), params, traceparent)
+            await link.ask(Submit(0, request_id, list(prompt_ids), params, traceparent))
         except BaseException:
-            if link.streams.get(request_id) is remote:
+            if link.streams.get(request_id) is stream:
                 del link.streams[request_id]
             raise
         return stream
 
-    def abort(self, request_id: str) -> bool | Awaitable[bool]:
+    def _abort_own(self, request_id: str) -> None:
+        with contextlib.suppress(EngineStopped):  # the link is down: the scheduler has aborted it already
+            self.link.send(Abort(0, request_id))
+
+    async def abort(self, request_id: str) -> bool:
         """End a request: one of this front end's at once (True); another's by asking the scheduler."""
         if self.link.streams.get(request_id) is not None:
-            with contextlib.suppress(EngineStopped):  # the link is down: the scheduler has aborted it already
-                self.link.send(("abort", 0, request_id))
+            self._abort_own(request_id)
             return True
-        return self.link.ask("abort", request_id)
+        found: bool = await self.link.ask(Abort(0, request_id))
+        return found
 
 
 class MetricsRelay:
@@ -287,7 +261,7 @@ class MetricsRelay:
 
     def __init__(self, link: LinkClient) -> None:
         self.link = link
-        self._calls: list[tuple[str, tuple[Any, ...]]] = []
+        self._calls: list[tuple[str, list[Any]]] = []
         self._itls: list[float] = []
         self._depths: list[int] = []
         self._lock = threading.Lock()
@@ -309,12 +283,12 @@ class MetricsRelay:
 
         def record(*args: Any) -> None:  # per request, not per token
             with self._lock:
-                self._calls.append((name, args))
+                self._calls.append((name, list(args)))
 
         return record
 
     async def exposition(self, accept: str | None) -> tuple[bytes, str]:
-        body, content_type = await self.link.ask("exposition", accept)
+        body, content_type = await self.link.ask(AskExposition(0, accept))
         return body, content_type
 
     def flush(self) -> None:
@@ -323,12 +297,12 @@ class MetricsRelay:
             itls, self._itls = self._itls, []
             depths, self._depths = self._depths, []
         if itls:
-            buf.append(("observe_itls", (itls,)))
+            buf.append(("observe_itls", [itls]))
         if depths:
-            buf.append(("observe_token_depths", (depths,)))
+            buf.append(("observe_token_depths", [depths]))
         if buf:
             with contextlib.suppress(EngineStopped):  # the scheduler is gone, and its registry with it
-                self.link.send(("observe", buf))
+                self.link.send(Observe(buf))
 
     def _run(self) -> None:
         while not self._stop.wait(_FLUSH_S):

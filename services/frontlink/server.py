@@ -1,4 +1,4 @@
-"""``LinkServer``: the scheduler's end of the front-end link (``services.transport.frontlink``).
+"""``LinkServer``: the scheduler's end of the front-end link (``services.frontlink.wire``).
 
 One thread accepts connections; each admitted front end gets a reader thread (its calls: submit, abort, info,
 exposition, observe) and a writer thread. The engine thread never writes to a socket: a request's sink appends the
@@ -14,25 +14,43 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
+from cdb_api.v1 import generation_pb2 as pb
 from cdb_engine.engine import Engine
 from cdb_engine.errors import EngineError
 from cdb_engine.events import Event, FinishEvent
-from cdb_scheduler.request import FinishReason
 from services import telemetry
-from services.scheduler.handlers import GenerationService
-from services.transport.frontlink import (
+from services.frontlink.messages import (
+    Abort,
+    AskInfo,
+    Call,
+    Events,
     LinkError,
-    Wire,
-    dumps,
-    error_tuple,
-    listen_unix,
-    loads,
-    server_handshake,
+    Observe,
+    Refusal,
+    Reply,
+    Status,
+    Submit,
+    decode_call,
+    encode,
 )
+from services.frontlink.wire import Wire, listen_unix, server_handshake
+from services.settings import Settings
+from services.telemetry.metrics import Metrics
 
 log = logging.getLogger("cdb.link")
+
+
+class Door(Protocol):
+    """What the link uses of the scheduler's front door (``services.api.door.FrontDoor``)."""
+
+    settings: Settings
+    metrics: Metrics
+    traces: telemetry.RequestTraces | None
+
+    def verdict(self) -> str | None: ...
+
 
 # the request metrics a front end records (``ObservedRequest``) and the scheduler's registry takes from it
 OBSERVATIONS = frozenset(
@@ -64,7 +82,7 @@ class _Peer:
         self._last_reason: str | None = None
         self._cond = threading.Condition()
         self._events: list[Event] = []
-        self._replies: list[tuple[Any, ...]] = []
+        self._replies: list[Reply] = []
         self._closed = False
         self._departed = False
         self.admitting = threading.Lock()  # its submissions and its departure, one at a time
@@ -107,11 +125,11 @@ class _Peer:
             if len(self._events) == 1:
                 self._cond.notify()
 
-    def reply(self, cid: int, err: tuple[str, tuple[Any, ...]] | None, value: Any = None) -> None:
-        if not cid:
+    def reply(self, message: Reply) -> None:
+        if not message.cid:
             return
         with self._cond:
-            self._replies.append(("reply", cid, err, value))
+            self._replies.append(message)
             self._cond.notify()
 
     def _write(self) -> None:
@@ -125,10 +143,10 @@ class _Peer:
                         return
                     events, self._events = self._events, []
                     replies, self._replies = self._replies, []
-                for frame in replies:  # an ack before the events of its request's first result
-                    self.wire.send(dumps(frame))
+                for reply in replies:  # an ack before the events of its request's first result
+                    self.wire.send(encode(reply))
                 if events:
-                    self.wire.send(dumps(("events", events)))
+                    self.wire.send(encode(Events.of(events)))
                 self._send_status()
         except (OSError, LinkError):
             self.close()  # the reader sees the socket end and releases the requests
@@ -139,7 +157,7 @@ class _Peer:
         if not force and now < self._status_due and reason == self._last_reason:
             return
         self._last_reason, self._status_due = reason, now + self._interval_s
-        self.wire.send(dumps(("status", reason, self._stats())))
+        self.wire.send(encode(Status(reason, self._stats())))
 
     def close(self) -> None:
         with self._cond:
@@ -149,13 +167,14 @@ class _Peer:
 
 
 class LinkServer:
-    """Serve the front-end link on ``path`` for ``engine`` (``service``: Info replies and the readiness verdict;
-    its ``metrics`` take the front ends' observations)."""
+    """Serve the front-end link on ``path`` for ``engine`` (``door``: the readiness verdict, and the registry that
+    takes the front ends' observations; ``info``: the ``Info`` reply)."""
 
-    def __init__(self, path: str, engine: Engine, service: GenerationService, secret: str) -> None:
+    def __init__(self, path: str, engine: Engine, door: Door, info: Callable[[], pb.InfoResponse], secret: str) -> None:
         self.path = path
         self.engine = engine
-        self.service = service
+        self.door = door
+        self.info = info
         self._secret = secret.encode()
         self._sock: socket.socket | None = None
         self._peers: set[_Peer] = set()
@@ -182,7 +201,7 @@ class LinkServer:
 
     def reason(self) -> str | None:
         """The readiness verdict front ends serve by (None: ready)."""
-        return self.service.broken or self.service.not_ready
+        return self.door.verdict()
 
     def _accept(self) -> None:
         assert self._sock is not None
@@ -203,14 +222,14 @@ class LinkServer:
             log.warning("front-end link: refused a connection: %s", exc)
             wire.close()
             return
-        peer = _Peer(wire, name, self.reason, self.engine.stats, self.service.settings.health_interval_s)
+        peer = _Peer(wire, name, self.reason, self.engine.stats, self.door.settings.health_interval_s)
         with self._lock:
             self._peers.add(peer)
         peer.start()  # (counted before it can hear it is ready)
         log.info("front end %s connected", name)
         try:
             while True:
-                self._handle(peer, loads(wire.recv()))
+                self._handle(peer, decode_call(wire.recv()))
         except (OSError, LinkError, EOFError):
             pass
         except Exception:  # a frame it may not send: drop the connection, keep serving the others
@@ -242,36 +261,30 @@ class LinkServer:
             if other.wire.peer_gone():
                 self._depart(other)
 
-    def _handle(self, peer: _Peer, msg: tuple[Any, ...]) -> None:
-        kind = msg[0]
-        if kind == "observe":
-            metrics = self.service.metrics
-            for method, args in msg[1]:
+    def _handle(self, peer: _Peer, msg: Call) -> None:
+        if isinstance(msg, Observe):
+            metrics = self.door.metrics
+            for method, args in msg.calls:
                 if method in OBSERVATIONS:
                     getattr(metrics, method)(*args)
             return
-        cid = msg[1]
         value: Any = None
         try:
-            if kind == "submit":
-                self._submit(peer, *msg[2:])
-            elif kind == "abort":  # (key[, reason]: a front end that found a stop string ends it with STOP)
-                reason = msg[3] if len(msg) > 3 else FinishReason.CANCELLED
-                if not isinstance(reason, FinishReason):
-                    raise LinkError(f"abort: {reason!r} is not a finish reason")
-                value = self.engine.abort(msg[2], reason)
-            elif kind == "info":
-                value = self.service.info().SerializeToString()
-            elif kind == "exposition":
-                value = self.service.metrics.exposition(msg[2])
+            if isinstance(msg, Submit):
+                self._submit(peer, msg)
+            elif isinstance(msg, Abort):
+                value = self.engine.abort(msg.key, msg.reason)
+            elif isinstance(msg, AskInfo):
+                value = self.info().SerializeToString()
             else:
-                raise LinkError(f"unknown call {kind!r}")
+                value = self.door.metrics.exposition(msg.accept)
         except EngineError as exc:
-            peer.reply(cid, error_tuple(exc))
+            peer.reply(Reply(msg.cid, Refusal.of(exc)))
         else:
-            peer.reply(cid, None, value)
+            peer.reply(Reply(msg.cid, None, value))
 
-    def _submit(self, peer: _Peer, key: str, ids: list[int], params: Any, traceparent: str) -> None:
+    def _submit(self, peer: _Peer, msg: Submit) -> None:
+        key, params, traceparent = msg.key, msg.params, msg.traceparent
         span = None
         if traceparent and telemetry.enabled():  # the stage hops of a traced request, under the front end's span
             span = telemetry.start_request_span(
@@ -280,7 +293,7 @@ class LinkServer:
                 metadata=(("traceparent", traceparent),),
                 operation="engine",  # no request id: the front end's span is the request's (SERVER) span
             )
-        traces = self.service.traces
+        traces = self.door.traces
 
         def queued(rid: int) -> None:
             if traces is not None and span is not None:
@@ -297,7 +310,7 @@ class LinkServer:
             if not peer.track(key):
                 raise LinkError(f"front end {peer.name} has left")
             try:
-                self.engine.submit(ids, params, sink, key, on_queued=queued, detokenize=False)  # (text: front end)
+                self.engine.submit(msg.ids, params, sink, key, on_queued=queued, detokenize=False)  # (text: front end)
             except BaseException:
                 peer.untrack(key)
                 if span is not None:

@@ -41,6 +41,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2_grpc
 
+from cdb_engine.client import InProcessClient
 from cdb_engine.config import EngineConfig
 from cdb_engine.engine import Engine
 from cdb_engine.errors import EngineStopped
@@ -50,13 +51,15 @@ from cdb_engine.setup import StageSetup
 from cdb_scheduler import _native as native
 from cdb_scheduler.plan import Executor, Stage
 from services import heap, telemetry
+from services.api.door import FrontDoor
+from services.api.fatal import ExitOnEngineFailure
+from services.api.handlers import GenerationService, add_generation_service
+from services.api.info import EngineInfo
+from services.api.readiness import SERVICE_NAME, Readiness
+from services.api.security import PortSecurity
+from services.frontlink.server import LinkServer
 from services.net import NO_REUSEPORT, bound_address, is_host_port, listen_on, require_loopback, write_ready_file
 from services.reflection import enable_reflection
-from services.scheduler.fatal import ExitOnEngineFailure
-from services.scheduler.handlers import GenerationService, add_generation_service
-from services.scheduler.link_server import LinkServer
-from services.scheduler.readiness import SERVICE_NAME, Readiness
-from services.scheduler.security import PortSecurity
 from services.settings import Settings, load_settings, served_names
 from services.stage_secret import load_stage_secret
 from services.telemetry.logs import ThroughputLog
@@ -66,13 +69,13 @@ from services.transport.executor import GrpcExecutorFactory
 
 log = logging.getLogger("cdb.scheduler")
 
-Companion = Callable[[Engine, GenerationService, Settings], Coroutine[Any, Any, None]]
+Companion = Callable[[FrontDoor, Settings], Coroutine[Any, Any, None]]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class FrontEnd:
-    """What a front-end process (``services.frontend``) serves with: its service and readiness, and how it shares
-    the public port with the other front ends."""
+    """What a serving process serves the public port with: its service (over its door) and readiness, and how it
+    shares the port with other front-end processes (``services.frontend``)."""
 
     service: GenerationService
     readiness: Readiness
@@ -138,41 +141,31 @@ def _warn_if_open(listen: str, security: PortSecurity) -> None:
 
 
 async def serve(
-    engine: Engine,
-    factory: GrpcExecutorFactory | None,
-    stage_addrs: Mapping[Stage, str] | None,
+    front: FrontEnd,
     listen: str,
     settings: Settings,
     ready_file: str | None = None,
     *,
-    metrics: Metrics | None = None,
-    traces: telemetry.RequestTraces | None = None,
     companion: Companion | None = None,
-    link: str | None = None,
-    front: FrontEnd | None = None,
+    link: LinkServer | None = None,
 ) -> None:
-    """Serve the started ``engine`` on ``listen`` until SIGTERM/SIGINT, then drain and return. ``companion``: a
-    second front end over the same engine and service (the HTTP API), run beside the gRPC server until the drain
-    is over; if it fails (e.g. its port), the server stops and the failure is raised. ``link``: also serve the
-    front-end link on this Unix socket path (``CDB_FRONTENDS``). ``front``: the service and readiness of a
-    front-end process (``services.frontend``) instead of the scheduler's own.
+    """Serve ``front`` on ``listen`` until SIGTERM/SIGINT, then drain and return. ``companion``: a second protocol
+    over the same door (the HTTP API), run beside the gRPC server until the drain is over; if it fails (e.g. its
+    port), the server stops and the failure is raised. ``link``: the front-end link to serve too (``CDB_FRONTENDS``).
 
     Raises ``SecurityConfigError`` (TLS files, API keys) or ``ListenError`` (the port) before serving."""
     security = PortSecurity.from_settings(settings)
-    if front is not None:
-        service, readiness = front.service, front.readiness
-    else:
-        service = GenerationService(engine, factory, settings, metrics, traces, auth=security.auth)
-        readiness = Readiness(service, stage_addrs, settings)
-    server = build_server(service, readiness, settings, security, reuse_port=front is not None and front.reuse_port)
-    port = listen_on(server, listen, security.credentials, check=front is None or not front.join)
+    service, readiness, door = front.service, front.readiness, front.service.door
+    server = build_server(service, readiness, settings, security, reuse_port=front.reuse_port)
+    port = listen_on(server, listen, security.credentials, check=not front.join)
     _warn_if_open(listen, security)
-    link_server = LinkServer(link, engine, service, load_stage_secret(settings)).start() if link else None
+    if link is not None:
+        link.start()
     await server.start()
     watcher = asyncio.create_task(readiness.run())
     stop = asyncio.Event()
     readiness.on_fatal = stop.set  # the stages were given up on: stop, then exit 1 (below)
-    extra = asyncio.create_task(companion(engine, service, settings)) if companion is not None else None
+    extra = asyncio.create_task(companion(door, settings)) if companion is not None else None
     if extra is not None:
         extra.add_done_callback(lambda _: stop.set())  # it only ends on its own by failing
     loop = asyncio.get_running_loop()
@@ -181,34 +174,42 @@ async def serve(
     await readiness.first_ready.wait()
     address = bound_address(listen, port)
     log.info("cdb.v1.Generation (%s) serving on %s (%s)", service.deployment, address, security.describe())
-    log.info("%s: %s", engine.config.model, describe(engine.limits))
+    log.info("%s: %s", door.prep.config.model, describe(door.prep.limits))
     log.info("scheduler: %s", native.describe())
     if ready_file:
         write_ready_file(ready_file, address)
     await stop.wait()
-    log.info("draining: up to %.1fs for %d in-flight requests", settings.drain_timeout_s, len(service.live))
-    service.draining = True
-    watcher.cancel()
-    await readiness.health.enter_graceful_shutdown()
-    try:
-        await asyncio.wait_for(_drained(service, link_server), settings.drain_timeout_s)
-    except TimeoutError:
-        service.cut = True
-        service.abort_all()
-        try:
-            await asyncio.wait_for(service.idle.wait(), 5.0)
-        except TimeoutError:
-            log.warning("%d requests did not end after abort", len(service.live))
+    await _drain(door, readiness, watcher, settings, link)
     if extra is not None:
         extra.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await extra  # re-raises a failure of the companion
     await server.stop(grace=1.0)
     await readiness.close()
-    if link_server is not None:
-        link_server.close()
+    if link is not None:
+        link.close()
     if readiness.fatal is not None:
         raise SystemExit(1)  # an orchestrator restarts the group (the reason is logged by the readiness check)
+
+
+async def _drain(
+    door: FrontDoor, readiness: Readiness, watcher: asyncio.Task[None], settings: Settings, link: LinkServer | None
+) -> None:
+    """Refuse new work (the readiness check stops: NOT_SERVING), let in-flight requests finish up to the drain
+    timeout, then cut the rest."""
+    log.info("draining: up to %.1fs for %d in-flight requests", settings.drain_timeout_s, len(door.live))
+    door.draining = True
+    watcher.cancel()
+    await readiness.health.enter_graceful_shutdown()
+    try:
+        await asyncio.wait_for(_drained(door, link), settings.drain_timeout_s)
+    except TimeoutError:
+        door.cut = True
+        door.abort_all()
+        try:
+            await asyncio.wait_for(door.idle.wait(), 5.0)
+        except TimeoutError:
+            log.warning("%d requests did not end after abort", len(door.live))
 
 
 def event_loop_runner(settings: Settings) -> asyncio.Runner:
@@ -224,10 +225,10 @@ def event_loop_runner(settings: Settings) -> asyncio.Runner:
     return asyncio.Runner()
 
 
-async def _drained(service: GenerationService, link_server: LinkServer | None) -> None:
+async def _drained(door: FrontDoor, link_server: LinkServer | None) -> None:
     """Until no request of this server is live, nor of its front ends (they drain theirs first: the launcher
     stops them before the scheduler; this covers a scheduler stopped on its own)."""
-    await service.idle.wait()
+    await door.idle.wait()
     while link_server is not None and link_server.live:
         await asyncio.sleep(0.05)  # the front ends' requests end on the engine thread: polled, not signalled
 
@@ -285,21 +286,19 @@ def run_scheduler(
         if settings.metrics_addr:
             metrics_server = serve_metrics(metrics, settings.metrics_addr)
             log.info("Prometheus metrics on http://%s:%d/metrics", metrics_server.host, metrics_server.port)
+        door = FrontDoor(
+            InProcessClient(engine),
+            settings,
+            metrics,
+            traces,
+            auth=PortSecurity.from_settings(settings).auth,
+            factory=factory,
+        )
+        info = EngineInfo(engine, door)
+        front = FrontEnd(GenerationService(door, info, info.deployment), Readiness(door, stage_addrs, settings))
+        link_server = LinkServer(link, engine, door, info.reply, load_stage_secret(settings)) if link else None
         with event_loop_runner(settings) as runner:
-            runner.run(
-                serve(
-                    engine,
-                    factory,
-                    stage_addrs,
-                    listen,
-                    settings,
-                    ready_file,
-                    metrics=metrics,
-                    traces=traces,
-                    companion=companion,
-                    link=link,
-                )
-            )
+            runner.run(serve(front, listen, settings, ready_file, companion=companion, link=link_server))
         if engine_failure.error is not None:
             raise SystemExit(1)  # the engine loop failed (logged): a supervisor restarts the process
     finally:

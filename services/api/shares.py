@@ -2,9 +2,9 @@
 
 - ``CallerShares``: per caller, its live generation requests (``CDB_MAX_REQUESTS_PER_CALLER``) and, among them,
   its streamed ones (``CDB_MAX_STREAMS_PER_CALLER``: gRPC ``GenerateStream``, HTTP ``stream: true``), one count
-  for both front ends. ``GenerationService.admit`` takes a ``Share`` before it builds a request (an over-limit
-  caller costs no tokenization) and gives it back if the request is refused; ``GenerationService.release`` gives
-  it back however an admitted request ends (finished, failed, cancelled, its client gone, stalled). Over a limit:
+  for both protocols. ``FrontDoor.admit`` takes a share before it builds a request (an over-limit caller costs no
+  tokenization) and gives it back if the request is refused; ``FrontDoor.release`` gives it back however an
+  admitted request ends (finished, failed, cancelled, its client gone, stalled). Over a limit:
   ``CallerLimit`` (gRPC RESOURCE_EXHAUSTED, HTTP 429 ``rate_limit_exceeded``) naming the setting; nothing else is
   touched, the caller's other requests go on.
 - Who the caller is (``share_scope``): its API key's scope, else its client certificate's (the scopes of request
@@ -34,7 +34,7 @@ from typing import Any
 
 import grpc
 
-from services.scheduler.errors import CallerLimit
+from services.api.errors import CallerLimit
 from services.settings import Settings
 
 ANONYMOUS_SCOPE = "anon"  # callers without an API key or a client certificate (``security.CallerAuth.scope``)
@@ -69,22 +69,6 @@ def share_scope(scope: str, host: str) -> str:
     return scope if scope != ANONYMOUS_SCOPE else f"peer-{host}"
 
 
-class Share:
-    """One request's place in its caller's share; ``release`` (idempotent) gives it back."""
-
-    __slots__ = ("_shares", "scope", "streaming")
-
-    def __init__(self, shares: CallerShares, scope: str, streaming: bool) -> None:
-        self._shares: CallerShares | None = shares
-        self.scope = scope
-        self.streaming = streaming
-
-    def release(self) -> None:
-        shares, self._shares = self._shares, None
-        if shares is not None:
-            shares._give_back(self.scope, self.streaming)
-
-
 class CallerShares:
     """Live requests and open streams per caller scope, each bounded (the module docstring). Event-loop only."""
 
@@ -97,7 +81,7 @@ class CallerShares:
     def from_settings(cls, settings: Settings) -> CallerShares:
         return cls(settings.max_requests_per_caller, settings.max_streams_per_caller)
 
-    def acquire(self, scope: str, streaming: bool) -> Share:
+    def take(self, scope: str, streaming: bool) -> None:
         """A place for one more request of ``scope`` (``streaming``: a streamed one); raises ``CallerLimit``."""
         held = self._held.get(scope)
         requests, streams = held if held is not None else (0, 0)
@@ -115,9 +99,9 @@ class CallerShares:
             held = self._held[scope] = [0, 0]
         held[0] += 1
         held[1] += streaming
-        return Share(self, scope, streaming)
 
-    def _give_back(self, scope: str, streaming: bool) -> None:
+    def give_back(self, scope: str, streaming: bool) -> None:
+        """Give back a place ``take`` gave (once per place)."""
         held = self._held[scope]
         held[0] -= 1
         held[1] -= streaming

@@ -6,16 +6,16 @@ microseconds of CPU, which no longer competes with the planner for its interpret
 with the number of front ends. Each front end holds one connection to the scheduler's link socket (a Unix socket in
 the tree's private directory):
 
-- front end -> scheduler: ``submit`` (a validated request: scoped id, prompt ids, ``RequestParams``, the request
-  span's traceparent), ``abort``, ``info`` and ``exposition`` (the replies of ``Info`` and ``/metrics``), and
-  ``observe`` (the request metrics the front end recorded since its last batch: the scheduler's registry stays
-  the only one). A call that wants an answer carries a call id; the answer comes back as a ``reply``.
-- scheduler -> front end: ``events`` (every event of every request of that front end that one engine hand-over
-  produced: one frame per stage result, not one per token), ``reply``, and ``status`` (the readiness verdict and
+- front end -> scheduler: ``Submit`` (a validated request: scoped id, prompt ids, ``RequestParams``, the request
+  span's traceparent), ``Abort``, ``AskInfo`` and ``AskExposition`` (the replies of ``Info`` and ``/metrics``), and
+  ``Observe`` (the request metrics the front end recorded since its last batch: the scheduler's registry stays
+  the only one). A call that wants an answer carries a call id; the answer comes back as a ``Reply``.
+- scheduler -> front end: ``Events`` (every event of every request of that front end that one engine hand-over
+  produced: one frame per stage result, not one per token), ``Reply``, and ``Status`` (the readiness verdict and
   the engine's counters, on change and every health interval).
 
-Frames are length-prefixed pickles of plain tuples, and unpickling admits only the project's dataclasses and enums
-(``loads``): a peer can send no code. A connection is admitted by a challenge over the deployment's stage secret
+Frames are length-prefixed MessagePack of the typed messages of ``services.frontlink.messages``, decoded against
+their types: a peer can send no code. A connection is admitted by a challenge over the deployment's stage secret
 (HMAC-SHA256 both ways) before any frame is read. A front end that goes away has its live requests aborted (their
 slots and KV blocks freed); a scheduler that goes away ends the front end's live requests with an error, and the
 front end reconnects when it comes back.
@@ -24,21 +24,17 @@ front end reconnects when it comes back.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import enum
 import hashlib
 import hmac
-import io
 import logging
 import os
-import pickle
 import secrets
 import select
 import socket
 import struct
-import sys
 import threading
-from typing import Any
+
+from services.frontlink.messages import LinkError
 
 log = logging.getLogger("cdb.link")
 
@@ -46,34 +42,6 @@ _LEN = struct.Struct("<I")
 MAX_FRAME = 256 << 20  # a frame longer than this is a broken peer, not a message
 _HANDSHAKE_S = 5.0
 _NONCE = 32
-_PACKAGES = ("cdb_engine", "cdb_scheduler")  # RequestParams, SamplingParams, events, EngineStats, FinishReason
-_BUILTINS = frozenset({"frozenset", "set"})
-_COPYREG = frozenset({"__newobj__", "_reconstructor"})
-
-
-class LinkError(ConnectionError):
-    """The link is closed, or its peer failed the handshake or sent a frame it may not."""
-
-
-class _Unpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        if (module == "builtins" and name in _BUILTINS) or (module == "copyreg" and name in _COPYREG):
-            return super().find_class(module, name)
-        if module.partition(".")[0] in _PACKAGES and module in sys.modules:
-            obj = getattr(sys.modules[module], name, None)
-            if isinstance(obj, type) and (dataclasses.is_dataclass(obj) or issubclass(obj, enum.Enum)):
-                return obj
-        raise pickle.UnpicklingError(f"the front-end link does not carry {module}.{name}")
-
-
-def dumps(message: Any) -> bytes:
-    return pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-
-
-def loads(data: bytes) -> Any:
-    """A frame's message; ``pickle.UnpicklingError`` for anything but plain data and the project's dataclasses
-    and enums."""
-    return _Unpickler(io.BytesIO(data)).load()
 
 
 class Wire:
@@ -176,22 +144,3 @@ def connect_unix(path: str) -> socket.socket:
         sock.close()
         raise
     return sock
-
-
-# Engine errors cross the link as (name, args) and are raised again on the other side by name.
-def error_tuple(exc: BaseException) -> tuple[str, tuple[Any, ...]]:
-    from cdb_engine.errors import InvalidRequest
-
-    if isinstance(exc, InvalidRequest):
-        return ("InvalidRequest", (exc.field, exc.message))
-    return (type(exc).__name__, (str(exc),))
-
-
-def raise_error(err: tuple[str, tuple[Any, ...]]) -> None:
-    from cdb_engine import errors
-
-    name, args = err
-    cls = getattr(errors, name, None)
-    if isinstance(cls, type) and issubclass(cls, errors.EngineError):
-        raise cls(*args)
-    raise errors.EngineStopped(f"{name}: {args[0] if args else ''}")

@@ -1,0 +1,85 @@
+"""``RequestPreparer``: everything a request needs before it reaches a scheduler, built from the configuration alone.
+
+The model's config, its tokenizer and the resolved limits: enough to validate and tokenize a request, build its
+scheduler record and make its output text, with no engine, scheduler or executor. The engine prepares its own
+requests with one; a front-end process builds one to prepare requests for an engine in another process.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from cdb_engine.config import EngineConfig, RequestParams
+from cdb_engine.detokenizer import TextOutput
+from cdb_engine.errors import InvalidRequest
+from cdb_engine.limits import Limits, build_policy, resolve_limits
+from cdb_engine.validation import validate
+from cdb_model.config import ModelConfig
+from cdb_model.loader import load_config, load_tokenizer
+from cdb_model.tokenizer import Tokenizer
+from cdb_scheduler.plan import SamplingParams
+from cdb_scheduler.request import Request
+
+
+@dataclass(frozen=True, slots=True)
+class RequestPreparer:
+    """Validation, tokenization and output text of requests for one model configuration."""
+
+    config: EngineConfig
+    model_config: ModelConfig
+    tokenizer: Tokenizer
+    limits: Limits
+
+    @classmethod
+    def of(cls, config: EngineConfig) -> RequestPreparer:
+        model_config = load_config(config.model)
+        return cls(config, model_config, load_tokenizer(config.model), resolve_limits(config, model_config))
+
+    def validate(self, prompt: str | list[int], params: RequestParams) -> list[int]:
+        """The prompt's token ids, or ``InvalidRequest`` naming the field and the limit."""
+        return validate(self.limits, self.tokenizer, prompt, params, self.config.kv_policy)
+
+    def output(self, params: RequestParams) -> TextOutput:
+        """The request's output text; a resumed stream's is primed with the tokens it had delivered, so that the
+        text of what follows (an unfinished character, a stop string across the boundary) is what it would have
+        been."""
+        out = TextOutput(self.tokenizer, params.stop_strings)
+        for token in params.resume_tokens:
+            if out.push(token)[1]:
+                raise InvalidRequest("resume", "the resumed tokens already end at a stop string")
+        return out
+
+    def request(self, rid: int, prompt_ids: Sequence[int], params: RequestParams) -> Request:
+        """The scheduler's record of a validated request under the engine's id ``rid``."""
+        stop = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop.update(self.model_config.stop_token_ids)
+        if any(t in stop for t in params.resume_tokens):
+            raise InvalidRequest("resume", "the resumed tokens already end at a stop token")
+        req = Request(
+            rid=rid,
+            prompt=list(prompt_ids),
+            max_tokens=params.max_tokens,
+            policy=build_policy(self.limits, params.exit_threshold, replay=params.replay_depths is not None),
+            sampling=_with_stop_ids(params.sampling, stop),
+            stop_token_ids=frozenset(stop),
+            init_seed=self.config.init_seed,
+            replay_depths=list(params.replay_depths) if params.replay_depths is not None else None,
+            score_prompt=params.prompt_logprobs,
+            speculate=params.speculative,
+            arrival=time.monotonic(),
+        )
+        if params.resume_tokens:  # recomputed at their depths and not reported again, as after a preemption
+            req.output, req.depths = list(params.resume_tokens), list(params.resume_depths)
+            req.loop_steps = sum(params.resume_depths)
+        return req
+
+
+def _with_stop_ids(sampling: SamplingParams, stop: set[int]) -> SamplingParams:
+    """``min_tokens`` bans the request's stop ids (its own and, unless ``ignore_eos``, the model's) until then."""
+    proc = sampling.processing
+    if proc is None or proc.min_tokens <= 0:
+        return sampling
+    return replace(sampling, processing=replace(proc, stop_ids=tuple(sorted(stop))))
