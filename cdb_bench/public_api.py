@@ -8,7 +8,7 @@ import time
 from cdb_bench.workload import Workload
 from cdb_engine.config import RequestParams
 from clients.async_client import AsyncClient
-from clients.common import GenerateOptions
+from clients.messages import GenerateOptions
 
 
 def options_of(p: RequestParams) -> GenerateOptions:

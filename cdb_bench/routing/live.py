@@ -28,7 +28,7 @@ from cdb_bench.serve.metrics import Slo, summarize_run
 from cdb_bench.serve.requests import ServeRequest
 from cdb_engine.config import EngineConfig
 from clients.async_client import AsyncClient
-from clients.common import GenerateOptions, StreamToken
+from clients.messages import GenerateOptions, StreamToken
 
 SLO = Slo(ttft_s=1.0, tpot_s=0.1)  # recorded by summarize_run; the study reads latencies only
 

@@ -37,7 +37,7 @@ from cdb_model.base import LoopedLM
 from cdb_scheduler.plan import SamplingParams, Stage
 from cdb_scheduler.request import FinishReason
 from clients.async_client import AsyncClient
-from clients.common import GenerateOptions, StreamToken
+from clients.messages import GenerateOptions, StreamToken
 from services.launcher import serve_all
 
 TARGETS = ("in-process", "deployment")

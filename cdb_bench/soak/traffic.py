@@ -16,7 +16,7 @@ from tqdm import tqdm
 from cdb_bench.soak.replicas import CHANNEL_OPTIONS
 from cdb_bench.soak.requests import Outcome, Planned
 from clients.async_client import AsyncClient
-from clients.common import StreamFinish, StreamToken
+from clients.messages import StreamFinish, StreamToken
 
 
 async def _one(

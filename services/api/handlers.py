@@ -38,7 +38,7 @@ from services.api.shares import CallCaps, StallGuard
 from services.telemetry.request_observer import ObservedRequest
 
 _SERVICE = pb.DESCRIPTOR.services_by_name["Generation"]
-ACCEPTED_HEADER = "cdb-request-id"  # GenerateStream's initial metadata once admitted (clients.common reads it)
+ACCEPTED_HEADER = "cdb-request-id"  # GenerateStream's initial metadata once admitted (clients.resume reads it)
 
 log = logging.getLogger("cdb.scheduler")
 

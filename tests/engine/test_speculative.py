@@ -211,7 +211,7 @@ def test_the_apis_carry_the_choice_and_info_reports_what_speculation_did() -> No
     cannot speculate refuses ``true`` naming the field; ``Info`` reports the mode and the drafts' outcomes."""
     from cdb_api.v1 import generation_pb2 as pb
     from cdb_engine.errors import InvalidRequest
-    from clients.common import ServerInfo
+    from clients.messages import ServerInfo
     from services.api.messages import info_to_pb, request_to_engine
     from services.http.schemas import CompletionRequest
 

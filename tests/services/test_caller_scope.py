@@ -9,7 +9,7 @@ import grpc
 import pytest
 
 from cdb_engine.engine import Engine
-from clients.common import StreamFinish, StreamToken
+from clients.messages import StreamFinish, StreamToken
 from clients.sync_client import Client
 from services.api.security import ANONYMOUS_SCOPE
 from services.settings import Settings

@@ -13,7 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from cdb_api.v1 import generation_pb2 as pb
 from cdb_api.v1 import generation_pb2_grpc
 from cdb_engine.engine import Engine
-from clients.common import StreamFinish, StreamToken
+from clients.messages import StreamFinish, StreamToken
 from clients.sync_client import Client
 from services.api.shares import grpc_peer_host, host_key, share_scope
 from services.settings import Settings

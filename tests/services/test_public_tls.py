@@ -20,8 +20,9 @@ import pytest
 
 from cdb_engine.engine import Engine
 from clients.async_client import AsyncClient
+from clients.channel import TlsOptions
 from clients.cli import generate_main
-from clients.common import StreamFinish, TlsOptions
+from clients.messages import StreamFinish
 from clients.sync_client import Client
 from services.api.security import PortSecurity, SecurityConfigError
 from services.net import wait_ready_file
