@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed
 # The scheduler compiled with mypyc (cdb_scheduler/_native.py): rebuilt when a compiled module changes. Without a C
 # compiler the build fails and the scheduler runs interpreted, as it does whenever the build does not match.
 NATIVE := cdb_scheduler/_native_build/manifest.json
-NATIVE_SOURCES := $(filter-out %/__init__.py %/_native.py %/prefill.py %/invariants.py,$(wildcard cdb_scheduler/*.py))
+NATIVE_SOURCES := $(filter-out %/__init__.py %/_native.py %/prefill.py %/invariants.py %/sampling.py,$(wildcard cdb_scheduler/*.py))
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)

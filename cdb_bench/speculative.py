@@ -31,7 +31,7 @@ from cdb_engine.engine import Engine
 from cdb_engine.inprocess import shared_model_factory
 from cdb_engine.setup import torch_dtype
 from cdb_model.loader import DEFAULT_MODEL, is_preset, load_model, resolve_source
-from cdb_scheduler.plan import SamplingParams
+from cdb_scheduler.sampling import SamplingParams
 from cdb_scheduler.speculation import break_even
 
 QUICK = {"prompts": 2, "max_tokens": 16, "depths": "1"}

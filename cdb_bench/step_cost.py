@@ -34,7 +34,8 @@ from cdb_model.kv import KVLayout, KVPolicy
 from cdb_model.models import build_model
 from cdb_model.presets import build_preset, preset_config
 from cdb_model.released import HUGINN_0125, OURO_14B
-from cdb_scheduler.plan import KVUpdate, LoopHead, LoopOp, SamplingParams, Stage
+from cdb_scheduler.plan import KVUpdate, LoopHead, LoopOp, Stage
+from cdb_scheduler.sampling import SamplingParams
 
 RELEASED = {"ouro-1.4b": OURO_14B, "huginn-0125": HUGINN_0125}
 _SYNC_OPS = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.masked_select.default"}

@@ -11,7 +11,7 @@ from typing import Any
 from cdb_engine.config import EngineConfig, RequestParams, Speculative
 from cdb_engine.engine import Engine
 from cdb_scheduler.exit_policy import ExitRule
-from cdb_scheduler.plan import SamplingParams
+from cdb_scheduler.sampling import SamplingParams
 
 
 @dataclass(frozen=True, slots=True)

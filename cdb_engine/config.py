@@ -15,7 +15,7 @@ from typing import Any, cast
 from cdb_model.kv_layout import KVPolicy
 from cdb_scheduler.config import Mode
 from cdb_scheduler.exit_policy import ExitRule, Horizon
-from cdb_scheduler.plan import LogitsProcessing, SamplingParams
+from cdb_scheduler.sampling import LogitsProcessing, SamplingParams
 
 
 class DType(enum.StrEnum):

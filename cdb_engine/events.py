@@ -10,8 +10,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from cdb_scheduler.plan import TokenLogprobs
 from cdb_scheduler.request import FinishReason
+from cdb_scheduler.sampling import TokenLogprobs
 
 
 @dataclass(slots=True)

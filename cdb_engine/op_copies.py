@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from cdb_model.batched_sampling import SamplingColumns, unpack_logprobs
-from cdb_scheduler.plan import SamplingParams, TokenLogprobs
+from cdb_scheduler.sampling import SamplingParams, TokenLogprobs
 
 
 def columns_to_device(

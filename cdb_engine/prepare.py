@@ -19,8 +19,8 @@ from cdb_engine.validation import validate
 from cdb_model.config import ModelConfig
 from cdb_model.loader import load_config, load_tokenizer
 from cdb_model.tokenizer import Tokenizer
-from cdb_scheduler.plan import SamplingParams
 from cdb_scheduler.request import Request
+from cdb_scheduler.sampling import SamplingParams
 
 
 @dataclass(frozen=True, slots=True)

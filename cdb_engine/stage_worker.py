@@ -26,18 +26,8 @@ from cdb_model.attention import DecodeKV, KVAccess, PagedKV
 from cdb_model.base import LoopedLM
 from cdb_model.batched_sampling import Processing, SamplingColumns, logprob_columns, unpack_logprobs
 from cdb_model.kv import DeviceBlockTables, KVLayout, PagedKVPool
-from cdb_scheduler.plan import (
-    HeadOp,
-    HistorySeed,
-    LoopHead,
-    LoopOp,
-    PreludeOp,
-    SamplingParams,
-    Stage,
-    StageOp,
-    StageResult,
-    TokenLogprobs,
-)
+from cdb_scheduler.plan import HeadOp, HistorySeed, LoopHead, LoopOp, PreludeOp, Stage, StageOp, StageResult
+from cdb_scheduler.sampling import SamplingParams, TokenLogprobs
 
 SCORE_SLICE = 256  # prompt positions projected to logits at once when a prompt is scored
 

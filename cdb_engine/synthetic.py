@@ -32,18 +32,8 @@ from cdb_engine.synthetic_cost import SyntheticCost, parse_cost
 from cdb_engine.synthetic_draws import SyntheticDepths, exit_signals, sampled_ids
 from cdb_model.config import ModelConfig
 from cdb_model.kv import BlockTables, KVLayout
-from cdb_scheduler.plan import (
-    HeadOp,
-    LoopHead,
-    LoopOp,
-    PreludeOp,
-    SamplingParams,
-    Stage,
-    StageOp,
-    StageResult,
-    TokenLogprobs,
-    derive_seed,
-)
+from cdb_scheduler.plan import HeadOp, LoopHead, LoopOp, PreludeOp, Stage, StageOp, StageResult, derive_seed
+from cdb_scheduler.sampling import SamplingParams, TokenLogprobs
 
 __all__ = [  # (the cost model and the draws are imported from here too)
     "SyntheticDepths",

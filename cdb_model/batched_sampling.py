@@ -21,7 +21,8 @@ from operator import attrgetter
 import torch
 from torch import Tensor
 
-from cdb_scheduler.plan import SamplingParams, TokenLogprobs, derive_seed, seeded_uniform
+from cdb_scheduler.plan import derive_seed, seeded_uniform
+from cdb_scheduler.sampling import SamplingParams, TokenLogprobs
 
 _TEMPERATURE, _LOGPROBS, _PROCESSING = attrgetter("temperature"), attrgetter("logprobs"), attrgetter("processing")
 

@@ -28,7 +28,8 @@ from cdb_model.base import LoopedLM
 from cdb_model.kv import KVLayout
 from cdb_model.sampling import sample
 from cdb_scheduler.exit_policy import ExitPolicy, Horizon, ReplayDepth
-from cdb_scheduler.plan import SamplingParams, derive_seed
+from cdb_scheduler.plan import derive_seed
+from cdb_scheduler.sampling import SamplingParams
 
 
 @dataclass

@@ -16,7 +16,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from cdb_scheduler.plan import LogitsProcessing, SamplingParams, TokenLogprobs, derive_seed, seeded_uniform
+from cdb_scheduler.plan import derive_seed, seeded_uniform
+from cdb_scheduler.sampling import LogitsProcessing, SamplingParams, TokenLogprobs
 
 
 def filtered_probs(logits: Tensor, p: SamplingParams) -> tuple[Tensor, Tensor]:

@@ -18,11 +18,11 @@ from cdb_scheduler.plan import (
     LoopHead,
     LoopOp,
     PreludeOp,
-    SamplingParams,
     Stage,
     derive_seed,
 )
 from cdb_scheduler.request import Request
+from cdb_scheduler.sampling import SamplingParams
 
 _STAGES = (Stage.PRELUDE, Stage.LOOP, Stage.HEAD)
 _OTHERS = {int(s): tuple(int(o) for o in _STAGES if o != s) for s in _STAGES}  # stage -> the other two, in order

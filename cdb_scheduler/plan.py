@@ -14,6 +14,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from cdb_scheduler.sampling import SamplingParams, TokenLogprobs
+
 
 class Stage(enum.IntEnum):
     """The three stage kinds. Values index per-stage arrays (fence counters)."""
@@ -59,67 +61,6 @@ class KVUpdate:
     rid: int
     append: tuple[int, ...]
     reset: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class SamplingParams:
-    """Per-request sampling settings; validated by the engine before a request is admitted.
-
-    ``temperature == 0`` is greedy. ``top_k == 0`` and ``top_p == 1`` disable those filters. The random stream of
-    a sampled token depends only on ``(seed, token_index)``, never on the batch it runs in.
-    """
-
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
-    logprobs: int = 0  # number of top alternatives to return (0: only the sampled token's logprob if asked)
-    return_logprob: bool = False
-    processing: LogitsProcessing | None = None  # penalties, logit bias, min_tokens (None: the logits as they are)
-
-    def __reduce__(self) -> tuple[type[SamplingParams], tuple[object, ...]]:
-        """Pickled as its fields (the front-end link), as a compiled frozen class must be."""
-        return SamplingParams, (
-            self.temperature,
-            self.top_k,
-            self.top_p,
-            self.seed,
-            self.logprobs,
-            self.return_logprob,
-            self.processing,
-        )
-
-
-@dataclass(frozen=True, slots=True)
-class LogitsProcessing:
-    """What is done to a request's logits before temperature and filters, in this order (vLLM's): ``logit_bias``
-    added; while the token index is below ``min_tokens`` the ``stop_ids`` (end-of-sequence and stop ids) banned;
-    the repetition penalty on every token of the prompt or the output so far (a positive logit divided by it, a
-    negative one multiplied); the frequency penalty times each token's count in the output so far, and the
-    presence penalty once for each token in it, subtracted. Logprobs stay those of the unprocessed logits."""
-
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
-    min_tokens: int = 0
-    stop_ids: tuple[int, ...] = ()  # banned while the token index < min_tokens
-
-    def __reduce__(self) -> tuple[type[LogitsProcessing], tuple[object, ...]]:
-        """Pickled as its fields (the front-end link), as a compiled frozen class must be."""
-        return LogitsProcessing, (
-            self.presence_penalty,
-            self.frequency_penalty,
-            self.repetition_penalty,
-            self.logit_bias,
-            self.min_tokens,
-            self.stop_ids,
-        )
-
-    @property
-    def penalized(self) -> bool:
-        """Whether sampling needs the request's history (prompt and output so far)."""
-        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -248,15 +189,6 @@ class HeadOp(OpBase):
 
 
 StageOp = PreludeOp | LoopOp | HeadOp
-
-
-@dataclass(slots=True)
-class TokenLogprobs:
-    """Logprob of the sampled token and the top alternatives (ids and logprobs, best first)."""
-
-    logprob: float
-    top_ids: tuple[int, ...] = ()
-    top_logprobs: tuple[float, ...] = ()
 
 
 @dataclass(slots=True)

@@ -19,7 +19,8 @@ import enum
 from dataclasses import dataclass, field
 
 from cdb_scheduler.exit_policy import ExitPolicy, ExitState
-from cdb_scheduler.plan import KVCopy, SamplingParams, TokenLogprobs
+from cdb_scheduler.plan import KVCopy
+from cdb_scheduler.sampling import SamplingParams, TokenLogprobs
 
 
 class Status(enum.Enum):

@@ -45,10 +45,10 @@ from dataclasses import replace
 
 from cdb_scheduler.config import SchedulerConfig
 from cdb_scheduler.ops import OpBuilder
-from cdb_scheduler.plan import SamplingParams
 from cdb_scheduler.prefill import grow_blocks
 from cdb_scheduler.request import FALLBACK, FOLLOWS_REAL, Event, Item, Request, SpecState, Status
 from cdb_scheduler.residency import Residency
+from cdb_scheduler.sampling import SamplingParams
 from cdb_scheduler.stats import SchedulerStats
 from cdb_scheduler.work import WorkQueues
 

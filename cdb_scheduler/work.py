@@ -13,11 +13,12 @@ from collections import deque
 
 from cdb_scheduler.config import SchedulerConfig
 from cdb_scheduler.ops import OpBuilder
-from cdb_scheduler.plan import KVCopy, TokenLogprobs
+from cdb_scheduler.plan import KVCopy
 from cdb_scheduler.prefill import grow_blocks
 from cdb_scheduler.refill import refill_policy
 from cdb_scheduler.request import FALLBACK, Event, FinishReason, Item, Request, TokenOut
 from cdb_scheduler.residency import Residency
+from cdb_scheduler.sampling import TokenLogprobs
 from cdb_scheduler.stats import SchedulerStats
 
 

@@ -294,7 +294,7 @@ def sample_generation(folder: Path, prompt: str = SAMPLE_PROMPT, max_new_tokens:
     from cdb_model.loader import load_model, load_tokenizer
     from cdb_model.reference import reference_generate
     from cdb_scheduler.exit_policy import Horizon, OuroHazard
-    from cdb_scheduler.plan import SamplingParams
+    from cdb_scheduler.sampling import SamplingParams
 
     model = load_model(str(folder))
     tok = load_tokenizer(str(folder))

@@ -34,8 +34,9 @@ from cdb_engine.engine import Engine
 from cdb_engine.events import TokenEvent
 from cdb_engine.inprocess import shared_model_factory
 from cdb_model.base import LoopedLM
-from cdb_scheduler.plan import SamplingParams, Stage
+from cdb_scheduler.plan import Stage
 from cdb_scheduler.request import FinishReason
+from cdb_scheduler.sampling import SamplingParams
 from clients.async_client import AsyncClient
 from clients.messages import GenerateOptions, StreamToken
 from services.launcher import serve_all

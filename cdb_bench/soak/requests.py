@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from cdb_engine.config import DType, EngineConfig, RequestParams
 from cdb_engine.engine import Engine
-from cdb_scheduler.plan import SamplingParams
+from cdb_scheduler.sampling import SamplingParams
 from clients.messages import GenerateOptions
 
 WORDS = tuple(

@@ -13,8 +13,8 @@ from cdb_engine.config import RequestParams, logits_processing
 from cdb_engine.engine import Engine, FinishEvent, TokenEvent
 from cdb_engine.errors import InvalidRequest
 from cdb_engine.limits import describe
-from cdb_scheduler.plan import SamplingParams, TokenLogprobs
 from cdb_scheduler.request import FinishReason
+from cdb_scheduler.sampling import SamplingParams, TokenLogprobs
 from services.transport.executor import GrpcExecutor
 
 _DEFAULT_MAX_TOKENS = RequestParams().max_tokens

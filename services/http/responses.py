@@ -18,8 +18,8 @@ from typing import Any
 
 from cdb_engine.events import FinishEvent, TokenEvent
 from cdb_model.tokenizer import Tokenizer
-from cdb_scheduler.plan import TokenLogprobs
 from cdb_scheduler.request import FinishReason
+from cdb_scheduler.sampling import TokenLogprobs
 
 _FINISH = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.CANCELLED: "abort"}
 

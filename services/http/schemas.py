@@ -22,7 +22,8 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_
 from cdb_engine.config import RequestParams, logits_processing
 from cdb_engine.errors import InvalidRequest
 from cdb_model.generation import GenerationDefaults
-from cdb_scheduler.plan import LogitsProcessing, SamplingParams, derive_seed
+from cdb_scheduler.plan import derive_seed
+from cdb_scheduler.sampling import LogitsProcessing, SamplingParams
 
 # The engine's field names -> this API's (a value the engine refuses is reported under the name the caller sent).
 FIELDS = {"stop_strings": "stop"}

@@ -21,8 +21,8 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace import Span, SpanContext, SpanKind, Status, StatusCode
 
-from cdb_scheduler.plan import SamplingParams
 from cdb_scheduler.request import FinishReason
+from cdb_scheduler.sampling import SamplingParams
 from services.telemetry.setup import STATE, extract_metadata, format_traceparent, now_ns
 
 if TYPE_CHECKING:

@@ -25,16 +25,14 @@ from cdb_scheduler.plan import (
     HistorySeed,
     KVCopy,
     KVUpdate,
-    LogitsProcessing,
     LoopHead,
     LoopOp,
     PreludeOp,
-    SamplingParams,
     Stage,
     StageOp,
     StageResult,
-    TokenLogprobs,
 )
+from cdb_scheduler.sampling import LogitsProcessing, SamplingParams, TokenLogprobs
 from services.transport.bank import BankSpec, CudaIpcHandle
 from services.transport.opfields import (
     HEAD_COLUMNS,

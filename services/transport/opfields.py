@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from operator import attrgetter
 from typing import Any
 
-from cdb_scheduler.plan import SamplingParams
+from cdb_scheduler.sampling import SamplingParams
 
 # Per-token integer columns (int64 on a record; the message's own types), in the order both codecs write them.
 PRELUDE_COLUMNS = ("rids", "token_ids", "positions", "rows", "init_seeds")  # PreludeOp (PreludeBatch's fields)

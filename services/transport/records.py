@@ -33,18 +33,8 @@ from collections.abc import Sequence
 from itertools import chain
 from typing import Any
 
-from cdb_scheduler.plan import (
-    Fence,
-    HeadOp,
-    KVCopy,
-    KVUpdate,
-    LoopHead,
-    LoopOp,
-    PreludeOp,
-    SamplingParams,
-    Stage,
-    StageOp,
-)
+from cdb_scheduler.plan import Fence, HeadOp, KVCopy, KVUpdate, LoopHead, LoopOp, PreludeOp, Stage, StageOp
+from cdb_scheduler.sampling import SamplingParams
 from services.transport.opfields import (
     BOOL_COLUMNS,
     HEAD_OP_COLUMNS,

@@ -16,8 +16,8 @@ from cdb_engine.detokenizer import Detokenizer
 from cdb_engine.engine import Engine, FinishEvent, TokenEvent
 from cdb_engine.errors import InvalidRequest, Overloaded
 from cdb_model.tokenizer import ByteTokenizer
-from cdb_scheduler.plan import SamplingParams
 from cdb_scheduler.request import FinishReason
+from cdb_scheduler.sampling import SamplingParams
 
 CFG = EngineConfig(model="ouro-tiny", max_num_seqs=4, num_kv_blocks=128, kv_block_size=8, max_waiting=2)
 

@@ -18,7 +18,8 @@ from cdb_model.kv import KVLayout, KVPolicy
 from cdb_model.loader import load_model
 from cdb_model.reference import reference_generate
 from cdb_scheduler.exit_policy import FixedDepth
-from cdb_scheduler.plan import SamplingParams, Stage
+from cdb_scheduler.plan import Stage
+from cdb_scheduler.sampling import SamplingParams
 
 _MODELS: dict[str, LoopedLM] = {}
 

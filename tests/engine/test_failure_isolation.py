@@ -18,8 +18,9 @@ from cdb_engine.events import Event, FinishEvent, TokenEvent
 from cdb_engine.inprocess import InProcessExecutor
 from cdb_engine.isolation import IsolatingExecutor, isolating, stand_in
 from cdb_engine.setup import StageSetup
-from cdb_scheduler.plan import Fence, HeadOp, KVUpdate, LoopOp, SamplingParams, Stage, StageLoss, StageOp, StageResult
+from cdb_scheduler.plan import Fence, HeadOp, KVUpdate, LoopOp, Stage, StageLoss, StageOp, StageResult
 from cdb_scheduler.request import FinishReason
+from cdb_scheduler.sampling import SamplingParams
 from cdb_scheduler.scheduler import Scheduler
 
 pytestmark = pytest.mark.timeout(120)

@@ -10,7 +10,7 @@ import random
 import pytest
 
 from cdb_engine.config import RequestParams
-from cdb_scheduler.plan import LogitsProcessing, SamplingParams
+from cdb_scheduler.sampling import LogitsProcessing, SamplingParams
 from tests.engine.test_equivalence import Case, case_config, model64, run_engine, run_reference
 
 pytestmark = pytest.mark.timeout(600)

@@ -19,8 +19,8 @@ from cdb_model.base import LoopedLM
 from cdb_model.kv import KVLayout, KVPolicy
 from cdb_model.loader import load_model
 from cdb_model.reference import reference_prompt_logprobs
-from cdb_scheduler.plan import SamplingParams
 from cdb_scheduler.request import FinishReason
+from cdb_scheduler.sampling import SamplingParams
 
 pytestmark = pytest.mark.timeout(240)
 

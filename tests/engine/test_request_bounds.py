@@ -14,7 +14,8 @@ from cdb_engine.engine import Engine
 from cdb_engine.errors import InvalidRequest
 from cdb_engine.limits import INT32_MAX, REQUEST_BOUNDS, UINT64_MAX
 from cdb_engine.validation import check_messages_size, check_request_id
-from cdb_scheduler.plan import HeadOp, SamplingParams
+from cdb_scheduler.plan import HeadOp
+from cdb_scheduler.sampling import SamplingParams
 from services.transport.convert import op_to_pb
 
 pytestmark = pytest.mark.timeout(60)

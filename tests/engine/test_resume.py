@@ -13,7 +13,7 @@ import pytest
 from cdb_engine.config import EngineConfig, RequestParams
 from cdb_engine.engine import Engine, FinishEvent, TokenEvent
 from cdb_engine.errors import InvalidRequest
-from cdb_scheduler.plan import SamplingParams
+from cdb_scheduler.sampling import SamplingParams
 
 BASE = EngineConfig(model="ouro-tiny", dtype="float64", max_num_seqs=4, num_kv_blocks=128, kv_block_size=8)
 

@@ -23,8 +23,8 @@ import cdb_scheduler
 from cdb_engine.config import EngineConfig, RequestParams
 from cdb_engine.engine import Engine, FinishEvent
 from cdb_engine.inprocess import shared_model_factory
-from cdb_scheduler.plan import LogitsProcessing, SamplingParams
 from cdb_scheduler.request import Item
+from cdb_scheduler.sampling import LogitsProcessing, SamplingParams
 from cdb_scheduler.scheduler import Scheduler
 from tests.engine.test_equivalence import Case, case_config, model64, run_engine, run_reference, workload
 

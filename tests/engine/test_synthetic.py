@@ -16,7 +16,8 @@ from cdb_model.config import ModelConfig
 from cdb_model.kv import KVLayout, KVPolicy
 from cdb_model.presets import preset_config
 from cdb_model.released import OURO_14B
-from cdb_scheduler.plan import KVUpdate, LoopHead, LoopOp, SamplingParams, Stage, derive_seed
+from cdb_scheduler.plan import KVUpdate, LoopHead, LoopOp, Stage, derive_seed
+from cdb_scheduler.sampling import SamplingParams
 
 
 def test_an_explicit_spec_costs_what_it_says_and_stages_left_out_cost_nothing() -> None:

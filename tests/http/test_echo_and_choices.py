@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from cdb_engine.config import RequestParams
-from cdb_scheduler.plan import SamplingParams
+from cdb_scheduler.sampling import SamplingParams
 from services.http.schemas import sample_seed
 from tests.http.harness import TINY, Served, served, wait_until
 

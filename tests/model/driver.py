@@ -19,18 +19,8 @@ from cdb_model.base import LoopedLM
 from cdb_model.kv import KVLayout
 from cdb_model.reference import ReferenceOutput
 from cdb_scheduler.exit_policy import ExitPolicy, ExitState, Horizon
-from cdb_scheduler.plan import (
-    HeadOp,
-    KVCopy,
-    KVUpdate,
-    LoopOp,
-    PreludeOp,
-    SamplingParams,
-    Stage,
-    StageOp,
-    StageResult,
-    derive_seed,
-)
+from cdb_scheduler.plan import HeadOp, KVCopy, KVUpdate, LoopOp, PreludeOp, Stage, StageOp, StageResult, derive_seed
+from cdb_scheduler.sampling import SamplingParams
 
 
 @dataclass

@@ -9,7 +9,7 @@ import torch
 
 from cdb_model.batched_sampling import SamplingColumns, logprob_columns, sample_rows, unpack_logprobs
 from cdb_model.sampling import sample
-from cdb_scheduler.plan import LogitsProcessing, SamplingParams
+from cdb_scheduler.sampling import LogitsProcessing, SamplingParams
 
 CPU = torch.device("cpu")
 

@@ -13,7 +13,7 @@ from cdb_model.presets import build_preset
 from cdb_model.reference import reference_generate
 from cdb_model.tokenizer import ByteTokenizer
 from cdb_scheduler.exit_policy import ExitPolicy, FixedDepth, Horizon, LatentDiff, OuroHazard, ReplayDepth
-from cdb_scheduler.plan import SamplingParams
+from cdb_scheduler.sampling import SamplingParams
 
 from .driver import drive_workers
 

@@ -16,7 +16,8 @@ from cdb_model.released import HUGINN_0125 as HUGINN
 from cdb_model.released import OURO_14B
 from cdb_model.tokenizer import ByteTokenizer
 from cdb_scheduler.exit_policy import FixedDepth, Horizon, LatentDiff, OuroHazard
-from cdb_scheduler.plan import SamplingParams, Stage
+from cdb_scheduler.plan import Stage
+from cdb_scheduler.sampling import SamplingParams
 
 from .conftest import golden_dir
 from .driver import drive_workers

@@ -7,7 +7,7 @@ import math
 import torch
 
 from cdb_model.sampling import filtered_probs, sample
-from cdb_scheduler.plan import SamplingParams
+from cdb_scheduler.sampling import SamplingParams
 
 
 def _logits(probs: list[float]) -> torch.Tensor:

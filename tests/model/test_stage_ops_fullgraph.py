@@ -11,7 +11,8 @@ from cdb_engine.stage_worker import StageWorker
 from cdb_model.batched_sampling import SamplingColumns
 from cdb_model.kv import KVLayout, KVPolicy
 from cdb_model.presets import build_preset, preset_config
-from cdb_scheduler.plan import KVUpdate, SamplingParams, Stage
+from cdb_scheduler.plan import KVUpdate, Stage
+from cdb_scheduler.sampling import SamplingParams
 
 BLOCK = 4
 pytestmark = pytest.mark.timeout(300)

@@ -8,7 +8,8 @@ import torch
 from cdb_engine.stage_worker import StageWorker
 from cdb_model.kv import KVLayout, KVPolicy
 from cdb_model.presets import build_preset
-from cdb_scheduler.plan import HeadOp, KVUpdate, LoopOp, PreludeOp, SamplingParams, Stage
+from cdb_scheduler.plan import HeadOp, KVUpdate, LoopOp, PreludeOp, Stage
+from cdb_scheduler.sampling import SamplingParams
 
 
 def _workers(name: str) -> tuple[dict[Stage, StageWorker], torch.Tensor]:

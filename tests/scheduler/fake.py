@@ -11,7 +11,8 @@ import random
 from collections import deque
 
 from cdb_scheduler.exit_policy import ExitPolicy, Horizon
-from cdb_scheduler.plan import HeadOp, LoopOp, PreludeOp, Stage, StageOp, StageResult, TokenLogprobs
+from cdb_scheduler.plan import HeadOp, LoopOp, PreludeOp, Stage, StageOp, StageResult
+from cdb_scheduler.sampling import TokenLogprobs
 
 VOCAB = 50
 STOP_ID = 7

@@ -17,7 +17,7 @@ import pytest
 
 import cdb_scheduler
 from cdb_scheduler import _native
-from cdb_scheduler.plan import LogitsProcessing, SamplingParams
+from cdb_scheduler.sampling import LogitsProcessing, SamplingParams
 
 _T = TypeVar("_T")
 

@@ -17,7 +17,7 @@ import pytest
 
 from cdb_engine.config import RequestParams
 from cdb_engine.engine import Engine
-from cdb_scheduler.plan import SamplingParams
+from cdb_scheduler.sampling import SamplingParams
 from clients.messages import GenerateOptions
 from clients.sync_client import Client
 from services.launcher.commands import FRONTEND_PREFIX

@@ -26,8 +26,8 @@ from cdb_engine.engine import Engine
 from cdb_engine.errors import InvalidRequest
 from cdb_engine.events import FinishEvent, TokenEvent
 from cdb_engine.prepare import RequestPreparer
-from cdb_scheduler.plan import LogitsProcessing, SamplingParams, TokenLogprobs
 from cdb_scheduler.request import FinishReason
+from cdb_scheduler.sampling import LogitsProcessing, SamplingParams, TokenLogprobs
 from services.api.door import FrontDoor
 from services.api.info import EngineInfo
 from services.frontlink.client import LinkClient, MetricsRelay, RemoteClient

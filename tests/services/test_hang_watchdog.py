@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from cdb_scheduler.plan import Fence, LoopHead, SamplingParams, Stage, StageLoss, StageResult
+from cdb_scheduler.plan import Fence, LoopHead, Stage, StageLoss, StageResult
+from cdb_scheduler.sampling import SamplingParams
 from services.transport.executor import GrpcExecutor
 from services.transport.watchdog import (
     HangWatch,

@@ -16,8 +16,9 @@ from cdb_engine.engine import Engine
 from cdb_engine.events import Event, FinishEvent, TokenEvent
 from cdb_engine.isolation import isolating
 from cdb_model.loader import load_config, load_model
-from cdb_scheduler.plan import SamplingParams, Stage
+from cdb_scheduler.plan import Stage
 from cdb_scheduler.request import FinishReason
+from cdb_scheduler.sampling import SamplingParams
 from services.transport.executor import GrpcExecutorFactory
 from services.transport.stage_server import stage_weights
 from tests.services.stage_harness import FAST, stage_servers

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from cdb_api.v1 import stage_pb2 as pb
-from cdb_scheduler.plan import HeadOp, LoopHead, LoopOp, PreludeOp, SamplingParams, Stage, StageOp
+from cdb_scheduler.plan import HeadOp, LoopHead, LoopOp, PreludeOp, Stage, StageOp
+from cdb_scheduler.sampling import SamplingParams
 from services.transport import records, stage_service
 from services.transport.convert import op_from_pb, op_to_pb
 from services.transport.executor import GrpcExecutor

@@ -7,7 +7,8 @@ import dataclasses
 
 import pytest
 
-from cdb_scheduler.plan import HeadOp, LoopHead, LoopOp, OpBase, PreludeOp, SamplingParams
+from cdb_scheduler.plan import HeadOp, LoopHead, LoopOp, OpBase, PreludeOp
+from cdb_scheduler.sampling import SamplingParams
 from services.transport.opfields import (
     HEAD_OP_COLUMNS,
     LOOP_COLUMNS,

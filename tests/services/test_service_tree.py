@@ -16,7 +16,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 
 from cdb_engine.config import RequestParams, logits_processing
 from cdb_engine.engine import Engine
-from cdb_scheduler.plan import SamplingParams
+from cdb_scheduler.sampling import SamplingParams
 from clients.async_client import AsyncClient
 from clients.messages import GenerateOptions, StreamFinish, StreamToken
 from clients.sync_client import Client

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from cdb_scheduler.plan import Fence, HeadOp, LoopOp, SamplingParams, Stage, StageLoss, StageResult
+from cdb_scheduler.plan import Fence, HeadOp, LoopOp, Stage, StageLoss, StageResult
+from cdb_scheduler.sampling import SamplingParams
 from services.transport.bank import SharedBank
 from services.transport.executor import GrpcExecutor
 from services.transport.segments import (

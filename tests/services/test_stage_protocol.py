@@ -20,17 +20,8 @@ from cdb_api.v1 import stage_pb2_grpc
 from cdb_engine.config import EngineConfig, RequestParams
 from cdb_engine.engine import Engine
 from cdb_model.loader import load_config, load_model
-from cdb_scheduler.plan import (
-    Fence,
-    HeadOp,
-    LoopOp,
-    PreludeOp,
-    SamplingParams,
-    Stage,
-    StageLoss,
-    StageOp,
-    StageResult,
-)
+from cdb_scheduler.plan import Fence, HeadOp, LoopOp, PreludeOp, Stage, StageLoss, StageOp, StageResult
+from cdb_scheduler.sampling import SamplingParams
 from services.net import require_loopback
 from services.stage_secret import call_metadata
 from services.transport import stage_probe

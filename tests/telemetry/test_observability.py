@@ -9,7 +9,8 @@ from types import SimpleNamespace
 from cdb_engine.engine import EngineCpu
 from cdb_engine.limits import ThresholdSource
 from cdb_scheduler.exit_policy import ExitRule
-from cdb_scheduler.plan import HeadOp, LoopOp, SamplingParams, Stage, StageOp, StageResult
+from cdb_scheduler.plan import HeadOp, LoopOp, Stage, StageOp, StageResult
+from cdb_scheduler.sampling import SamplingParams
 from services import telemetry
 from services.telemetry.metrics import Metrics
 from services.telemetry.otlp_receiver import OtlpReceiver

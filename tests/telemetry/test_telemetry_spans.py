@@ -8,8 +8,9 @@ from opentelemetry.trace import SpanContext, TraceFlags
 
 from cdb_engine.config import RequestParams
 from cdb_engine.events import FinishEvent, TokenEvent
-from cdb_scheduler.plan import HeadOp, LoopOp, PreludeOp, SamplingParams, StageResult
+from cdb_scheduler.plan import HeadOp, LoopOp, PreludeOp, StageResult
 from cdb_scheduler.request import FinishReason
+from cdb_scheduler.sampling import SamplingParams
 from services import telemetry
 from services.telemetry.metrics import Metrics
 from services.telemetry.otlp_receiver import (

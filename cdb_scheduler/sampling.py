@@ -1,0 +1,57 @@
+"""The values a request carries to its sampling: settings, logits processing and the logprobs it gets back.
+
+Plain dataclasses, not compiled with the scheduler (``cdb_scheduler._native``): they cross the front-end link as
+typed messages, whose codec (msgspec) reads their annotations, and a compiled class keeps none it could read
+(``X | None`` becomes ``type``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """Per-request sampling settings; validated by the engine before a request is admitted.
+
+    ``temperature == 0`` is greedy. ``top_k == 0`` and ``top_p == 1`` disable those filters. The random stream of
+    a sampled token depends only on ``(seed, token_index)``, never on the batch it runs in.
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    logprobs: int = 0  # number of top alternatives to return (0: only the sampled token's logprob if asked)
+    return_logprob: bool = False
+    processing: LogitsProcessing | None = None  # penalties, logit bias, min_tokens (None: the logits as they are)
+
+
+@dataclass(frozen=True, slots=True)
+class LogitsProcessing:
+    """What is done to a request's logits before temperature and filters, in this order (vLLM's): ``logit_bias``
+    added; while the token index is below ``min_tokens`` the ``stop_ids`` (end-of-sequence and stop ids) banned;
+    the repetition penalty on every token of the prompt or the output so far (a positive logit divided by it, a
+    negative one multiplied); the frequency penalty times each token's count in the output so far, and the
+    presence penalty once for each token in it, subtracted. Logprobs stay those of the unprocessed logits."""
+
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
+    min_tokens: int = 0
+    stop_ids: tuple[int, ...] = ()  # banned while the token index < min_tokens
+
+    @property
+    def penalized(self) -> bool:
+        """Whether sampling needs the request's history (prompt and output so far)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    """Logprob of the sampled token and the top alternatives (ids and logprobs, best first)."""
+
+    logprob: float
+    top_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
