@@ -40,6 +40,7 @@ from services.settings import Settings
 from services.telemetry.metrics import Metrics
 
 log = logging.getLogger("cdb.link")
+DEPARTURE_WAIT_S = 0.5  # how long a dead front end's link may take to show it is gone (``_release_departed``)
 
 
 class Door(Protocol):
@@ -254,11 +255,14 @@ class LinkServer:
     def _release_departed(self, peer: _Peer, key: str) -> None:
         """A client resumes a stream on ``peer`` with the id it had on a front end that died: the kernel closed the
         dead one's link before the client could see it go, but its reader may not have read the end yet. The dead
-        front end's requests are aborted first, so its id is free (and its slot and blocks too)."""
+        front end's requests are aborted first, so its id is free (and its slot and blocks too). The kernel may
+        close the dead one's link a moment after the connection its client saw break: a holder is given
+        ``DEPARTURE_WAIT_S`` to show it is gone (a live front end holding the id makes the submission wait that
+        long before it is refused as a duplicate)."""
         with self._lock:
             holders = [p for p in self._peers if p is not peer and p.holds(key)]
         for other in holders:
-            if other.wire.peer_gone():
+            if other.wire.peer_gone(DEPARTURE_WAIT_S):
                 self._depart(other)
 
     def _handle(self, peer: _Peer, msg: Call) -> None:

@@ -72,13 +72,14 @@ class Wire:
             got += k
         return bytes(buf)
 
-    def peer_gone(self) -> bool:
+    def peer_gone(self, wait_s: float = 0.0) -> bool:
         """Whether the peer has closed its end (or the connection broke), even with frames still unread: a process
-        that died has had its sockets closed by the kernel before anyone could see it was gone."""
+        that died has had its sockets closed by the kernel before anyone could see it was gone. ``wait_s``: how long
+        to wait for it (a dying process's sockets close one by one, this one maybe after those its clients saw)."""
         try:
             poller = select.poll()
             poller.register(self.sock, select.POLLRDHUP | select.POLLHUP | select.POLLERR)
-            return bool(poller.poll(0))
+            return bool(poller.poll(int(wait_s * 1000)))
         except (OSError, ValueError):  # closed here already
             return True
 
