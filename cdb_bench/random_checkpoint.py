@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 
 from cdb_engine.setup import torch_dtype
 from cdb_model.config import ModelConfig
-from cdb_model.models import build_model
+from cdb_model.models import build_empty
 from cdb_model.presets import init_tensor
 from cdb_model.released import HUGINN_0125, OURO_14B
 
@@ -44,8 +44,7 @@ def write_random_checkpoint(
     released, served, recipe = RELEASED[model]
     raw = {**released, **served, **(overrides or {})}
     config = ModelConfig.from_hf(raw, name=model)
-    with torch.device("meta"):
-        shapes = {k: tuple(t.shape) for k, t in build_model(config).state_dict().items()}
+    shapes = {k: tuple(t.shape) for k, t in build_empty(config).state_dict().items()}
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(raw, indent=2))
     limit, size = shard_gb * 2**30, 0

@@ -31,7 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from cdb_engine.stage_worker import StageWorker
 from cdb_model.config import ModelConfig
 from cdb_model.kv import KVLayout, KVPolicy
-from cdb_model.models import build_model
+from cdb_model.models import build_empty
 from cdb_model.presets import build_preset, preset_config
 from cdb_model.released import HUGINN_0125, OURO_14B
 from cdb_scheduler.plan import KVUpdate, LoopHead, LoopOp, Stage
@@ -203,8 +203,7 @@ def preset_costs(name: str, widths: tuple[int, ...] = (32, 64)) -> dict[str, Any
 def released_costs(name: str, width: int = 64) -> dict[str, Any]:
     """Counts of the device part of a decode loop op of a released shape (bf16, meta device)."""
     config = ModelConfig.from_hf(RELEASED[name], name=name)
-    with torch.device("meta"):
-        model = build_model(config, stages={Stage.LOOP}).to(torch.bfloat16)
+    model = build_empty(config, stages={Stage.LOOP}).to(torch.bfloat16)
     bench = DecodeBench(model, config)
     return {f"loop_op_device_part_{width}": count(bench.device_part(width)).as_dict()}
 

@@ -186,12 +186,10 @@ def check_source(source: str | Path) -> ModelConfig:
 def expected_tensors(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor name of the full model under its upstream name, with the shape ``config`` implies (built on
     the meta device: no memory, no weights)."""
-    import torch
 
-    from cdb_model.models import build_model
+    from cdb_model.models import build_empty
 
-    with torch.device("meta"):
-        return {k: tuple(t.shape) for k, t in build_model(config).state_dict().items()}
+    return {k: tuple(t.shape) for k, t in build_empty(config).state_dict().items()}
 
 
 def _weight_files(path: Path) -> dict[str, Path]:
@@ -229,19 +227,17 @@ def _shapes(located: dict[str, Path]) -> dict[str, tuple[int, ...]]:
 
 
 def _load_folder(path: Path, dtype: torch.dtype, device: torch.device | str, stages: set[Stage] | None) -> LoopedLM:
-    import torch
     from safetensors import safe_open
     from tqdm import tqdm
 
-    from cdb_model.models import build_model
+    from cdb_model.models import build_empty
 
     config = load_config(path)
     located = _weight_files(path)
     if config.arch == "ouro" and "model.lookahead_exit_gate.weight" in located:
         config = replace(config, has_lookahead_gate=True)
     full = expected_tensors(config)
-    with torch.device("meta"):
-        model = build_model(config, stages)
+    model = build_empty(config, stages)
     want = model.state_dict()
 
     # Names in the file -> names in the model. Tied heads: the file's duplicate lm_head.weight is ignored, or

@@ -168,12 +168,11 @@ def build_preset(
     """A preset model holding only ``stages`` (None: all), in ``dtype`` (None: float32)."""
     import torch
 
-    from cdb_model.models import build_model
+    from cdb_model.models import build_empty
 
     dtype = torch.float32 if dtype is None else dtype
     c = preset_config(name)
-    with torch.device("meta"):
-        model = build_model(c, stages)
+    model = build_empty(c, stages)
     sd = {
         k: init_tensor(name, k, tuple(t.shape), c).to(device=device, dtype=dtype) for k, t in model.state_dict().items()
     }
