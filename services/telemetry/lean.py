@@ -26,15 +26,13 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any, cast
 
-from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as OTLPHttpSpanExporter
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, ArrayValue, InstrumentationScope, KeyValue
 from opentelemetry.proto.resource.v1.resource_pb2 import Resource as PbResource
 from opentelemetry.proto.trace.v1.trace_pb2 import Span as PbSpan
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan
-from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace.export import SpanExporter
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope as SdkScope
 from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags
 
@@ -42,34 +40,6 @@ log = logging.getLogger(__name__)
 SCOPE = "cdb"
 _MASK64 = (1 << 64) - 1
 Normalized = tuple[str, SpanKind, int, int, int, int, int, dict[str, Any], list[Any], str | None]
-
-
-class OtlpExporter(OTLPSpanExporter):
-    """The SDK's OTLP/gRPC span exporter that also accepts a ready ``ExportTraceServiceRequest``."""
-
-    def _translate_data(self, data: Any) -> ExportTraceServiceRequest:
-        return data if isinstance(data, ExportTraceServiceRequest) else super()._translate_data(data)
-
-    def _count_data(self, data: Any) -> int:
-        if isinstance(data, ExportTraceServiceRequest):
-            return sum(len(ss.spans) for rs in data.resource_spans for ss in rs.scope_spans)
-        return int(super()._count_data(data))
-
-
-class OtlpHttpExporter(OTLPHttpSpanExporter):
-    """The SDK's OTLP/HTTP (protobuf) span exporter that also accepts a ready ``ExportTraceServiceRequest``."""
-
-    def export(self, spans: Any) -> SpanExportResult:
-        if not isinstance(spans, ExportTraceServiceRequest):
-            return super().export(spans)
-        if self._shutdown:
-            return SpanExportResult.FAILURE
-        # The body the SDK's export sends for ReadableSpans, here encoded already (its pinned client's one call).
-        sent = self._client.export(spans.SerializePartialToString())
-        return SpanExportResult.SUCCESS if sent.success else SpanExportResult.FAILURE
-
-
-LEAN_EXPORTERS = (OtlpExporter, OtlpHttpExporter)  # exporters that take the lean path's encoded requests
 
 
 def new_ids() -> tuple[int, int]:
@@ -226,7 +196,7 @@ class LeanRecorder:
     def _export(self, spans: list[Normalized]) -> None:
         for exporter in self._exporters:
             try:
-                if isinstance(exporter, LEAN_EXPORTERS):
+                if getattr(exporter, "takes_encoded", False):  # (``services.telemetry.exporters``)
                     exporter.export(cast(Any, self.encode(spans)))
                 else:
                     exporter.export([self._readable(s) for s in spans])

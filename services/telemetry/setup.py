@@ -18,7 +18,7 @@ from opentelemetry.sdk.trace import sampling as smp
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
 from opentelemetry.trace import SpanContext, SpanKind, TraceFlags, Tracer
 
-from services.telemetry.lean import SCOPE, LeanRecorder, OtlpExporter, OtlpHttpExporter
+from services.telemetry.lean import SCOPE, LeanRecorder
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +89,8 @@ def _otlp_pair() -> tuple[SpanExporter, SpanExporter]:
     proto = (
         os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "grpc"
     ).strip()
+    from services.telemetry.exporters import OtlpExporter, OtlpHttpExporter
+
     if proto == "grpc":
         return OtlpExporter(), OtlpExporter()
     if proto != "http/protobuf":

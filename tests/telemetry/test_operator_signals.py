@@ -16,7 +16,7 @@ from cdb_scheduler.request import FinishReason
 from services import telemetry
 from services.settings.checks import SettingsError, parse_buckets
 from services.settings.source import load_settings
-from services.telemetry.lean import OtlpHttpExporter
+from services.telemetry.exporters import OtlpHttpExporter
 from services.telemetry.metric_series import LATENCY_BUCKETS
 from services.telemetry.metrics import Metrics
 from services.telemetry.recorder import EngineGauges
@@ -234,7 +234,7 @@ def test_traces_export_over_otlp_http(receiver: _Receiver, monkeypatch: pytest.M
 
 
 def test_the_protocol_chooses_the_exporter(monkeypatch: pytest.MonkeyPatch) -> None:
-    from services.telemetry.lean import OtlpExporter
+    from services.telemetry.exporters import OtlpExporter
     from services.telemetry.setup import _otlp_pair
 
     monkeypatch.delenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", raising=False)
