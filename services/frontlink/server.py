@@ -253,12 +253,11 @@ class LinkServer:
             self._peers.discard(peer)
 
     def _release_departed(self, peer: _Peer, key: str) -> None:
-        """A client resumes a stream on ``peer`` with the id it had on a front end that died: the kernel closed the
-        dead one's link before the client could see it go, but its reader may not have read the end yet. The dead
-        front end's requests are aborted first, so its id is free (and its slot and blocks too). The kernel may
-        close the dead one's link a moment after the connection its client saw break: a holder is given
-        ``DEPARTURE_WAIT_S`` to show it is gone (a live front end holding the id makes the submission wait that
-        long before it is refused as a duplicate)."""
+        """A client resumes a stream on ``peer`` with the id it had on a front end that died, before the dead one's
+        reader has read the end of its link (or before the kernel has closed that link: a dying process's sockets
+        close one by one). The dead front end's requests are aborted first, so its id is free (and its slot and
+        blocks too). A holder gets ``DEPARTURE_WAIT_S`` to show it is gone; a live front end holding the id makes
+        the submission wait that long before it is refused as a duplicate."""
         with self._lock:
             holders = [p for p in self._peers if p is not peer and p.holds(key)]
         for other in holders:
