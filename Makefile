@@ -6,20 +6,33 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install native run serve test lint typecheck stubs-check pytest protos bench clean
+.PHONY: install lock native run serve test lint typecheck stubs-check pytest protos bench clean
 
 # The scheduler compiled with mypyc (cdb_scheduler/_native.py): rebuilt when a compiled module changes. Without a C
 # compiler the build fails and the scheduler runs interpreted, as it does whenever the build does not match.
 NATIVE := cdb_scheduler/_native_build/manifest.json
 NATIVE_SOURCES := $(filter-out %/__init__.py %/_native.py %/prefill.py %/invariants.py %/sampling.py,$(wildcard cdb_scheduler/*.py))
 
-$(STAMP): pyproject.toml
+# uv installs the locked versions (requirements/constraints.txt) in seconds where pip takes minutes; the pinned torch
+# comes from this machine's wheel folder (PIP_FIND_LINKS), a CPU build: an unpinned torch would pull a multi-GB
+# CUDA build.
+UV_VERSION := 0.13.9
+FIND_LINKS := $(if $(PIP_FIND_LINKS),--find-links $(PIP_FIND_LINKS),)
+
+$(STAMP): pyproject.toml requirements/constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
-	# Pinned: takes the CPU build; an unpinned torch would pull a multi-GB CUDA build.
-	$(BIN)/python -m pip install -q "torch==2.13.0"
-	$(BIN)/python -m pip install -q -e ".[dev,eval]"
+	$(BIN)/python -m pip install -q "uv==$(UV_VERSION)"
+	$(BIN)/uv pip install -q --python $(BIN)/python $(FIND_LINKS) -c requirements/constraints.txt \
+		"torch==2.13.0" -e ".[dev,eval]"
 	touch $(STAMP)
+
+# Re-resolve the locked versions after a change to pyproject.toml's dependencies (then run the suite on them).
+LOCK_HEADER := \# The versions \`make install\` installs (uv, under these constraints): regenerate with \`make lock\`.
+lock: $(STAMP)
+	echo "torch==2.13.0" | $(BIN)/uv pip compile -q - pyproject.toml --extra dev --extra eval $(FIND_LINKS) \
+		--python $(BIN)/python --no-header --no-annotate | sed 's/+cpu$$//' > requirements/constraints.new
+	{ echo "$(LOCK_HEADER)"; grep -v '^cdb' requirements/constraints.new; } > requirements/constraints.txt
+	rm requirements/constraints.new
 
 $(NATIVE): $(STAMP) $(NATIVE_SOURCES) cdb_scheduler/_native.py
 	$(BIN)/cdb native build || echo "cdb native build failed: the scheduler runs interpreted"
@@ -51,7 +64,10 @@ stubs-check: install
 pytest: install
 	PYTHONDONTWRITEBYTECODE= PYTHONPYCACHEPREFIX= $(BIN)/python -m pytest -q --durations=15
 
-test: lint typecheck stubs-check pytest
+# The type check runs beside the suite (the suite leaves a quarter of two cores idle, waiting on its process
+# trees); each one's lines are printed whole.
+test: lint stubs-check
+	$(MAKE) --no-print-directory -j2 -Oline typecheck pytest
 
 protos: install
 	$(BIN)/python -m cdb_api.build
