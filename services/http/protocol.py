@@ -1,10 +1,13 @@
-"""``guarded_protocol``: uvicorn's HTTP/1.1 protocol (h11) with the port's connection timeouts.
+"""``guarded_protocol``: uvicorn's HTTP/1.1 protocol over httptools (llhttp, the C parser: a streamed token's
+chunk costs one buffer write, where the pure-Python h11 state machine cost tens of microseconds) with the port's
+connection limits.
 
 uvicorn times only the idle time between two requests of a keep-alive connection (``timeout_keep_alive``:
 ``CDB_HTTP_KEEP_ALIVE_S``). A connection of this port is also closed when
 - its request's head (request line and headers) has not arrived whole within ``CDB_HEADER_READ_TIMEOUT_S``: of
   the connection's start for its first request, of the first byte for a later one (a client trickling its headers,
   or connecting and sending nothing, holds a connection no longer than that);
+- its request's head is larger than ``MAX_HEAD_BYTES`` (431, as h11 refuses one);
 - its client has taken nothing of the response for ``CDB_STREAM_STALL_TIMEOUT_S`` while the server had more to
   send (the transport's buffer over its high-water mark, so that writes wait: ``pause_writing`` without
   ``resume_writing``): the connection is aborted, which the app sees as the client gone (a streamed response's
@@ -18,13 +21,19 @@ import asyncio
 import logging
 from typing import Any
 
-from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 log = logging.getLogger("cdb.http")
 
+MAX_HEAD_BYTES = 64 * 1024  # request line and headers of one request
 
-class GuardedH11Protocol(H11Protocol):
-    """``H11Protocol`` with the header and stall timeouts of the module docstring (class attributes, set by
+
+class _HeadTooLarge(Exception):
+    """Raised from a parser callback: the request's head passed ``MAX_HEAD_BYTES``."""
+
+
+class GuardedProtocol(HttpToolsProtocol):
+    """``HttpToolsProtocol`` with the limits of the module docstring (class attributes, set by
     ``guarded_protocol``)."""
 
     header_timeout_s: float = 10.0
@@ -33,6 +42,8 @@ class GuardedH11Protocol(H11Protocol):
     def __init__(self, *args: Any, **kw: Any) -> None:
         super().__init__(*args, **kw)
         self._awaiting_head = True  # between requests: the next request's head is due
+        self._head_bytes = 0  # read while the head was due (a head still incomplete is held by the parser)
+        self._head_size = 0  # the current request's head, as parsed
         self._head_timer: asyncio.TimerHandle | None = None
         self._stall_timer: asyncio.TimerHandle | None = None
 
@@ -41,20 +52,56 @@ class GuardedH11Protocol(H11Protocol):
         self._head_timer = self.loop.call_later(self.header_timeout_s, self._head_late)
 
     def data_received(self, data: bytes) -> None:
-        if self._awaiting_head and self._head_timer is None:  # the first byte of a later request
-            self._head_timer = self.loop.call_later(self.header_timeout_s, self._head_late)
+        if self._awaiting_head:
+            if self._head_timer is None:  # the first byte of a later request
+                self._head_timer = self.loop.call_later(self.header_timeout_s, self._head_late)
+            self._head_bytes += len(data)
         super().data_received(data)
+        if self._awaiting_head and self._head_bytes > MAX_HEAD_BYTES and not self.transport.is_closing():
+            self._refuse_head()  # a head still incomplete past the limit (the parser holds what it read)
 
-    def handle_events(self) -> None:
-        cycle = self.cycle
-        super().handle_events()
-        if self.cycle is not cycle:  # a request's head arrived: its cycle began
-            self._awaiting_head = False
-            self._cancel_head_timer()
+    # parser callbacks (inside ``data_received``): a whole head's size, its end, the request's end
+    def on_message_begin(self) -> None:
+        self._head_size = 0
+        super().on_message_begin()
 
-    def on_response_complete(self) -> None:
-        self._awaiting_head = True  # set first: a pipelined request handled inside is a new head that arrived
-        super().on_response_complete()
+    def on_url(self, url: bytes) -> None:
+        self._count_head(len(url))
+        super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._count_head(len(name) + len(value) + 4)
+        super().on_header(name, value)
+
+    def on_headers_complete(self) -> None:
+        self._awaiting_head = False
+        self._head_bytes = 0
+        self._cancel_head_timer()
+        super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        self._awaiting_head = True  # (a pipelined request's head may follow in the same read)
+        self._head_bytes = 0
+
+    def _count_head(self, n: int) -> None:
+        self._head_size += n
+        if self._head_size > MAX_HEAD_BYTES:
+            raise _HeadTooLarge  # (the parser raises it on as an HttpParserError: ``send_400_response``)
+
+    def send_400_response(self, msg: str) -> None:
+        if self._head_size > MAX_HEAD_BYTES:
+            self._refuse_head()
+        else:
+            super().send_400_response(msg)
+
+    def _refuse_head(self) -> None:
+        self._awaiting_head = False
+        self._cancel_head_timer()
+        body = f"request head over {MAX_HEAD_BYTES} bytes".encode()
+        head = b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: text/plain; charset=utf-8\r\n"
+        self.transport.write(head + b"connection: close\r\ncontent-length: %d\r\n\r\n" % len(body) + body)
+        self.transport.close()
 
     def pause_writing(self) -> None:
         super().pause_writing()
@@ -96,7 +143,7 @@ class GuardedH11Protocol(H11Protocol):
             self.transport.abort()
 
 
-def guarded_protocol(header_timeout_s: float, stall_timeout_s: float) -> type[GuardedH11Protocol]:
+def guarded_protocol(header_timeout_s: float, stall_timeout_s: float) -> type[GuardedProtocol]:
     """The protocol class to give ``uvicorn.Config(http=...)`` for these timeouts."""
     attrs = {"header_timeout_s": header_timeout_s, "stall_timeout_s": stall_timeout_s}
-    return type("GuardedH11Protocol", (GuardedH11Protocol,), attrs)
+    return type("GuardedProtocol", (GuardedProtocol,), attrs)

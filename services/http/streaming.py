@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
+import msgspec
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
@@ -24,26 +24,31 @@ from services.api.door import Ticket
 from services.http.errors import ApiError, api_error
 from services.http.responses import Render, usage_of
 
+_JSON = msgspec.json.Encoder()
+
 
 def sse_data(obj: Any) -> bytes:
     """One SSE event carrying ``obj`` as JSON."""
-    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+    return b"data: " + _JSON.encode(obj) + b"\n\n"
 
 
 async def sse_body(
     calls: Sequence[Ticket], renders: Sequence[Render], fields: Mapping[str, str]
 ) -> AsyncIterator[bytes]:
     """The SSE body of the choices ``renders[k]`` of ``calls[k]``: chunks, then the usage chunk when asked, then
-    ``[DONE]``; a failure after the headers went out is an ``error`` chunk."""
+    ``[DONE]``; a failure after the headers went out is an ``error`` chunk. The chunks of the events that were
+    ready together go out in one write."""
     try:
-        for render in renders:
-            for chunk in render.first():
-                yield sse_data(chunk)
-        async for k, ev in _events(calls):
+        first = b"".join(sse_data(chunk) for render in renders for chunk in render.first())
+        if first:
+            yield first
+        async for k, batch in _batches(calls):
             render = renders[k]
-            for chunk in render.before(ev):
-                yield sse_data(chunk)
-            yield sse_data(render.token(ev) if isinstance(ev, TokenEvent) else render.finish(ev))
+            out: list[bytes] = []
+            for ev in batch:
+                out.extend(sse_data(chunk) for chunk in render.before(ev))
+                out.append(sse_data(render.token(ev) if isinstance(ev, TokenEvent) else render.finish(ev)))
+            yield b"".join(out)
         if renders[0].include_usage:
             yield sse_data(renders[0].usage_chunk(usage_of(renders)))
     except Exception as exc:
@@ -51,18 +56,19 @@ async def sse_body(
     yield b"data: [DONE]\n\n"
 
 
-async def _events(calls: Sequence[Ticket]) -> AsyncIterator[tuple[int, Event]]:
-    """``(k, event of calls[k])`` as the events come; one call's events in order. The first failure is raised."""
+async def _batches(calls: Sequence[Ticket]) -> AsyncIterator[tuple[int, list[Event]]]:
+    """``(k, events of calls[k] that were ready together)`` as they come; one call's events in order. The first
+    failure is raised."""
     if len(calls) == 1:  # the common case, without a task per call
-        async for ev in calls[0].events():
-            yield 0, ev
+        async for batch in calls[0].batches():
+            yield 0, batch
         return
-    merged: asyncio.Queue[tuple[int, Event | BaseException | None]] = asyncio.Queue()
+    merged: asyncio.Queue[tuple[int, list[Event] | BaseException | None]] = asyncio.Queue()
 
     async def pump(k: int, call: Ticket) -> None:
         try:
-            async for ev in call.events():
-                merged.put_nowait((k, ev))
+            async for batch in call.batches():
+                merged.put_nowait((k, batch))
         except Exception as exc:
             merged.put_nowait((k, exc))
         merged.put_nowait((k, None))
@@ -105,8 +111,9 @@ async def until_done_or_gone(calls: Sequence[Ticket], renders: Sequence[Render],
     requests."""
 
     async def collect() -> None:
-        async for k, ev in _events(calls):
-            renders[k].add(ev)
+        async for k, batch in _batches(calls):
+            for ev in batch:
+                renders[k].add(ev)
 
     async def gone() -> None:
         while (await request.receive())["type"] != "http.disconnect":

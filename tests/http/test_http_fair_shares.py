@@ -141,3 +141,34 @@ def test_heads_bodies_and_idle_connections_are_timed_but_slow_answers_are_not() 
             s.gate.set()
             reply = read_to_end(patient)  # the answer, then the idle keep-alive connection is closed
             assert reply.startswith(b"HTTP/1.1 200") and b'"completion_tokens":2' in reply
+
+
+def test_a_request_head_over_the_limit_gets_431_and_the_port_keeps_serving() -> None:
+    from services.http.protocol import MAX_HEAD_BYTES
+
+    with served() as s:
+        with connect(s) as big:
+            padding = b"x" * (MAX_HEAD_BYTES + 1)
+            big.sendall(b"GET /v1/models HTTP/1.1\r\nHost: test\r\nX-Pad: " + padding + b"\r\n\r\n")
+            reply = read_to_end(big)  # the 431, then the connection closes
+            assert reply.startswith(b"HTTP/1.1 431") and str(MAX_HEAD_BYTES).encode() in reply
+        with connect(s) as ok:  # a head just under the limit is served
+            padding = b"x" * (MAX_HEAD_BYTES - 200)
+            ok.sendall(b"GET /v1/models HTTP/1.1\r\nHost: test\r\nConnection: close\r\nX-Pad: " + padding + b"\r\n\r\n")
+            assert read_to_end(ok).startswith(b"HTTP/1.1 200")
+
+
+def test_a_request_head_that_never_ends_is_refused_once_over_the_limit() -> None:
+    from services.http.protocol import MAX_HEAD_BYTES
+
+    with served() as s, connect(s) as endless:
+        start = b"GET /v1/models HTTP/1.1\r\nHost: test\r\nX-Pad: "
+        # one byte over the limit, in pieces, and no end of the head: the server has read all of it when it refuses
+        # (so it closes without unread bytes, which would reset the connection before the reply is read)
+        left = MAX_HEAD_BYTES + 1 - len(start)
+        endless.sendall(start)
+        while left:
+            piece = min(left, 4096)
+            endless.sendall(b"y" * piece)
+            left -= piece
+        assert read_to_end(endless).startswith(b"HTTP/1.1 431")
