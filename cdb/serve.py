@@ -14,7 +14,7 @@ from cdb.arguments import (
     new_parser,
 )
 from cdb.resolution import parse_command
-from cdb_engine.options import add_engine_args
+from cdb_engine.options import add_engine_args, auto_or
 from cdb_engine.preflight import ConfigError, check_config
 from cdb_model.loader import DEFAULT_MODEL
 from clients.messages import StreamToken
@@ -71,11 +71,11 @@ def serve_parser(conf: Configuration) -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--frontends",
-        type=int,
-        metavar="N",
+        type=auto_or(int),
+        metavar="N|auto",
         default=conf.settings.frontends,
         help="front-end processes serving the public ports over the scheduler's engine; 0: the scheduler serves "
-        "them (also CDB_FRONTENDS)",
+        "them; auto (default): by the host's cores (also CDB_FRONTENDS)",
     )
     add_served_name_arg(parser)
     add_chat_template_arg(parser)

@@ -55,7 +55,9 @@ def _choice_type(kind: type[enum.StrEnum], sentinel: str | None) -> Callable[[st
     return convert
 
 
-def _auto_or(kind: type) -> Callable[[str], Any]:
+def auto_or(kind: type) -> Callable[[str], Any]:
+    """An argparse type: ``kind``, or None for ``auto``."""
+
     def convert(text: str) -> Any:
         return None if text.lower() == AUTO else kind(text)
 
@@ -92,7 +94,7 @@ def add_engine_args(
         elif optional:
             default = AUTO if value is None else value  # argparse converts a string default: auto -> None
             group.add_argument(
-                _flag(name), type=_auto_or(kind), default=default, metavar=f"{kind.__name__.upper()}|{AUTO}", help=help_
+                _flag(name), type=auto_or(kind), default=default, metavar=f"{kind.__name__.upper()}|{AUTO}", help=help_
             )
         else:
             plain = None if kind is str else kind.__name__.upper()  # a string: the option's name (--model MODEL)

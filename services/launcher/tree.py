@@ -70,7 +70,7 @@ def _start_tree(
     document = os.path.join(workdir, "config.json")
     Resolved(settings, config).write(document)  # what every child runs with (package docstring)
     handle = ServeHandle(workdir, settings)
-    fronts = settings.frontends if listen is not None else 0
+    fronts = settings.front_ends if listen is not None else 0
     try:
         _start_children(handle, listen, fronts, document, env)
         _wait_until_ready(handle, fronts, document, env)

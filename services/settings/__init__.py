@@ -39,7 +39,7 @@ launcher's document), ``resolved`` (``Resolved``, the record a tree hands its ch
 | ``CDB_RECONNECT_BACKOFF_S`` | 0.05 | first delay between reconnect attempts to a lost stage (doubles up to 0.5 s) |
 | ``CDB_STAGE_HANG_FLOOR_S`` | 30 | no stage op is judged hung before it has run this long |
 | ``CDB_STAGE_HANG_FACTOR`` | 20 | an op past this many times its expected time (pace x tokens): its stage is replaced |
-| ``CDB_FRONTENDS`` | 0 | front-end processes serving the public ports (gRPC, HTTP); 0: the scheduler serves them |
+| ``CDB_FRONTENDS`` | auto | front-end processes, 0: the scheduler serves the ports; auto: 0 below 8 cores, 1 per 4 |
 | ``CDB_STANDBY_STAGES`` | false | a warm standby process per stage role: a lost stage is replaced at once (2x memory) |
 | ``CDB_STAGE_RINGS`` | true | stage ops and replies travel on shared-memory rings (x86-64 Linux); false: on gRPC |
 | ``CDB_STAGE_RING_BYTES`` | 4194304 | capacity of each stage ring (two per stage); the largest op or reply fits |

@@ -18,6 +18,16 @@ def _help(text: str, default: Any = dataclasses.MISSING, **kw: Any) -> Any:
 
 SPIN_MIN_CPUS = 8  # ``fence_spin_s`` auto: spin only where the tree's processes leave cores to spare
 _SPIN_S = 2e-4
+# ``frontends`` auto: a front-end process pays for its link hand-overs only with a core of its own, beside the
+# scheduler's engine thread and event loop and the three stages (about four busy cores on a GPU host)
+FRONTENDS_MIN_CPUS = 8
+FRONTEND_CPUS = 4
+MAX_AUTO_FRONTENDS = 4
+
+
+def usable_cpus() -> int:
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,7 +72,11 @@ class Settings:
     stage_hang_factor: float = _help(
         "an op past this many times its expected time (pace x tokens): its stage is replaced", 20.0
     )
-    frontends: int = _help("front-end processes serving the public ports (gRPC, HTTP); 0: the scheduler serves them", 0)
+    frontends: int | None = _help(
+        f"front-end processes, 0: the scheduler serves the ports; auto: 0 below {FRONTENDS_MIN_CPUS} cores, 1 per "
+        f"{FRONTEND_CPUS}",
+        None,
+    )
     standby_stages: bool = _help(
         "a warm standby process per stage role: a lost stage is replaced at once (2x memory)", False
     )
@@ -134,8 +148,15 @@ class Settings:
         """``fence_spin_s`` resolved on this host (auto: spin only where there are cores to spare)."""
         if self.fence_spin_s is not None:
             return self.fence_spin_s
-        usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        return _SPIN_S if usable >= SPIN_MIN_CPUS else 0.0
+        return _SPIN_S if usable_cpus() >= SPIN_MIN_CPUS else 0.0
+
+    @property
+    def front_ends(self) -> int:
+        """``frontends`` resolved on this host (auto: the field's help)."""
+        if self.frontends is not None:
+            return self.frontends
+        usable = usable_cpus()
+        return 0 if usable < FRONTENDS_MIN_CPUS else min(MAX_AUTO_FRONTENDS, (usable - 4) // FRONTEND_CPUS)
 
 
 SETTINGS_FIELDS = tuple(f.name for f in fields(Settings))
