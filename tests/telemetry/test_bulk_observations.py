@@ -37,3 +37,44 @@ def test_batched_itls_and_depths_equal_one_observation_each() -> None:
             assert kx == ky and math.isclose(float(vx), float(vy), rel_tol=1e-12)
         else:
             assert x == y
+
+
+def test_on_an_event_loop_a_token_is_tallied_at_the_end_of_its_iteration() -> None:
+    """A streaming server's per-token observations are applied together once its loop iteration ends: the same
+    series as one observation each; off a loop (or on another thread than the loop's) they are applied at once."""
+    import asyncio
+    import threading
+
+    rng = random.Random(3)
+    itls = [rng.uniform(0, 0.2) for _ in range(50)]
+    depths = [rng.randint(1, 8) for _ in range(50)]
+    one, tallied = Metrics("m", 8), Metrics("m", 8)
+    for seconds, depth in zip(itls, depths):
+        one.observe_itl(seconds)
+        one.observe_token_depth(depth)
+    assert one.itl.count() == 50  # off a loop: at once
+
+    async def iteration() -> int:
+        for seconds, depth in zip(itls, depths):
+            tallied.observe_itl(seconds)
+            tallied.observe_token_depth(depth)
+        pending = tallied.itl.count()
+        await asyncio.sleep(0)  # the iteration ends
+        return pending
+
+    assert asyncio.run(iteration()) == 0 and tallied.itl.count() == 50
+    assert tallied.generated_tokens.value() == 50 and tallied.loop_steps.value() == sum(depths)
+    a, b = _series(one), _series(tallied)
+    assert [x.rsplit(" ", 1)[0] for x in a] == [y.rsplit(" ", 1)[0] for y in b]
+    for x, y in zip(a, b):
+        assert math.isclose(float(x.rsplit(" ", 1)[1]), float(y.rsplit(" ", 1)[1]), rel_tol=1e-12)
+
+    other = threading.Thread(target=lambda: asyncio.run(_observe_one(tallied)))  # not the first loop's thread
+    other.start()
+    other.join()
+    assert tallied.itl.count() == 51
+
+
+async def _observe_one(metrics: Metrics) -> None:
+    metrics.observe_itl(0.5)
+    assert metrics.itl.count() == 51, "applied at once"
