@@ -65,9 +65,9 @@ pytest: install
 	PYTHONDONTWRITEBYTECODE= PYTHONPYCACHEPREFIX= $(BIN)/python -m pytest -q --durations=15
 
 # The type check runs beside the suite (the suite leaves a quarter of two cores idle, waiting on its process
-# trees); each one's lines are printed whole.
+# trees); it prints one line when it is done.
 test: lint stubs-check
-	$(MAKE) --no-print-directory -j2 -Oline typecheck pytest
+	$(MAKE) --no-print-directory -j2 typecheck pytest
 
 protos: install
 	$(BIN)/python -m cdb_api.build

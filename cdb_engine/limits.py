@@ -169,11 +169,14 @@ class Limits:
 
 
 def spec_occupancy(cfg: EngineConfig) -> float:
-    """The share of the loop width below which requests draft (``speculative_max_occupancy``; auto: 0.5 where a
-    loop op's cost is nearly flat in its tokens, a GPU or synthetic stages, 0.25 on a CPU, where each token of an
-    op costs compute and drafts near the knee would slow every request down)."""
+    """The share of the loop width below which requests draft (``speculative_max_occupancy``). Unset: under
+    ``speculative auto`` the whole width (drafts are taken only where they pay at the loop op's fitted cost,
+    ``cdb_scheduler.loop_cost``); under ``on``, 0.5 where a loop op's cost is nearly flat in its tokens (a GPU or
+    synthetic stages) and 0.25 on a CPU, where each token of an op costs compute."""
     if cfg.speculative_max_occupancy is not None:
         return cfg.speculative_max_occupancy
+    if cfg.speculative is Speculative.AUTO:
+        return 1.0
     return 0.5 if cfg.device.startswith("cuda") or cfg.synthetic_cost else 0.25
 
 

@@ -145,6 +145,7 @@ class SpecState:
     drafts: int = 0  # successors drafted from its tokens
     accepted: int = 0  # drafts verified right
     rejected: int = 0  # drafts verified wrong
+    asked: bool = False  # the request asked to speculate itself: it drafts whether or not the loop cost says it pays
 
 
 @dataclass(slots=True)

@@ -254,6 +254,8 @@ class Scheduler:
             return
         if flight.drafts:
             self.speculation.drafted(flight.drafts, res.token_ids[len(flight.head) :])
+        if self.cfg.spec_supported:
+            self.speculation.observe_op(len(flight.items), res.compute_s)  # (drafts included)
         self.head.report_fused(flight.head, res, events)
         self.loop.on_result(res.seq, flight, res)
 

@@ -30,13 +30,14 @@ with probability ``a`` it starts after ``d`` ops, and after about ``D + 1`` when
 with no delay, but drafts its own successor only once confirmed, an op later). So the expected ops per token are
 ``a d + (1 - a)(D + 1)``, below ``D`` exactly when ``a > 1 / (D + 1 - d)`` (the break-even acceptance), and the
 speed-up at light load is ``D / (a d + (1 - a)(D + 1))``: at most ``D / d``. A draft costs one bank row and one
-loop slot per op, so requests draft only while rows are free, no request waits for admission (at heavy load
-CDB's own refill fills the width) and the loop op holds fewer tokens than ``--speculative-max-occupancy`` of its
-width (auto: 0.5 on a GPU, where the host path's cost per op still grows with its tokens; 0.25 on a CPU, where
-every token of an op costs compute too): near the knee, drafts would slow every other request down. Per
-request, the acceptance is a moving average; when it falls below the break-even at the current depth the request
-drafts one step deeper (a deeper read agrees more often, but leads less), and when no depth pays it pauses for a
-while and starts again.
+loop slot per op, so requests draft only while rows are free and no request waits for admission (at heavy load
+CDB's own refill fills the width); under ``auto`` a draft is taken only where it raises the loop op's tokens per
+second at the op's cost against its width, fitted online from the loop stage's compute times
+(``cdb_scheduler.loop_cost``: on a CPU, where every token of an op costs compute, that is about never; on a GPU,
+whose op costs nearly the same at any width, whenever ``E < D``); ``--speculative-max-occupancy`` caps the op's
+tokens where set (``on``: 0.5 of the width on a GPU, 0.25 on a CPU). Per request, the acceptance is a moving
+average; when it falls below the break-even at the current depth the request drafts one step deeper (a deeper read
+agrees more often, but leads less), and when no depth pays it pauses for a while and starts again.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from cdb_scheduler.config import SchedulerConfig
+from cdb_scheduler.loop_cost import LoopCost, drafts_that_pay, expected_ops, judged_acceptance
 from cdb_scheduler.ops import OpBuilder
 from cdb_scheduler.prefill import grow_blocks
 from cdb_scheduler.request import FALLBACK, FOLLOWS_REAL, Event, Item, Request, SpecState, Status
@@ -122,6 +124,7 @@ class Speculation:
         self.ops = ops
         self.stats = stats
         self.work = work
+        self.cost = LoopCost()
 
     def admit(self, req: Request) -> None:
         """``req`` is queued: it speculates where it (or the server) asks to and the model allows it."""
@@ -130,29 +133,29 @@ class Speculation:
         proc = req.sampling.processing
         # (penalized sampling counts each sampled token on the stage: a draft must not be counted)
         if wants and cfg.spec_supported and not (proc is not None and proc.penalized):
-            req.spec = SpecState(cfg.spec_depth)
+            req.spec = SpecState(cfg.spec_depth, asked=req.speculate is True)
 
     def draft(self, items: list[Item], width: int) -> list[Item]:
         """Speculative successors of the tokens in ``items`` that reach their request's draft depth in this op
-        (while rows and width are free: no request waits for admission). Each runs its step 0 in this op."""
+        (while rows and width are free: no request waits for admission; under auto, only drafts that raise the
+        op's tokens per second at the fitted loop cost). Each runs its step 0 in this op."""
         drafts: list[Item] = []
         room = min(min(width, self.cfg.spec_max_width) - len(items), self.rows.num_free)
-        for x in items:
+        if room <= 0:
+            return drafts
+        candidates = [x for x in items if self._may_draft(x)]
+        if candidates and self.cfg.spec_adaptive and not self.cost.explore():
+            asked: list[Item] = []
+            judged: list[Item] = []
+            for x in candidates:
+                (asked if x.req.spec is not None and x.req.spec.asked else judged).append(x)
+            candidates = asked + self._paying(items, judged) if judged else asked
+        for x in candidates:
             if room <= 0:
                 break
             req = x.req
             state = req.spec
-            if (
-                state is None
-                or x.next_step < state.depth
-                or x.succ is not None
-                or x.draft == FALLBACK  # (what follows an alternative could overwrite the other's KV)
-                or x.forced_depth
-                or x.index + 1 >= req.max_tokens
-                or len(req.spec_rows) >= self.cfg.spec_max_tokens
-                or len(req.output) < state.paused_until
-            ):
-                continue
+            assert state is not None
             position = x.position + 1
             if position >= len(req.blocks) * self.cfg.kv_block_size and not grow_blocks(
                 self.cfg, self.blocks, req, position + 1, margin=True
@@ -170,6 +173,46 @@ class Speculation:
             room -= 1
         self.stats.spec_drafts += len(drafts)
         return drafts
+
+    def _may_draft(self, x: Item) -> bool:
+        """Whether ``x``'s successor may be drafted in this op (its request speculates and is not paused, ``x``
+        reaches the draft depth, nothing follows it yet, its request has room to run ahead)."""
+        req = x.req
+        state = req.spec
+        return not (
+            state is None
+            or x.next_step < state.depth
+            or x.succ is not None
+            or x.draft == FALLBACK  # (what follows an alternative could overwrite the other's KV)
+            or x.forced_depth
+            or x.index + 1 >= req.max_tokens
+            or len(req.spec_rows) >= self.cfg.spec_max_tokens
+            or len(req.output) < state.paused_until
+        )
+
+    def _paying(self, items: list[Item], candidates: list[Item]) -> list[Item]:
+        """The candidates whose drafts pay at the fitted loop cost (``loop_cost.drafts_that_pay``), best first."""
+        max_depth = self.cfg.max_depth
+        seen: set[int] = set()
+        base = 0.0
+        for it in items:
+            if it.req.rid not in seen:
+                seen.add(it.req.rid)
+                base += 1.0 / mean_depth(it.req, max_depth)
+        ranked: list[tuple[float, int]] = []
+        for k, x in enumerate(candidates):
+            state = x.req.spec
+            assert state is not None
+            depth = mean_depth(x.req, max_depth)
+            acceptance = judged_acceptance(state.acceptance, state.accepted + state.rejected)
+            ranked.append((1.0 / expected_ops(depth, state.depth, acceptance) - 1.0 / depth, k))
+        ranked.sort(reverse=True)
+        n = drafts_that_pay(self.cost, len(items), base, [gain for gain, _ in ranked])
+        return [candidates[k] for _, k in ranked[:n]]
+
+    def observe_op(self, width: int, compute_s: float) -> None:
+        """A decode loop op of ``width`` tokens took ``compute_s`` on the loop stage (the fitted cost)."""
+        self.cost.observe(width, compute_s)
 
     def follow(self, it: Item, succ: Item) -> None:
         """``succ`` was just spawned from ``it``'s real token. If a drafted successor of ``it`` runs, ``succ`` is

@@ -23,6 +23,7 @@ import cdb_scheduler
 from cdb_engine.config import EngineConfig, RequestParams
 from cdb_engine.engine import Engine, FinishEvent
 from cdb_engine.inprocess import shared_model_factory
+from cdb_scheduler.plan import Stage
 from cdb_scheduler.request import Item
 from cdb_scheduler.sampling import LogitsProcessing, SamplingParams
 from cdb_scheduler.scheduler import Scheduler
@@ -120,12 +121,12 @@ def test_a_lone_stream_runs_fewer_loop_ops_per_token() -> None:
     work = [([random.Random(3).randrange(3, 259) for _ in range(12)], RequestParams(max_tokens=40, ignore_eos=True))]
     ops = {}
     outs = {}
-    for spec in ("off", "auto"):
+    for spec in ("off", "on"):
         cfg = EngineConfig(model="ouro-kjv", dtype="float64", max_num_seqs=8, kv_block_size=4, speculative=spec)
         outs[spec], eng = run_engine(model, cfg, work)
         ops[spec] = eng.sched_stats.loop_steps
-    assert outs["auto"] == outs["off"]
-    assert ops["auto"] < 0.8 * ops["off"], ops
+    assert outs["on"] == outs["off"]
+    assert ops["on"] < 0.8 * ops["off"], ops
 
 
 @pytest.mark.parametrize("kv_policy", ["single", "first_then_shared"])
@@ -269,3 +270,22 @@ def test_drafts_never_fill_a_loop_op_past_the_occupancy_bound() -> None:
         got, eng = run_engine(model, cfg, work)
     assert widths and max(widths) <= 4
     assert got == run_reference(model, eng, work, cfg)
+
+
+@pytest.mark.parametrize(("loop_cost", "pays"), [("loop=0:400:0", False), ("loop=2000:0:0", True)])
+def test_auto_drafts_only_where_a_loop_op_costs_about_the_same_at_any_width(loop_cost: str, pays: bool) -> None:
+    """``speculative auto`` fits the loop op's cost against its width: on stages whose op costs per token (a CPU)
+    a lone stream drafts only while it explores (before the first fit), on stages whose op costs the same at any
+    width (a GPU) it drafts and runs fewer loop ops; either way the tokens and depths are those without drafts."""
+    cost = f"{loop_cost},head=20:0:0"
+    outs, stats = {}, {}
+    for spec in ("off", "auto"):
+        cfg = EngineConfig(model="ouro-tiny", synthetic_cost=cost, synthetic_depths="3:2", speculative=spec)
+        with Engine(cfg) as engine:
+            [out] = engine.generate([[5, 6, 7]], RequestParams(max_tokens=48, ignore_eos=True))
+            outs[spec], stats[spec] = (out.token_ids, out.depths), engine.sched_stats
+    assert outs["auto"] == outs["off"]
+    if pays:
+        assert stats["auto"].spec_drafts > 20 and stats["auto"].ops[Stage.LOOP] < 0.8 * stats["off"].ops[Stage.LOOP]
+    else:
+        assert stats["auto"].spec_drafts <= 2, "only the drafts that explored"

@@ -1,0 +1,103 @@
+"""What a loop op costs against its width, fitted online, and whether drafts pay at that cost.
+
+``LoopCost`` fits ``c(w) = alpha + beta * w`` (the stage's compute time of a decode loop op of ``w`` tokens) by
+least squares over the recent ops, each weighing ``FORGET`` of the sums (about the last ``1 / FORGET`` ops count).
+A GPU's op costs nearly the same at any width up to the device's limit (alpha dominates); a CPU's grows with every
+token (beta dominates). The slope is trusted once the recent widths spread (weighted variance ``MIN_VARIANCE``);
+until then the last trusted fit stands, and before the first one ``explore`` lets every ``EXPLORE_EVERY``-th op
+draft, so that the cost at a larger width is seen (a draft adds a token for a few ops: at most about
+``max_depth / EXPLORE_EVERY`` of a loop op's tokens are spent exploring, and only until the first fit).
+
+``drafts_that_pay`` is the speculation's rule under ``--speculative auto``: a loop op of requests ``j`` with
+``D_j`` loop ops per token (their mean depth) produces ``sum_j 1 / D_j`` tokens per ``c(n)``; a request that
+drafts at depth ``d`` with acceptance ``a`` needs ``E = a d + (1 - a)(D + 1)`` ops per token instead
+(``cdb_scheduler.speculation``; ``a`` read as at most ``PRIOR_ACCEPTANCE`` until a few of its drafts are verified),
+and its draft adds a token to the op. Drafts are taken, the largest gain first,
+while the op's tokens per second grow by more than ``MARGIN``: with a cost proportional to the width a draft never
+pays (it doubles a lone request's op to save well under half of its ops); with a flat cost, every draft whose
+``E < D`` does.
+"""
+
+from __future__ import annotations
+
+FORGET = 0.02  # weight of the newest op in the fit's running sums
+MIN_VARIANCE = 0.05  # weighted variance of the recent widths (tokens^2) before the slope is trusted
+EXPLORE_EVERY = 16  # before the first trusted fit, one op in this many may draft
+MARGIN = 0.02  # a draft must raise the op's tokens per second by more than this fraction
+PRIOR_ACCEPTANCE = 0.5  # a request's acceptance as the rule reads it until MIN_VERDICTS of its drafts are verified
+MIN_VERDICTS = 4
+
+
+class LoopCost:
+    """The fit of the module docstring; ``observe`` each decode loop op, ``explore`` once per op formed."""
+
+    def __init__(self) -> None:
+        self.weight = 0.0
+        self.sx = 0.0
+        self.sy = 0.0
+        self.sxx = 0.0
+        self.sxy = 0.0
+        self.alpha = 0.0
+        self.beta = 0.0
+        self.trusted = False
+        self.formed = 0
+
+    def observe(self, width: int, seconds: float) -> None:
+        """A decode loop op of ``width`` tokens took ``seconds`` of the stage's compute."""
+        if width <= 0 or seconds <= 0.0:
+            return
+        keep = 1.0 - FORGET
+        x = float(width)
+        self.weight = keep * self.weight + FORGET
+        self.sx = keep * self.sx + FORGET * x
+        self.sy = keep * self.sy + FORGET * seconds
+        self.sxx = keep * self.sxx + FORGET * x * x
+        self.sxy = keep * self.sxy + FORGET * x * seconds
+        mx, my = self.sx / self.weight, self.sy / self.weight
+        var = self.sxx / self.weight - mx * mx
+        if var >= MIN_VARIANCE:
+            beta = max(0.0, (self.sxy / self.weight - mx * my) / var)
+            alpha = my - beta * mx
+            if alpha < 0.0:  # (noise: a line through the origin, the costliest slope the data allow)
+                alpha, beta = 0.0, my / mx
+            self.alpha, self.beta, self.trusted = alpha, beta, True
+        elif not self.trusted:  # one width so far: all of it could be per token (the cautious reading)
+            self.alpha, self.beta = 0.0, my / mx
+
+    def cost(self, width: int) -> float:
+        return self.alpha + self.beta * width
+
+    def explore(self) -> bool:
+        """Whether the op being formed may draft to learn the slope (before the first trusted fit)."""
+        self.formed += 1
+        return not self.trusted and self.formed % EXPLORE_EVERY == 0
+
+
+def expected_ops(depth: float, draft_depth: int, acceptance: float) -> float:
+    """Loop ops per token of a request drafting at ``draft_depth`` with ``acceptance`` (mean depth ``depth``)."""
+    return acceptance * draft_depth + (1.0 - acceptance) * (depth + 1.0)
+
+
+def judged_acceptance(acceptance: float, verdicts: int) -> float:
+    """The acceptance the rule reads: the request's own once ``MIN_VERDICTS`` of its drafts are verified, before
+    that at most ``PRIOR_ACCEPTANCE`` (the request's own starts hopeful, at 1, to let the adaptive depth rule try)."""
+    return acceptance if verdicts >= MIN_VERDICTS else min(acceptance, PRIOR_ACCEPTANCE)
+
+
+def drafts_that_pay(cost: LoopCost, width: int, base_rate: float, gains: list[float]) -> int:
+    """How many of the candidate drafts (``gains``: each one's ``1 / E - 1 / D``, best first) a loop op of ``width``
+    tokens should start, its requests producing ``base_rate`` tokens per op without them."""
+    taken = 0
+    rate = base_rate
+    now = cost.cost(width)
+    if now <= 0.0:  # no op observed yet
+        return 0
+    best = rate / now
+    for gain in gains:
+        if gain <= 0.0:
+            break
+        trial = (rate + gain) / cost.cost(width + taken + 1)
+        if trial <= best * (1.0 + MARGIN):
+            break
+        rate, best, taken = rate + gain, trial, taken + 1
+    return taken
