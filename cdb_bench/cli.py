@@ -19,6 +19,7 @@ BENCHMARKS = {
     "speculative": ("cdb_bench.speculative", "self-speculative decoding on one stream: acceptance, ops per token"),
     "handover": ("cdb_bench.handover", "what waking another process costs this host (futex wake, wake-up, spin)"),
     "heap": ("cdb_bench.heap", "a full garbage collection in a stage's and the scheduler's process, settled or not"),
+    "apicost": ("cdb_bench.apicost.cli", "CPU per output token through the public API, by process and activity"),
     "soak": ("cdb_bench.soak", "requests with cancels and deadlines while a random stage is killed every few seconds"),
 }
 
