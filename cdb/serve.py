@@ -75,7 +75,7 @@ def serve_parser(conf: Configuration) -> argparse.ArgumentParser:
         metavar="N|auto",
         default=conf.settings.frontends,
         help="front-end processes serving the public ports over the scheduler's engine; 0: the scheduler serves "
-        "them; auto (default): by the host's cores (also CDB_FRONTENDS)",
+        "them; auto (default): by the host's cores and the device (also CDB_FRONTENDS)",
     )
     add_served_name_arg(parser)
     add_chat_template_arg(parser)

@@ -141,14 +141,14 @@ class EngineConfig:
     )
     speculative: Speculative = field(
         default=Speculative.AUTO,
-        metadata=_help("self-speculative decoding: auto (where drafts pay at the measured loop-op cost), on, off"),
+        metadata=_help("self-speculative decoding: auto (where drafts pay at the measured op cost), on, off"),
     )
     speculative_tokens: int = field(
         default=4, metadata=_help("tokens of one request running ahead of its oldest unverified one, at most")
     )
     speculative_max_occupancy: float | None = field(
         default=None,
-        metadata=_help("draft below this share of max_num_seqs per op; auto: all (on: 0.5 GPU, 0.25 CPU)"),
+        metadata=_help("draft below this share of max_num_seqs; auto: all (on: 0.5 GPU, 0.25 CPU)"),
     )
     speculative_depth: int | None = field(
         default=None,

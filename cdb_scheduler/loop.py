@@ -8,6 +8,7 @@ waits for return, in issue order.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -28,6 +29,7 @@ class LoopFlight:
     steps: list[int]
     head: list[Item]  # fused head (``LoopHead``): tokens sampled at the start of the op
     drafts: list[Item]  # then the successors drafted in it (their inputs: the op's next token ids)
+    issued: float = 0.0  # time.perf_counter() when it was issued
 
 
 class LoopPlanner:
@@ -108,7 +110,7 @@ class LoopPlanner:
         head_reqs = [it.req for it in head_items] + [s.req for s in drafts]
         op = self.ops.loop(reqs, positions, rows, steps, head=head, head_reqs=head_reqs)
         seq = op.seq
-        self.flights[seq] = LoopFlight(items, steps, head_items, drafts)
+        self.flights[seq] = LoopFlight(items, steps, head_items, drafts, time.perf_counter())
         self.stats.on_loop_issue(len(items), self.cfg.max_num_seqs)
         cont: list[Item] = []
         work = self.work

@@ -1,18 +1,22 @@
 """What a loop op costs against its width, fitted online, and whether drafts pay at that cost.
 
-``LoopCost`` fits ``c(w) = alpha + beta * w`` (the stage's compute time of a decode loop op of ``w`` tokens) by
-least squares over the recent ops, each weighing ``FORGET`` of the sums (about the last ``1 / FORGET`` ops count).
-A GPU's op costs nearly the same at any width up to the device's limit (alpha dominates); a CPU's grows with every
-token (beta dominates). The slope is trusted once the recent widths spread (weighted variance ``MIN_VARIANCE``);
-until then the last trusted fit stands, and before the first one ``explore`` lets every ``EXPLORE_EVERY``-th op
-draft, so that the cost at a larger width is seen (a draft adds a token for a few ops: at most about
-``max_depth / EXPLORE_EVERY`` of a loop op's tokens are spent exploring, and only until the first fit).
+``LoopCost`` fits ``c(w) = alpha + beta * w`` (what a decode loop op of ``w`` tokens costs the whole path: the
+wall time from its issue, or from the previous loop op's result if that came later, to its result; the stage's
+compute and every hand-over and host step around it) by least squares over the recent ops, each weighing
+``FORGET`` of the sums (about the last ``1 / FORGET`` ops count). A GPU's op costs nearly the same at any width up
+to the device's limit (alpha dominates); a CPU's grows with every token (beta dominates). The slope is trusted
+once the recent widths spread (weighted variance ``MIN_VARIANCE``); until then the last trusted fit stands, and
+before the first one ``explore`` lets every ``EXPLORE_EVERY``-th op draft, so that the cost at a larger width is
+seen, and until ``MIN_VERDICTS`` drafts are verified, so that their acceptance is known (a draft adds a token
+for a few ops: at most about ``max_depth / EXPLORE_EVERY`` of a loop op's tokens are spent exploring, and only
+until then).
 
 ``drafts_that_pay`` is the speculation's rule under ``--speculative auto``: a loop op of requests ``j`` with
 ``D_j`` loop ops per token (their mean depth) produces ``sum_j 1 / D_j`` tokens per ``c(n)``; a request that
 drafts at depth ``d`` with acceptance ``a`` needs ``E = a d + (1 - a)(D + 1)`` ops per token instead
-(``cdb_scheduler.speculation``; ``a`` read as at most ``PRIOR_ACCEPTANCE`` until a few of its drafts are verified),
-and its draft adds a token to the op. Drafts are taken, the largest gain first,
+(``cdb_scheduler.speculation``; ``a`` read as at most the server's acceptance until a few of its own drafts are
+verified, at most ``PRIOR_ACCEPTANCE`` until a few of any are: exploring ops draft until then), and its draft adds
+a token to the op. Drafts are taken, the largest gain first,
 while the op's tokens per second grow by more than ``MARGIN``: with a cost proportional to the width a draft never
 pays (it doubles a lone request's op to save well under half of its ops); with a flat cost, every draft whose
 ``E < D`` does.
@@ -43,7 +47,7 @@ class LoopCost:
         self.formed = 0
 
     def observe(self, width: int, seconds: float) -> None:
-        """A decode loop op of ``width`` tokens took ``seconds`` of the stage's compute."""
+        """A decode loop op of ``width`` tokens took ``seconds`` (the module docstring)."""
         if width <= 0 or seconds <= 0.0:
             return
         keep = 1.0 - FORGET
@@ -67,10 +71,11 @@ class LoopCost:
     def cost(self, width: int) -> float:
         return self.alpha + self.beta * width
 
-    def explore(self) -> bool:
-        """Whether the op being formed may draft to learn the slope (before the first trusted fit)."""
+    def explore(self, need_verdicts: bool = False) -> bool:
+        """Whether the op being formed may draft to learn the slope (before the first trusted fit), or the drafts'
+        acceptance (``need_verdicts``: fewer than ``MIN_VERDICTS`` drafts verified so far)."""
         self.formed += 1
-        return not self.trusted and self.formed % EXPLORE_EVERY == 0
+        return (not self.trusted or need_verdicts) and self.formed % EXPLORE_EVERY == 0
 
 
 def expected_ops(depth: float, draft_depth: int, acceptance: float) -> float:
@@ -78,10 +83,14 @@ def expected_ops(depth: float, draft_depth: int, acceptance: float) -> float:
     return acceptance * draft_depth + (1.0 - acceptance) * (depth + 1.0)
 
 
-def judged_acceptance(acceptance: float, verdicts: int) -> float:
-    """The acceptance the rule reads: the request's own once ``MIN_VERDICTS`` of its drafts are verified, before
-    that at most ``PRIOR_ACCEPTANCE`` (the request's own starts hopeful, at 1, to let the adaptive depth rule try)."""
-    return acceptance if verdicts >= MIN_VERDICTS else min(acceptance, PRIOR_ACCEPTANCE)
+def judged_acceptance(acceptance: float, verdicts: int, accepted_all: int, verdicts_all: int) -> float:
+    """The acceptance the rule reads: the request's own once ``MIN_VERDICTS`` of its drafts are verified; before
+    that at most the server's (``accepted_all`` of ``verdicts_all``) once it has that many, else at most
+    ``PRIOR_ACCEPTANCE`` (a request's own starts hopeful, at 1, to let the adaptive depth rule try)."""
+    if verdicts >= MIN_VERDICTS:
+        return acceptance
+    prior = accepted_all / verdicts_all if verdicts_all >= MIN_VERDICTS else PRIOR_ACCEPTANCE
+    return min(acceptance, prior)
 
 
 def drafts_that_pay(cost: LoopCost, width: int, base_rate: float, gains: list[float]) -> int:

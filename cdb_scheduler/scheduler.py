@@ -66,6 +66,7 @@ class Scheduler:
         self._prelude: dict[int, list[Item]] = {}  # seq of a prelude op of refills in flight -> its items
         self._prefill: PrefillFlight | None = None
         self._prefill_starved = False
+        self._loop_done = 0.0  # time.perf_counter() when the last decode loop op's result was taken
         # Set by the engine where the stages run concurrently (separate processes): the last op of a stage known
         # complete (``Executor.completed``). A refill's input is written by its prelude op (or the head op that
         # embeds it), which waits for the loop op its predecessor left, the last one issued; the loop op formed
@@ -254,8 +255,10 @@ class Scheduler:
             return
         if flight.drafts:
             self.speculation.drafted(flight.drafts, res.token_ids[len(flight.head) :])
-        if self.cfg.spec_supported:
-            self.speculation.observe_op(len(flight.items), res.compute_s)  # (drafts included)
+        if self.cfg.spec_supported:  # what the op cost the whole path: from its issue or the last op's end
+            now = time.perf_counter()
+            self.speculation.observe_op(len(flight.items), now - max(flight.issued, self._loop_done))
+            self._loop_done = now
         self.head.report_fused(flight.head, res, events)
         self.loop.on_result(res.seq, flight, res)
 

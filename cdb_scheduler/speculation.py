@@ -32,7 +32,7 @@ with no delay, but drafts its own successor only once confirmed, an op later). S
 speed-up at light load is ``D / (a d + (1 - a)(D + 1))``: at most ``D / d``. A draft costs one bank row and one
 loop slot per op, so requests draft only while rows are free and no request waits for admission (at heavy load
 CDB's own refill fills the width); under ``auto`` a draft is taken only where it raises the loop op's tokens per
-second at the op's cost against its width, fitted online from the loop stage's compute times
+second at the op's cost against its width, fitted online from the loop ops' times
 (``cdb_scheduler.loop_cost``: on a CPU, where every token of an op costs compute, that is about never; on a GPU,
 whose op costs nearly the same at any width, whenever ``E < D``); ``--speculative-max-occupancy`` caps the op's
 tokens where set (``on``: 0.5 of the width on a GPU, 0.25 on a CPU). Per request, the acceptance is a moving
@@ -45,7 +45,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from cdb_scheduler.config import SchedulerConfig
-from cdb_scheduler.loop_cost import LoopCost, drafts_that_pay, expected_ops, judged_acceptance
+from cdb_scheduler.loop_cost import MIN_VERDICTS, LoopCost, drafts_that_pay, expected_ops, judged_acceptance
 from cdb_scheduler.ops import OpBuilder
 from cdb_scheduler.prefill import grow_blocks
 from cdb_scheduler.request import FALLBACK, FOLLOWS_REAL, Event, Item, Request, SpecState, Status
@@ -144,7 +144,12 @@ class Speculation:
         if room <= 0:
             return drafts
         candidates = [x for x in items if self._may_draft(x)]
-        if candidates and self.cfg.spec_adaptive and not self.cost.explore():
+        stats = self.stats
+        if (
+            candidates
+            and self.cfg.spec_adaptive
+            and not self.cost.explore(stats.spec_accepted + stats.spec_rejected < MIN_VERDICTS)
+        ):
             asked: list[Item] = []
             judged: list[Item] = []
             for x in candidates:
@@ -199,20 +204,21 @@ class Speculation:
             if it.req.rid not in seen:
                 seen.add(it.req.rid)
                 base += 1.0 / mean_depth(it.req, max_depth)
+        accepted, verdicts = self.stats.spec_accepted, self.stats.spec_accepted + self.stats.spec_rejected
         ranked: list[tuple[float, int]] = []
         for k, x in enumerate(candidates):
             state = x.req.spec
             assert state is not None
             depth = mean_depth(x.req, max_depth)
-            acceptance = judged_acceptance(state.acceptance, state.accepted + state.rejected)
+            acceptance = judged_acceptance(state.acceptance, state.accepted + state.rejected, accepted, verdicts)
             ranked.append((1.0 / expected_ops(depth, state.depth, acceptance) - 1.0 / depth, k))
         ranked.sort(reverse=True)
         n = drafts_that_pay(self.cost, len(items), base, [gain for gain, _ in ranked])
         return [candidates[k] for _, k in ranked[:n]]
 
-    def observe_op(self, width: int, compute_s: float) -> None:
-        """A decode loop op of ``width`` tokens took ``compute_s`` on the loop stage (the fitted cost)."""
-        self.cost.observe(width, compute_s)
+    def observe_op(self, width: int, seconds: float) -> None:
+        """A decode loop op of ``width`` tokens took ``seconds`` (``LoopCost.observe``)."""
+        self.cost.observe(width, seconds)
 
     def follow(self, it: Item, succ: Item) -> None:
         """``succ`` was just spawned from ``it``'s real token. If a drafted successor of ``it`` runs, ``succ`` is

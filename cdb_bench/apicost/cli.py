@@ -36,7 +36,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--api", nargs="+", default=["http"], choices=["http", "grpc"])
     p.add_argument("--concurrency", nargs="+", type=int, default=[64])
     p.add_argument("--frontends", nargs="+", default=[""], help="CDB_FRONTENDS per point (default: auto)")
-    p.add_argument("--speculative", default="auto", choices=["auto", "on", "off"])
+    p.add_argument("--speculative", nargs="+", default=["auto"], choices=["auto", "on", "off"])
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--output-tokens", type=int, default=96)
@@ -60,14 +60,16 @@ def points(args: argparse.Namespace) -> list[Point]:
             api="http" if args.client == "guidellm" else api,
             concurrency=c,
             synthetic_cost=args.synthetic_cost,
-            speculative=args.speculative,
+            speculative=spec,
             frontends=fe,
             max_num_seqs=args.max_num_seqs,
             prompt_tokens=args.prompt_tokens,
             output_tokens=args.output_tokens,
             client=args.client,
         )
-        for c, api, fe, mode in itertools.product(args.concurrency, args.api, args.frontends, args.modes)
+        for c, api, fe, spec, mode in itertools.product(
+            args.concurrency, args.api, args.frontends, args.speculative, args.modes
+        )
     ]
 
 
@@ -75,7 +77,8 @@ def summarize(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Medians over a point's rounds (each figure, each process's CPU, each activity)."""
     first = runs[0]
     out: dict[str, Any] = {"point": first["point"], "rounds": len(runs)}
-    for key in ("tokens_per_s", "mean_depth", "serving_cpu_us_per_token"):
+    out["tokens_per_s_by_round"] = [r["tokens_per_s"] for r in runs]
+    for key in ("tokens_per_s", "mean_depth", "serving_cpu_us_per_token", "client_cpu_us_per_token"):
         out[key] = median(r[key] for r in runs)
     out["cpu_us_per_token"] = {p: median(r["cpu_us_per_token"][p] for r in runs) for p in first["cpu_us_per_token"]}
     sampled = [r["activities"] for r in runs if "activities" in r]
@@ -92,11 +95,14 @@ def summarize(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 def table(rows: Sequence[dict[str, Any]]) -> str:
     procs = sorted({p for r in rows for p in r["cpu_us_per_token"]})
-    head = f"{'point':<28}{'tok/s':>9}{'depth':>7}{'serving':>9}" + "".join(f"{p[-12:]:>14}" for p in procs)
+    head = f"{'point':<28}{'tok/s':>9}{'depth':>7}{'serving':>9}{'client':>9}" + "".join(
+        f"{p[-13:]:>14}" for p in procs
+    )
     lines = [head, "CPU per output token (µs), medians"]
     for r in rows:
         cpu = r["cpu_us_per_token"]
         line = f"{r['point']:<28}{r['tokens_per_s']:>9.0f}{r['mean_depth']:>7.2f}{r['serving_cpu_us_per_token']:>9.1f}"
+        line += f"{r['client_cpu_us_per_token']:>9.1f}"
         lines.append(line + "".join(f"{cpu[p]:>14.1f}" if p in cpu else f"{'-':>14}" for p in procs))
     for r in rows:
         for proc, acts in r.get("activities", {}).items():

@@ -43,7 +43,8 @@ class Point:
 
     def label(self) -> str:
         fe = f" fe{self.frontends}" if self.frontends else ""
-        return f"{self.mode} {self.api} c{self.concurrency}{fe}"
+        spec = f" spec-{self.speculative}" if self.speculative != "auto" else ""
+        return f"{self.mode} {self.api} c{self.concurrency}{fe}{spec}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +116,18 @@ def _wait_for_tokens(url: str, load: subprocess.Popen[Any], timeout: float = 120
         time.sleep(0.2)
 
 
+def _group_cpu(pid: int) -> float:
+    """CPU seconds of the load's processes: ``pid`` and, when it leads a process group (GuideLLM and its
+    workers), every process of that group."""
+    total = 0.0
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError):
+                if int(entry) == pid or os.getpgid(int(entry)) == pid:
+                    total += cpu_seconds(int(entry))
+    return total
+
+
 def _stop(load: subprocess.Popen[Any]) -> None:
     """Stop the load and every process it started."""
     with contextlib.suppress(ProcessLookupError):
@@ -151,6 +164,7 @@ def figures(a: dict[str, Any], b: dict[str, Any], point: Point) -> dict[str, Any
         "mean_depth": (b["loop_steps"] - a["loop_steps"]) / tokens,
         "cpu_us_per_token": cpu,
         "serving_cpu_us_per_token": sum(cpu.values()),
+        "cpu_scale": 1e6 / tokens,
     }
 
 
@@ -169,9 +183,11 @@ def run_point(point: Point, window: Window) -> dict[str, Any]:
         try:
             _wait_for_tokens(url, load)
             time.sleep(window.warmup_s)
-            a = _reading(url, pids)
+            a, client_a = _reading(url, pids), _group_cpu(load.pid)
             time.sleep(window.seconds)
             fig = figures(a, _reading(url, pids), point)
+            fig["client_cpu_us_per_token"] = (_group_cpu(load.pid) - client_a) * fig["cpu_scale"]
+            del fig["cpu_scale"]
             if window.profile:
                 fig["activities"] = _sampled(pids, window, fig["cpu_us_per_token"])
             if load.poll() is not None and load.returncode != 0:

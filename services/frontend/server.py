@@ -57,7 +57,7 @@ def run_frontend(
         async def info() -> pb.InfoResponse:
             return pb.InfoResponse.FromString(await client.ask(AskInfo(0)))
 
-        shared = settings.front_ends > 1
+        shared = settings.front_ends() > 1
         service = GenerationService(door, info, "microservices")
         front = FrontEnd(service, Readiness(door, None, settings), reuse_port=shared, join=join)
         companion = functools.partial(serve_api, address=http, reuse_port=shared) if http else None

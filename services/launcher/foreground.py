@@ -42,7 +42,7 @@ def serve_forever(resolved: Resolved, listen: str = "127.0.0.1:50051") -> int:
         return 1
     stop = stop_signals()
     limits = resolve_limits(config, load_config(config.model))
-    n = settings.front_ends
+    n = len(handle.frontends)
     fronts = f"; {n} front-end process{'es' if n > 1 else ''}" if n else ""
     print(f"cdb serving {config.model} on {handle.address} (stages: prelude, loop, head{fronts})", flush=True)
     print(f"  {describe(limits)}", flush=True)

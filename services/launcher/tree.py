@@ -67,10 +67,12 @@ def _start_tree(
         secret_file = os.path.join(workdir, "stage.secret")
         create_secret_file(secret_file)
         settings = dataclasses.replace(settings, stage_secret_file=secret_file)
+    on_device = config.device.startswith("cuda") or bool(config.synthetic_cost)
+    fronts = settings.front_ends(on_device) if listen is not None else 0
+    settings = dataclasses.replace(settings, frontends=fronts)  # (the children read the count, not auto)
     document = os.path.join(workdir, "config.json")
     Resolved(settings, config).write(document)  # what every child runs with (package docstring)
     handle = ServeHandle(workdir, settings)
-    fronts = settings.front_ends if listen is not None else 0
     try:
         _start_children(handle, listen, fronts, document, env)
         _wait_until_ready(handle, fronts, document, env)

@@ -39,7 +39,7 @@ launcher's document), ``resolved`` (``Resolved``, the record a tree hands its ch
 | ``CDB_RECONNECT_BACKOFF_S`` | 0.05 | first delay between reconnect attempts to a lost stage (doubles up to 0.5 s) |
 | ``CDB_STAGE_HANG_FLOOR_S`` | 30 | no stage op is judged hung before it has run this long |
 | ``CDB_STAGE_HANG_FACTOR`` | 20 | an op past this many times its expected time (pace x tokens): its stage is replaced |
-| ``CDB_FRONTENDS`` | auto | front-end processes, 0: the scheduler serves the ports; auto: 0 below 8 cores, 1 per 4 |
+| ``CDB_FRONTENDS`` | auto | front-end processes (0: the scheduler serves the ports); auto: by the cores and device |
 | ``CDB_STANDBY_STAGES`` | false | a warm standby process per stage role: a lost stage is replaced at once (2x memory) |
 | ``CDB_STAGE_RINGS`` | true | stage ops and replies travel on shared-memory rings (x86-64 Linux); false: on gRPC |
 | ``CDB_STAGE_RING_BYTES`` | 4194304 | capacity of each stage ring (two per stage); the largest op or reply fits |
@@ -107,9 +107,9 @@ scheduler`` and ``cdb demo``; ``cdb stage`` takes ``--model``, ``--dtype`` and `
 | ``CDB_NUM_THREADS`` | auto | torch intra-op threads of the in-process executor; auto: torch's default |
 | ``CDB_FUSE_REFILL_EMBED`` | true | Ouro: the head op embeds a refill's input token (no prelude op per step) |
 | ``CDB_FUSE_LOOP_HEAD`` | true | Ouro: loop ops sample the exited tokens and run their successors (no head op) |
-| ``CDB_SPECULATIVE`` | auto | self-speculative decoding: auto (adaptive, while rows are free), on, off |
+| ``CDB_SPECULATIVE`` | auto | self-speculative decoding: auto (where drafts pay at the measured op cost), on, off |
 | ``CDB_SPECULATIVE_TOKENS`` | 4 | tokens of one request running ahead of its oldest unverified one, at most |
-| ``CDB_SPECULATIVE_MAX_OCCUPANCY`` | auto | draft below this share of max_num_seqs per op; auto: 0.5 GPU, 0.25 CPU |
+| ``CDB_SPECULATIVE_MAX_OCCUPANCY`` | auto | draft below this share of max_num_seqs; auto: all (on: 0.5 GPU, 0.25 CPU) |
 | ``CDB_SPECULATIVE_DEPTH`` | auto | loop steps a token runs before its successor is drafted; auto: 1, adaptive |
 | ``CDB_ALLOW_REPLAY_DEPTHS`` | false | accept per-request replayed depths (benchmarks; implied by exit rule replay) |
 | ``CDB_SYNTHETIC_COST`` | (unset) | synthetic stages, modelled device time: loop=A:B:C,head=.. (µs) or h200:ouro-1.4b |

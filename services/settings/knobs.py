@@ -73,8 +73,7 @@ class Settings:
         "an op past this many times its expected time (pace x tokens): its stage is replaced", 20.0
     )
     frontends: int | None = _help(
-        f"front-end processes, 0: the scheduler serves the ports; auto: 0 below {FRONTENDS_MIN_CPUS} cores, 1 per "
-        f"{FRONTEND_CPUS}",
+        "front-end processes (0: the scheduler serves the ports); auto: by the cores and device",
         None,
     )
     standby_stages: bool = _help(
@@ -150,13 +149,18 @@ class Settings:
             return self.fence_spin_s
         return _SPIN_S if usable_cpus() >= SPIN_MIN_CPUS else 0.0
 
-    @property
-    def front_ends(self) -> int:
-        """``frontends`` resolved on this host (auto: the field's help)."""
+    def front_ends(self, stages_on_device: bool = False) -> int:
+        """``frontends`` resolved on this host (auto: where the stages compute on a device, their processes mostly
+        wait and a front-end process has a core of its own from two cores on; where they compute on the host's
+        cores, none below ``FRONTENDS_MIN_CPUS``; then one per ``FRONTEND_CPUS`` cores beyond four, at most
+        ``MAX_AUTO_FRONTENDS``)."""
         if self.frontends is not None:
             return self.frontends
         usable = usable_cpus()
-        return 0 if usable < FRONTENDS_MIN_CPUS else min(MAX_AUTO_FRONTENDS, (usable - 4) // FRONTEND_CPUS)
+        extra = min(MAX_AUTO_FRONTENDS, max(0, (usable - 4) // FRONTEND_CPUS))
+        if stages_on_device:
+            return max(1 if usable >= 2 else 0, extra)
+        return 0 if usable < FRONTENDS_MIN_CPUS else extra
 
 
 SETTINGS_FIELDS = tuple(f.name for f in fields(Settings))

@@ -46,7 +46,7 @@ def test_apicost_reports_cpu_per_token_by_process_and_activity(tmp_path: Path) -
     argv += ["--warmup", "0.3", "--profile", "--no-progress", "--out", str(tmp_path)]
     subprocess.run(argv, check=True, timeout=240, stdout=subprocess.DEVNULL)
     [row] = json.loads((tmp_path / "apicost.json").read_text())["points"]
-    assert row["point"] == "cdb http c2" and row["tokens_per_s"] > 0
+    assert row["point"] == "cdb http c2" and row["tokens_per_s"] > 0 and row["client_cpu_us_per_token"] > 0
     cpu = row["cpu_us_per_token"]
     assert set(cpu) == {"scheduler", "stage-prelude", "stage-loop", "stage-head"}
     assert all(v > 0 for v in cpu.values()) and row["serving_cpu_us_per_token"] == pytest.approx(sum(cpu.values()))

@@ -7,7 +7,16 @@ import random
 
 import pytest
 
-from cdb_scheduler.loop_cost import EXPLORE_EVERY, MARGIN, LoopCost, drafts_that_pay, expected_ops
+from cdb_scheduler.loop_cost import (
+    EXPLORE_EVERY,
+    MARGIN,
+    MIN_VERDICTS,
+    PRIOR_ACCEPTANCE,
+    LoopCost,
+    drafts_that_pay,
+    expected_ops,
+    judged_acceptance,
+)
 
 
 def fitted(alpha: float, beta: float, widths: list[int], noise: float = 0.0, seed: int = 0) -> LoopCost:
@@ -44,6 +53,14 @@ def test_one_width_reads_as_all_per_token_and_explores_until_a_fit_is_trusted() 
         cost.observe(2, 1e-3)
     assert cost.trusted and cost.beta == pytest.approx(0.0, abs=1e-9) and cost.alpha == pytest.approx(1e-3)
     assert not any(cost.explore() for _ in range(4 * EXPLORE_EVERY)), "no exploring once a fit is trusted"
+    assert sum(cost.explore(need_verdicts=True) for _ in range(4 * EXPLORE_EVERY)) == 4, "until drafts are judged"
+
+
+def test_a_requests_acceptance_counts_once_verified_and_the_servers_before() -> None:
+    assert judged_acceptance(0.9, MIN_VERDICTS, 0, 0) == 0.9
+    assert judged_acceptance(1.0, 0, 0, 0) == PRIOR_ACCEPTANCE, "nothing verified anywhere: the cautious prior"
+    assert judged_acceptance(1.0, 1, 17, 20) == pytest.approx(0.85), "the server's drafts speak for a new request"
+    assert judged_acceptance(0.3, 1, 17, 20) == 0.3
 
 
 def gains(n: int, depth: float = 3.0, draft_depth: int = 1, acceptance: float = 0.8) -> list[float]:

@@ -277,26 +277,29 @@ def test_the_stage_spin_is_auto_by_core_count_unless_set(monkeypatch: pytest.Mon
 
 
 def test_the_front_ends_are_auto_by_core_count_unless_set(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``CDB_FRONTENDS`` auto (the default): no front-end process where the tree's own processes take the cores
-    (the scheduler serves the ports), then one per ``FRONTEND_CPUS`` cores beyond four, at most
-    ``MAX_AUTO_FRONTENDS``; a count given is used as given, 0 included."""
+    """``CDB_FRONTENDS`` auto (the default): where the stages compute on the host's cores, no front-end process
+    below ``FRONTENDS_MIN_CPUS`` (the scheduler serves the ports); where they compute on a device, one from two
+    cores; then one per ``FRONTEND_CPUS`` cores beyond four, at most ``MAX_AUTO_FRONTENDS``; a count given is used
+    as given, 0 included."""
     from services.settings.knobs import FRONTEND_CPUS, FRONTENDS_MIN_CPUS, MAX_AUTO_FRONTENDS, Settings
 
     def cores(n: int) -> None:
         monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(n)))
 
     cores(2)
-    assert Settings().frontends is None and Settings().front_ends == 0
+    assert Settings().frontends is None and Settings().front_ends() == 0 and Settings().front_ends(True) == 1
+    cores(1)
+    assert Settings().front_ends(True) == 0
     cores(FRONTENDS_MIN_CPUS - 1)
-    assert Settings().front_ends == 0
+    assert Settings().front_ends() == 0 and Settings().front_ends(True) == 1
     cores(FRONTENDS_MIN_CPUS)
-    assert Settings().front_ends == 1
+    assert Settings().front_ends() == 1
     cores(4 + 3 * FRONTEND_CPUS)
-    assert Settings().front_ends == 3
+    assert Settings().front_ends() == Settings().front_ends(True) == 3
     cores(256)
-    assert Settings().front_ends == MAX_AUTO_FRONTENDS
-    assert Settings(frontends=0).front_ends == 0 and Settings(frontends=2).front_ends == 2
+    assert Settings().front_ends() == MAX_AUTO_FRONTENDS
+    assert Settings(frontends=0).front_ends(True) == 0 and Settings(frontends=2).front_ends() == 2
     assert load_settings(environ={"CDB_FRONTENDS": "auto"}).frontends is None
-    assert load_settings(environ={"CDB_FRONTENDS": "1"}).front_ends == 1
+    assert load_settings(environ={"CDB_FRONTENDS": "1"}).front_ends() == 1
     with pytest.raises(SettingsError, match="CDB_FRONTENDS='-1': must be >= 0"):
         load_settings(environ={"CDB_FRONTENDS": "-1"})
