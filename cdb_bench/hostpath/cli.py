@@ -61,15 +61,17 @@ from services.settings import load_settings
 
 
 def run_point(point: Point, warmup_s: float, seconds: float, seed: int = 0) -> dict[str, Any]:
-    op_log = tempfile.mkdtemp(prefix="cdb-oplog-")
-    if point.consumer in ("api", "http"):
-        fig = run_api(point, warmup_s, seconds, seed, op_log)
-    else:
-        settings = dataclasses.replace(load_settings(), stage_op_log=op_log, stage_rings=point.transport == "rings")
-        env = {**os.environ, "CDB_STAGE_OP_LOG": op_log}
-        with start_stages(engine_config(point), settings=settings, env=env) as tree:
-            fig = run_in_process(point, tree, warmup_s, seconds, seed)
-    fig |= loop_timeline(op_log, fig.pop("window"), engine_config(point).loop_pipeline_depth, fig.pop("hops", None))
+    with tempfile.TemporaryDirectory(prefix="cdb-oplog-") as op_log:  # (the stages' op logs, read once)
+        if point.consumer in ("api", "http"):
+            fig = run_api(point, warmup_s, seconds, seed, op_log)
+        else:
+            rings = point.transport == "rings"
+            settings = dataclasses.replace(load_settings(), stage_op_log=op_log, stage_rings=rings)
+            env = {**os.environ, "CDB_STAGE_OP_LOG": op_log}
+            with start_stages(engine_config(point), settings=settings, env=env) as tree:
+                fig = run_in_process(point, tree, warmup_s, seconds, seed)
+        depth = engine_config(point).loop_pipeline_depth
+        fig |= loop_timeline(op_log, fig.pop("window"), depth, fig.pop("hops", None))
     host = fig["host"]  # at what a loop op now costs the machine's CPU, how busy its cores could keep the loop stage
     host["eta_bound"] = min(1.0, host["cores"] * fig["mean_loop_op_us"] / max(1e-9, host["cpu_us_per_op"]))
     fig["ideal_tokens_per_s"] = point.width / max(1e-9, fig["mean_depth"] * fig["mean_loop_op_us"] / 1e6)
