@@ -152,7 +152,7 @@ class Speculation:
         ):
             asked: list[Item] = []
             judged: list[Item] = []
-            for x in candidates:
+            for x in candidates:  # (each has its request's ``spec``: ``_may_draft``)
                 (asked if x.req.spec is not None and x.req.spec.asked else judged).append(x)
             candidates = asked + self._paying(items, judged) if judged else asked
         for x in candidates:

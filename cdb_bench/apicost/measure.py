@@ -20,7 +20,7 @@ from cdb_bench.apicost import activities
 from cdb_bench.hostpath.measure import scrape
 from cdb_bench.processes import cpu_seconds, free_port
 from cdb_engine.config import EngineConfig, Speculative
-from cdb_engine.engine import Engine
+from cdb_model.loader import load_config
 from cdb_scheduler.config import Mode
 from services.launcher import ServeHandle, serve_all
 
@@ -176,7 +176,7 @@ def run_point(point: Point, window: Window) -> dict[str, Any]:
     env = {**os.environ, "CDB_HTTP_ADDR": http, "CDB_MAX_CONCURRENT_RPCS": str(4 * point.concurrency + 64)}
     if point.frontends:
         env["CDB_FRONTENDS"] = point.frontends
-    vocab = Engine(cfg).model_config.vocab_size
+    vocab = load_config(cfg.model).vocab_size  # (the model's config alone: no engine is built here)
     with serve_all(cfg, "127.0.0.1:0", env=env, metrics_listen=f"127.0.0.1:{metrics_port}") as tree:
         url, pids = f"http://127.0.0.1:{metrics_port}/metrics", serving_pids(tree)
         load = _start_load(point, window, tree.address, http, vocab)
