@@ -47,14 +47,14 @@ run: install
 serve: install
 	$(BIN)/cdb serve
 
-lint: install
+lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-typecheck: install
+typecheck: $(STAMP)
 	$(BIN)/mypy
 
-stubs-check: install
+stubs-check: $(STAMP)
 	$(BIN)/python -m cdb_api.build --check
 
 # Bytecode is cached for the suite even where PYTHONDONTWRITEBYTECODE is set: it starts a few hundred Python
@@ -64,10 +64,11 @@ stubs-check: install
 pytest: install
 	PYTHONDONTWRITEBYTECODE= PYTHONPYCACHEPREFIX= $(BIN)/python -m pytest -q --durations=15
 
-# The type check runs beside the suite (the suite leaves a quarter of two cores idle, waiting on its process
-# trees); it prints one line when it is done.
-test: lint stubs-check
-	$(MAKE) --no-print-directory -j2 typecheck pytest
+# The checks run beside the scheduler's compilation and the suite (which leaves a quarter of two cores idle,
+# waiting on its process trees): two jobs at a time, the suite last (it needs the compiled scheduler); the first
+# failure stops what has not started. mypy prints one line when it is done.
+test: $(STAMP)
+	$(MAKE) --no-print-directory -j2 lint stubs-check typecheck pytest
 
 protos: install
 	$(BIN)/python -m cdb_api.build

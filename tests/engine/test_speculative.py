@@ -83,17 +83,22 @@ def watching_drafts(seen: Callable[[Scheduler, list[Item], list[Item]], None]) -
         yield
 
 
+_REFERENCES: dict[Case, list] = {}  # the sequential reference of each case's workload
+
+
 @pytest.mark.parametrize("depth", [1, 2])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(str(v) for v in vars(c).values()))
 def test_speculation_changes_no_token_and_no_depth(case: Case, depth: int) -> None:
-    rng = random.Random(zlib.crc32(repr((case, depth)).encode()))
+    rng = random.Random(zlib.crc32(repr(case).encode()))  # both draft depths serve one workload (one reference)
     model = model64(case.model)
     cfg = replace(
         case_config(case, rng), max_num_seqs=8, speculative="on", speculative_depth=depth, speculative_max_occupancy=1
     )
     work = [(p, replace(r, max_tokens=r.max_tokens + 8)) for p, r in workload(rng, 6)]  # greedy and sampled
     got, eng = run_engine(model, cfg, work)
-    want = run_reference(model, eng, work, cfg)
+    if case not in _REFERENCES:
+        _REFERENCES[case] = run_reference(model, eng, work, cfg)
+    want = _REFERENCES[case]
     for i, (g, w) in enumerate(zip(got, want)):
         assert g[0] == w[0], f"request {i}: tokens differ"
         assert g[1] == w[1], f"request {i}: depths differ"

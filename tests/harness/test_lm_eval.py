@@ -10,15 +10,12 @@ from __future__ import annotations
 import json
 import os
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from cdb_bench.harness import TASKS_DIR, load_tasks, plot, run_task, sweep
-from cdb_engine.config import EngineConfig
-from tests.http.tree import http_process_tree
 
 lm_eval = pytest.importorskip(
     "lm_eval", reason="the evaluation harness is the optional extra: pip install -e '.[eval]'"
@@ -26,16 +23,16 @@ lm_eval = pytest.importorskip(
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-KJV = EngineConfig(model="ouro-kjv", max_num_seqs=8, num_kv_blocks=512, max_waiting=64)
 LIMIT = 10
 
 
 @pytest.fixture(scope="module")
-def root() -> Iterator[str]:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing may come from a hub: local data, the server's tokenizer
+def root(kjv_http_tree: str) -> str:
+    """The shipped model's tree (``tests.conftest.KJV_HTTP``), offline: nothing may come from a hub (local data,
+    the server's tokenizer)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-    with http_process_tree(KJV) as (_, base_url):
-        yield base_url.removesuffix("/v1")
+    return kjv_http_tree.removesuffix("/v1")
 
 
 def post(root: str, path: str, body: dict[str, Any]) -> dict[str, Any]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -36,12 +35,3 @@ def ouro_golden() -> tuple[LoopedLM, dict[str, torch.Tensor]]:
 def huginn_golden() -> tuple[LoopedLM, dict[str, torch.Tensor]]:
     path = golden_dir("huginn-tiny")
     return load_model(str(path)), load_file(str(path / "expected.safetensors"))
-
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    """Tiny tensors: intra-op threads only add synchronisation cost (severe on a shared 2-core machine)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
