@@ -20,9 +20,16 @@ a token to the op. Drafts are taken, the largest gain first,
 while the op's tokens per second grow by more than ``MARGIN``: with a cost proportional to the width a draft never
 pays (it doubles a lone request's op to save well under half of its ops); with a flat cost, every draft whose
 ``E < D`` does.
+
+``DraftTrial`` checks the rule's answer against what is measured: the server's reported tokens per second of
+loop time in adjacent epochs with the rule's drafts and without any, so that host work the fit cannot see (per
+draft, on the path around the op) never makes ``auto`` lose to ``off`` by more than a fraction of an epoch in
+``TRIAL_EXPLORE``.
 """
 
 from __future__ import annotations
+
+import math
 
 FORGET = 0.02  # weight of the newest op in the fit's running sums
 MIN_VARIANCE = 0.05  # weighted variance of the recent widths (tokens^2) before the slope is trusted
@@ -110,3 +117,70 @@ def drafts_that_pay(cost: LoopCost, width: int, base_rate: float, gains: list[fl
             break
         rate, best, taken = rate + gain, trial, taken + 1
     return taken
+
+
+TRIAL_OPS = 64  # decode loop ops per trial epoch
+TRIAL_EXPLORE = 8  # once the arms are compared, one epoch in this many runs the losing arm
+TRIAL_PAIRS = 4  # adjacent epochs of both arms compared before the verdict stands (until then they alternate)
+TRIAL_WEIGHT = 0.2  # of the newest pair's log ratio in the moving average
+TRIAL_MARGIN = 0.02  # drafting must raise the reported tokens per second by more than this fraction
+
+
+class DraftTrial:
+    """Whether drafting (the drafts ``drafts_that_pay`` picks) raises the tokens the server reports per second,
+    measured rather than modelled: the fit above sees what a loop op costs at each width, not the host's work per
+    draft (sampling, verifying, holding and reporting its tokens), which can decide the result where the host is
+    the bottleneck. Decode loop ops run in epochs of ``TRIAL_OPS``, each with drafting on or off (``drafting``);
+    every two adjacent epochs of the two arms give a ratio of their tokens per second of loop time (the sum of
+    the ops' times as ``LoopCost.observe`` reads them: idle time between requests is not counted), averaged in
+    log space. Until ``TRIAL_PAIRS`` ratios are in, the arms alternate; then the winning arm runs and one epoch in
+    ``TRIAL_EXPLORE`` tries the other (at most about 1 / ``TRIAL_EXPLORE`` of a loss, only while the answer is
+    wrong). Adjacent epochs see the same load, so a load that changes over minutes does not decide the verdict.
+    An epoch in which the rule wanted no draft compares nothing (both arms did the same)."""
+
+    def __init__(self) -> None:
+        self.drafting = True  # the arm of the epoch being run
+        self.verdict = True  # whether drafting wins, as far as measured
+        self.log_ratio = 0.0  # moving average of log(rate with drafts / rate without)
+        self.pairs = 0
+        self.epochs = 0
+        self.ops = 0
+        self.seconds = 0.0
+        self.tokens = 0  # reported tokens at the start of the epoch
+        self.drafts = 0  # drafts started at the start of the epoch
+        self.last_rate = -1.0  # the previous epoch's tokens per second (-1: none to compare with)
+        self.last_arm = True
+
+    def observe(self, seconds: float, tokens: int, drafts: int) -> None:
+        """A decode loop op took ``seconds``; ``tokens`` (reported) and ``drafts`` (that the rule picked) are the
+        server's counts so far."""
+        if self.ops == 0:
+            self.tokens, self.drafts = tokens, drafts
+        self.ops += 1
+        self.seconds += seconds
+        if self.ops < TRIAL_OPS:
+            return
+        rate = (tokens - self.tokens) / self.seconds if self.seconds > 0.0 else -1.0
+        if self.drafting and drafts == self.drafts:
+            rate = -1.0  # no draft was wanted: nothing to compare
+        self._compare(rate)
+        self.ops, self.seconds = 0, 0.0
+        self.epochs += 1
+        self.drafting = self._next_arm()
+
+    def _compare(self, rate: float) -> None:
+        last, arm = self.last_rate, self.drafting
+        if rate > 0.0 and last > 0.0 and arm != self.last_arm:
+            on, off = (rate, last) if arm else (last, rate)
+            sample = math.log(on / off)
+            self.log_ratio = sample if self.pairs == 0 else self.log_ratio + TRIAL_WEIGHT * (sample - self.log_ratio)
+            self.pairs += 1
+            if self.pairs >= TRIAL_PAIRS:
+                self.verdict = self.log_ratio > math.log1p(TRIAL_MARGIN)
+        self.last_rate, self.last_arm = rate, arm
+
+    def _next_arm(self) -> bool:
+        if self.pairs < TRIAL_PAIRS:
+            return not self.drafting
+        explore = self.epochs % TRIAL_EXPLORE == 0
+        return self.verdict != explore

@@ -34,7 +34,9 @@ loop slot per op, so requests draft only while rows are free and no request wait
 CDB's own refill fills the width); under ``auto`` a draft is taken only where it raises the loop op's tokens per
 second at the op's cost against its width, fitted online from the loop ops' times
 (``cdb_scheduler.loop_cost``: on a CPU, where every token of an op costs compute, that is about never; on a GPU,
-whose op costs nearly the same at any width, whenever ``E < D``); ``--speculative-max-occupancy`` caps the op's
+whose op costs nearly the same at any width, whenever ``E < D``), and only while the measured trial of drafting
+against not drafting finds that it raises the tokens reported per second (``DraftTrial``: the host's own work per
+draft, which the fit does not see, can decide it); ``--speculative-max-occupancy`` caps the op's
 tokens where set (``on``: 0.5 of the width on a GPU, 0.25 on a CPU). Per request, the acceptance is a moving
 average; when it falls below the break-even at the current depth the request drafts one step deeper (a deeper read
 agrees more often, but leads less), and when no depth pays it pauses for a while and starts again.
@@ -45,7 +47,14 @@ from __future__ import annotations
 from dataclasses import replace
 
 from cdb_scheduler.config import SchedulerConfig
-from cdb_scheduler.loop_cost import MIN_VERDICTS, LoopCost, drafts_that_pay, expected_ops, judged_acceptance
+from cdb_scheduler.loop_cost import (
+    MIN_VERDICTS,
+    DraftTrial,
+    LoopCost,
+    drafts_that_pay,
+    expected_ops,
+    judged_acceptance,
+)
 from cdb_scheduler.ops import OpBuilder
 from cdb_scheduler.prefill import grow_blocks
 from cdb_scheduler.request import FALLBACK, FOLLOWS_REAL, Event, Item, Request, SpecState, Status
@@ -125,6 +134,8 @@ class Speculation:
         self.stats = stats
         self.work = work
         self.cost = LoopCost()
+        self.trial = DraftTrial()
+        self.judged_drafts = 0  # drafts the rule picked (``DraftTrial.observe``)
 
     def admit(self, req: Request) -> None:
         """``req`` is queued: it speculates where it (or the server) asks to and the model allows it."""
@@ -138,23 +149,26 @@ class Speculation:
     def draft(self, items: list[Item], width: int) -> list[Item]:
         """Speculative successors of the tokens in ``items`` that reach their request's draft depth in this op
         (while rows and width are free: no request waits for admission; under auto, only drafts that raise the
-        op's tokens per second at the fitted loop cost). Each runs its step 0 in this op."""
+        op's tokens per second at the fitted loop cost, in the trial's drafting epochs). Each runs its step 0 in
+        this op."""
         drafts: list[Item] = []
         room = min(min(width, self.cfg.spec_max_width) - len(items), self.rows.num_free)
         if room <= 0:
             return drafts
         candidates = [x for x in items if self._may_draft(x)]
         stats = self.stats
-        if (
-            candidates
-            and self.cfg.spec_adaptive
-            and not self.cost.explore(stats.spec_accepted + stats.spec_rejected < MIN_VERDICTS)
-        ):
+        if candidates and self.cfg.spec_adaptive:
             asked: list[Item] = []
             judged: list[Item] = []
             for x in candidates:  # (each has its request's ``spec``: ``_may_draft``)
                 (asked if x.req.spec is not None and x.req.spec.asked else judged).append(x)
-            candidates = asked + self._paying(items, judged) if judged else asked
+            if judged and self.trial.drafting:
+                if not self.cost.explore(stats.spec_accepted + stats.spec_rejected < MIN_VERDICTS):
+                    judged = self._paying(items, judged)
+                self.judged_drafts += len(judged)
+                candidates = asked + judged
+            else:
+                candidates = asked
         for x in candidates:
             if room <= 0:
                 break
@@ -217,8 +231,10 @@ class Speculation:
         return [candidates[k] for _, k in ranked[:n]]
 
     def observe_op(self, width: int, seconds: float) -> None:
-        """A decode loop op of ``width`` tokens took ``seconds`` (``LoopCost.observe``)."""
+        """A decode loop op of ``width`` tokens took ``seconds`` (``LoopCost.observe``, ``DraftTrial.observe``)."""
         self.cost.observe(width, seconds)
+        if self.cfg.spec_adaptive:
+            self.trial.observe(seconds, self.stats.tokens, self.judged_drafts)
 
     def follow(self, it: Item, succ: Item) -> None:
         """``succ`` was just spawned from ``it``'s real token. If a drafted successor of ``it`` runs, ``succ`` is

@@ -12,6 +12,9 @@ from cdb_scheduler.loop_cost import (
     MARGIN,
     MIN_VERDICTS,
     PRIOR_ACCEPTANCE,
+    TRIAL_EXPLORE,
+    TRIAL_OPS,
+    DraftTrial,
     LoopCost,
     drafts_that_pay,
     expected_ops,
@@ -91,3 +94,49 @@ def test_with_a_fixed_and_a_per_token_part_drafts_pay_only_while_the_op_is_small
     k = drafts_that_pay(cost, 14, 14 / 3.0, gains(14))
     rate = [(14 / 3.0 + j * gains(1)[0]) / cost.cost(14 + j) for j in range(15)]
     assert 0 < k < 14 and rate[k] > rate[0] and rate[k + 1] <= rate[k] * (1 + MARGIN)
+
+
+def run_trial(gain: float, epochs: int, drift: float = 0.0, noise: float = 0.0, wanted: bool = True) -> list[bool]:
+    """Feed a ``DraftTrial`` ``epochs`` epochs of ops whose tokens per second is ``gain`` times higher with drafts
+    (times ``1 + drift`` more each epoch, with relative ``noise``); the arm of each epoch."""
+    rng = random.Random(3)
+    trial = DraftTrial()
+    tokens = drafts = 0
+    arms: list[bool] = []
+    for e in range(epochs):
+        arms.append(trial.drafting)
+        rate = 1000.0 * (1.0 + drift) ** e * (gain if trial.drafting else 1.0) * (1.0 + rng.uniform(-noise, noise))
+        for _ in range(TRIAL_OPS):
+            if trial.drafting and wanted:
+                drafts += 1
+            tokens += 1
+            trial.observe(1.0 / rate, tokens, drafts)
+    assert trial.epochs == epochs
+    return arms
+
+
+@pytest.mark.parametrize("gain", [0.8, 0.95])
+def test_the_trial_stops_drafting_that_lowers_the_measured_rate(gain: float) -> None:
+    arms = run_trial(gain, 400, noise=0.02)
+    later = arms[40:]
+    assert sum(later) <= len(later) / TRIAL_EXPLORE + 1, "drafting only in the epochs that explore it"
+
+
+def test_the_trial_keeps_drafting_that_raises_the_measured_rate() -> None:
+    arms = run_trial(1.5, 400, noise=0.05)
+    later = arms[40:]
+    assert len(later) - sum(later) <= len(later) / TRIAL_EXPLORE + 1, "not drafting only while exploring"
+
+
+def test_a_load_that_grows_does_not_pass_for_a_gain() -> None:
+    """Adjacent epochs are compared: a rate that rises 3 % an epoch whatever the arm is no reason to draft."""
+    arms = run_trial(1.0, 200, drift=0.03)
+    assert sum(arms[40:]) <= len(arms[40:]) / TRIAL_EXPLORE + 1
+
+
+def test_epochs_in_which_the_rule_drafted_nothing_compare_nothing() -> None:
+    """Where the cost rule wants no draft the arms do the same: they alternate and no verdict forms."""
+    trial = DraftTrial()
+    for k in range(10 * TRIAL_OPS):
+        trial.observe(1e-3 if trial.drafting else 2e-3, k, 0)
+    assert trial.pairs == 0 and trial.verdict
