@@ -53,9 +53,13 @@ def check_text_size(text: str, field: str, bounds: RequestBounds = REQUEST_BOUND
 
 
 def check_request_id(request_id: str, bounds: RequestBounds = REQUEST_BOUNDS) -> None:
-    """``InvalidRequest`` naming ``request_id`` when it is longer than the bound (or not valid Unicode)."""
+    """``InvalidRequest`` naming ``request_id`` when it is longer than the bound or not printable ASCII: an id
+    travels in gRPC metadata (``cdb-request-id``: printable ASCII only, so another id would fail that send after
+    admission) and into log lines (no control character may start a forged line)."""
     if _longer(request_id, bounds.max_request_id_bytes, "request_id"):
         raise InvalidRequest("request_id", f"longer than {bounds.max_request_id_bytes} bytes")
+    if not (request_id.isascii() and request_id.isprintable()):
+        raise InvalidRequest("request_id", "must be printable ASCII (U+0020 to U+007E)")
 
 
 def check_messages_size(messages: Sequence[Mapping[str, str]], bounds: RequestBounds = REQUEST_BOUNDS) -> None:

@@ -36,6 +36,18 @@ THROUGHPUT_LOG = logging.getLogger("cdb.throughput")
 _HANDLER_FLAG = "_cdb_handler"  # marks the handler configure_logging installed (a second call replaces it)
 
 
+class LineFormatter(logging.Formatter):
+    """The text format: a record's message on one line, its control and separator characters (CR, LF, ESC, U+2028,
+    ...) escaped as Python escapes, so that nothing a client chose (an id, a model name, a header) can start a
+    line that reads as the server's own; a traceback still follows on its own lines."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        message = record.message
+        if not message.isprintable():
+            record.message = "".join(c if c.isprintable() else ascii(c)[1:-1] for c in message)
+        return super().formatMessage(record)
+
+
 def configure_logging(role: str, settings: Settings, level: str | None = None, request_log: bool | None = None) -> None:
     """Set up this process's root logger: ``level`` (default ``settings.log_level``), ``settings.log_format``,
     ``role`` in every line (``scheduler``, ``prelude``, ...), and the request line if ``request_log`` (default
@@ -52,7 +64,7 @@ def configure_logging(role: str, settings: Settings, level: str | None = None, r
             )
         )
     else:
-        handler.setFormatter(logging.Formatter(f"%(asctime)s {role} %(levelname)s %(message)s"))
+        handler.setFormatter(LineFormatter(f"%(asctime)s {role} %(levelname)s %(message)s"))
     root = logging.getLogger()
     for old in [h for h in root.handlers if getattr(h, _HANDLER_FLAG, False)]:
         root.removeHandler(old)

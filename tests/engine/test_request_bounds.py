@@ -155,9 +155,12 @@ def test_chat_messages_are_bounded_in_number_and_bytes() -> None:
         assert info.value.field == "messages"
 
 
-def test_request_ids_are_bounded_in_bytes() -> None:
+def test_request_ids_are_bounded_in_bytes_and_printable_ascii() -> None:
     check_request_id("r" * B.max_request_id_bytes)
-    for request_id in ("r" * (B.max_request_id_bytes + 1), "é" * (B.max_request_id_bytes // 2 + 1)):
+    check_request_id("batch 7/req-01_~!")
+    bad = ["r" * (B.max_request_id_bytes + 1), "é" * (B.max_request_id_bytes // 2 + 1)]
+    bad += ["café", "a\r\nforged log line", "tab\tid", "del\x7f", "\x00"]
+    for request_id in bad:
         with pytest.raises(InvalidRequest) as info:
             check_request_id(request_id)
         assert info.value.field == "request_id"

@@ -76,6 +76,20 @@ def test_text_format_and_the_level(capsys: pytest.CaptureFixture[str]) -> None:
     assert " head DEBUG detail" in err and len(logging.getLogger().handlers) == len(set(logging.getLogger().handlers))
 
 
+def test_a_text_line_cannot_be_forged_from_a_logged_value(capsys: pytest.CaptureFixture[str]) -> None:
+    configure_logging("scheduler", Settings())
+    logging.getLogger("cdb.test").warning("request %s failed", "r1\r\n2026-01-01 scheduler ERROR forged\x1b[2J")
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and "ERROR forged" in lines[0]
+    assert lines[0].endswith("request r1\\r\\n2026-01-01 scheduler ERROR forged\\x1b[2J failed")
+    try:
+        raise ValueError("boom")
+    except ValueError:
+        logging.getLogger("cdb.test").exception("caf\u00e9 crashed")
+    err = capsys.readouterr().err
+    assert " scheduler ERROR café crashed\nTraceback" in err, "printable text as is, the traceback below"
+
+
 def test_a_second_setup_replaces_the_first(capsys: pytest.CaptureFixture[str]) -> None:
     configure_logging("scheduler", Settings())
     configure_logging("scheduler", Settings(log_format="json"))
