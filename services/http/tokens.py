@@ -36,6 +36,20 @@ class TokenRoutes:
         check_text_size(body.prompt, "prompt")
         return self.prep.tokenizer.encode(body.prompt)
 
+    def tokenized(self, body: TokenizeRequest) -> tuple[list[int], list[str] | None]:
+        """``tokenize_ids`` bounded by ``max_model_len`` (a text within the 1 MiB body bound may be a hundred times
+        longer), and each id's text where asked: on a worker thread, so that the event loop (health, every other
+        stream) never waits for a long input."""
+        ids = self.tokenize_ids(body)
+        limit = self.prep.limits.max_total_tokens
+        if len(ids) > limit:
+            param = "messages" if body.messages is not None else "prompt"
+            raise ApiError(400, f"{len(ids)} tokens, more than {limit} (max_model_len)", param=param)
+        if not body.return_token_strs:
+            return ids, None
+        decode = self.prep.tokenizer.decode
+        return ids, [decode([i], skip_special_tokens=False) for i in ids]
+
     def check_token_ids(self, ids: Sequence[int], param: str) -> None:
         if len(ids) > self.prep.limits.max_total_tokens:
             raise ApiError(400, f"more than {self.prep.limits.max_total_tokens} token ids (max_model_len)", param=param)
@@ -49,14 +63,9 @@ class TokenRoutes:
         """Token ids of a prompt or a chat, as the completions endpoints would see them."""
         self.ctx.check_model(body.model)
         try:
-            ids = await run_in_threadpool(self.tokenize_ids, body)
+            ids, strs = await run_in_threadpool(self.tokenized, body)
         except Exception as exc:
             return api_error(exc, CHAT_FIELDS if body.messages is not None else FIELDS).response()
-        strs = (
-            [self.prep.tokenizer.decode([i], skip_special_tokens=False) for i in ids]
-            if body.return_token_strs
-            else None
-        )
         return JSONResponse(
             {
                 "count": len(ids),
