@@ -90,8 +90,9 @@ class GrpcExecutor:
         # With rings the stages ring it after each reply: ``poll`` sleeps on it and reads the replies itself.
         rings_on = settings.stage_rings and ring_transport.SUPPORTED
         self._results = ResultQueue(Doorbell.create("stages' replies doorbell") if rings_on else None)
-        bell = self._results.doorbell.name if self._results.doorbell is not None else None
-        self.stages = StageSet(setup, stage_addrs, standby_addrs, settings, self._metadata, self.holder, bell)
+        self.stages = StageSet(
+            setup, stage_addrs, standby_addrs, settings, self._metadata, self.holder, self._results.doorbell
+        )
         self.stage_addrs = self.stages.addrs  # the address each stage is served from now (a standby may take over)
         self.channels = self.stages.channels  # each stage's active channel (of ``stage_addrs``)
         self.bank, self.tokens = self.stages.bank, self.stages.tokens

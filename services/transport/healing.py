@@ -158,7 +158,7 @@ class Healer:
 
     def _reattach(self, plan: Reattach) -> None:
         stages = self.stages
-        stages.renew_banks()
+        stages.renew_segments()
         stages.kill_stopped()
         board = FenceBoard.create(plan.completed)
         links: dict[Stage, StageLink] = {}

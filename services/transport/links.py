@@ -119,6 +119,7 @@ class StageLink:
         self._pongs: dict[int, threading.Event] = {}  # pings waiting for their pong, by token
         self._ring_lock = threading.RLock()  # one reader of the replies ring at a time; closing waits for it
         self._rings_closed = False
+        self._unreadable = False  # a reply could not be read: the link is reported broken, its ring left unread
         self._thread = threading.Thread(target=self._read, name=f"cdb-link-{stage.role}", daemon=True)
         self._thread.start()
 
@@ -157,8 +158,7 @@ class StageLink:
         except RingClosed:
             pass  # the link was cancelled: what it carried is void
         except RingFull as exc:  # the stage takes nothing: a loss (reported off the caller's locks)
-            why = f"{self.stage.role} stage failed ({exc})"
-            threading.Thread(target=self._owner.on_broken, args=(self.stage, self.epoch, why), daemon=True).start()
+            self._report(f"{self.stage.role} stage failed ({exc})")
 
     def drain(self, handle: ReplyHandler | None = None) -> int:
         """Hand every reply waiting on the replies ring to ``handle`` (default: the owner's ``on_reply``), on the
@@ -169,24 +169,33 @@ class StageLink:
         n = 0
         handle = handle or self._owner.on_reply
         with self._ring_lock:
-            if self._rings_closed:
+            if self._rings_closed or self._unreadable:
                 return 0
             replies = self._rings[1]
             while True:
                 try:
                     got = replies.get(timeout=0.0)
+                    if got is None:
+                        break
+                    stamps = (got[1], time.perf_counter_ns())  # written by the stage, read here
+                    reply = pb.StageReply.FromString(got[0])
+                    if reply.pong:
+                        self._pong(reply.seq)
+                    else:
+                        handle(self.stage, self.epoch, reply, stamps)
                 except RingClosed:
                     break
-                if got is None:
+                except Exception as exc:  # a record or a reply that cannot be read: the stage's loss, not ours
+                    self._unreadable = True
+                    why = f"{self.stage.role} stage sent a reply that cannot be read ({type(exc).__name__}: {exc})"
+                    self._report(why)
                     break
-                stamps = (got[1], time.perf_counter_ns())  # written by the stage, read here
-                reply = pb.StageReply.FromString(got[0])
-                if reply.pong:
-                    self._pong(reply.seq)
-                else:
-                    handle(self.stage, self.epoch, reply, stamps)
                 n += 1
         return n
+
+    def _report(self, why: str) -> None:
+        """Report this link broken (off the caller's locks: the owner cancels its links under its own)."""
+        threading.Thread(target=self._owner.on_broken, args=(self.stage, self.epoch, why), daemon=True).start()
 
     def _read(self) -> None:
         replies: Iterator[pb.StageReply] = self.call

@@ -33,6 +33,7 @@ stream for data, as before.
 from __future__ import annotations
 
 import contextlib
+import logging
 import platform
 import struct
 import sys
@@ -40,7 +41,9 @@ import time
 from multiprocessing import shared_memory
 
 from services.transport import futex
-from services.transport.segments import MappedSegment, attach_segment, create_segment
+from services.transport.segments import MappedSegment, attach_segment, create_segment, forget_segment, still_linked
+
+log = logging.getLogger(__name__)
 
 SUPPORTED = sys.platform == "linux" and platform.machine() in ("x86_64", "AMD64") and futex.AVAILABLE
 
@@ -63,6 +66,11 @@ class RingClosed(ConnectionError):
 
 class RingFull(TimeoutError):
     """The consumer took nothing for the whole timeout and the record does not fit."""
+
+
+class RingCorrupt(RuntimeError):
+    """The next record does not fit the ring (its length, kind or the totals are not what a producer writes): the
+    other side is broken or hostile. Nothing more is read from the ring; its session should end."""
 
 
 def _aligned(n: int) -> int:
@@ -167,7 +175,7 @@ class MessageRing(MappedSegment):
     def get(self, timeout: float | None = None, spin_s: float = 0.0) -> tuple[bytes, int] | None:
         """The next record's payload and stamp; waits up to ``timeout`` seconds (None: until one comes), spinning
         ``spin_s`` first. None on timeout or after :meth:`interrupt`. Raises :class:`RingClosed` once the ring
-        is closed and drained."""
+        is closed and drained, :class:`RingCorrupt` for a record no producer of this ring writes."""
         try:
             return self._get(timeout, spin_s)
         except ValueError:  # the views were released under this call: the ring was closed here
@@ -180,15 +188,30 @@ class MessageRing(MappedSegment):
         deadline = spin_until = 0.0
         while True:
             consumed = q[_CONSUMED]
-            if q[_WRITTEN] != consumed:
+            written = q[_WRITTEN]
+            if written != consumed:
                 offset = consumed % cap
+                if consumed % _ALIGN or consumed < 0:  # (records start on 16-byte boundaries: a header fits)
+                    raise RingCorrupt(f"stage ring position {consumed} is not a record's")
                 n, kind, stamp = _REC.unpack_from(data, offset)
+                # (checked before anything is taken: a record must lie within the lap and the written bytes)
+                end = consumed + (cap - offset if kind == _WRAP else _aligned(_REC.size + n))
+                if (
+                    kind not in (_DATA, _WRAP)
+                    or end > written
+                    or written - consumed > cap
+                    or offset + _REC.size + n > cap
+                ):
+                    raise RingCorrupt(
+                        f"stage ring record at byte {consumed} (kind {kind}, {n} bytes) does not fit the ring "
+                        f"({written - consumed} bytes written, {cap}-byte lap)"
+                    )
                 if kind == _WRAP:
-                    q[_CONSUMED] = consumed + cap - offset
+                    q[_CONSUMED] = end
                     continue
                 start = offset + _REC.size
                 payload = bytes(data[start : start + n])
-                q[_CONSUMED] = consumed + _aligned(_REC.size + n)
+                q[_CONSUMED] = end
                 if self._words[_SPACE_WAITING]:  # (no system call while the producer has room: nearly always)
                     self._bump(_SPACE_WORD, self._space_addr)
                 return payload, stamp
@@ -249,6 +272,7 @@ class Doorbell(MappedSegment):
     def __init__(self, segment: shared_memory.SharedMemory, owner: bool) -> None:
         self._words = self._map(segment, owner)[:4].cast("i")
         self._addr = self._base
+        self._retired: list[object] = []  # renewed-away mappings, kept: a thread may still be asleep on one
 
     @classmethod
     def create(cls, what: str) -> Doorbell:
@@ -257,6 +281,22 @@ class Doorbell(MappedSegment):
     @classmethod
     def attach(cls, name: str) -> Doorbell:
         return cls(attach_segment(name), owner=False)
+
+    def renew_if_unlinked(self) -> bool:
+        """The owner's doorbell whose name was unlinked (a ``/dev/shm`` cleaner, systemd's ``RemoveIPC``): no stage
+        could attach it again. Use a new one under a new name from now on (``name``: the caller names it to the
+        stages it re-configures) and return True; else change nothing and return False. The old mapping stays
+        until the process ends: a thread asleep on it wakes within ``_DATA_SLICE_S`` and sleeps on the new one."""
+        segment = self._segment
+        if not self.owner or segment is None or still_linked(segment):
+            return False
+        old = self.name
+        self._retired.append((segment, self._words, self._anchor))
+        forget_segment(segment)
+        self._words = self._map(create_segment("bell", self.SIZE, "stages' replies doorbell"), owner=True)[:4].cast("i")
+        self._addr = self._base
+        log.warning("the replies doorbell %s was unlinked by someone else; re-created it as %s", old, self.name)
+        return True
 
     def word(self) -> int:
         """The word now (read before looking for work; 0 once closed)."""

@@ -20,7 +20,7 @@ from cdb_api.v1 import stage_pb2 as pb
 from cdb_scheduler.plan import StageOp
 from services.transport import records
 from services.transport.convert import op_from_pb
-from services.transport.ring import Doorbell, MessageRing, RingClosed, RingFull
+from services.transport.ring import Doorbell, MessageRing, RingClosed, RingCorrupt, RingFull
 
 log = logging.getLogger("cdb.stage")
 
@@ -95,6 +95,9 @@ class RingInbox:
             try:
                 got = self._ring.get(timeout, spin_s)
             except RingClosed:
+                return END
+            except RingCorrupt as exc:  # the session cannot go on; the scheduler heals it as this stage's loss
+                log.error("the ops ring is corrupt (%s): ending the session", exc)
                 return END
             if got is None:
                 if timeout is None or self._stopped or self._side:

@@ -24,6 +24,7 @@ from services.transport.bank import SharedBank
 from services.transport.convert import bank_spec_to_pb, role_to_pb
 from services.transport.fences import FenceBoard
 from services.transport.links import LinkOwner, Rings, StageLink, channel_options
+from services.transport.ring import Doorbell
 from services.transport.watchdog import ProcessId, is_stopped, kill
 
 _STANDBY_WAIT_S = 0.5  # how long a re-attach waits for a standby before it tries the lost stage's own address
@@ -44,13 +45,13 @@ class StageSet:
         settings: Settings,
         metadata: Sequence[tuple[str, str]],
         holder: str,
-        doorbell: str | None,
+        doorbell: Doorbell | None,
     ) -> None:
         self.setup = setup
         self.settings = settings
         self.metadata = tuple(metadata)
         self.holder = holder
-        self.doorbell = doorbell  # the replies doorbell the stages ring (rings only)
+        self.doorbell = doorbell  # the replies doorbell the stages ring (rings only; renewed with the banks)
         self.addrs = dict(addrs)
         self.role_addrs = {
             s: [a, *([standby_addrs[s]] if standby_addrs and s in standby_addrs else [])] for s, a in addrs.items()
@@ -107,7 +108,7 @@ class StageSet:
         if rings is not None:
             request.rings.ops, request.rings.replies = rings[0].name, rings[1].name
             if self.doorbell is not None:
-                request.rings.doorbell = self.doorbell
+                request.rings.doorbell = self.doorbell.name
         stub = stage_pb2_grpc.StageStub(channel or self.channels[stage])
         reply = stub.Configure(
             request,
@@ -153,10 +154,13 @@ class StageSet:
         channel = self.channels[stage]
         return StageLink(stage, channel, owner, epoch, self.metadata, rings, timeout, op_records)
 
-    def renew_banks(self) -> None:
-        """Recreate a bank whose name was unlinked meanwhile (by hand): no stage could attach it."""
+    def renew_segments(self) -> None:
+        """Recreate a bank or the doorbell whose name was unlinked meanwhile (by hand, or a ``/dev/shm`` cleaner):
+        no stage could attach it. (The rings are new at every re-attachment.)"""
         for bank in (self.bank, self.tokens):
             bank.renew_if_unlinked()
+        if self.doorbell is not None:
+            self.doorbell.renew_if_unlinked()
 
     def kill_stopped(self) -> None:
         """SIGKILL a stage process of this host found stopped (lost to keepalive while stopped: it would never

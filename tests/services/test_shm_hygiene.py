@@ -164,14 +164,19 @@ def _poll(ex: GrpcExecutor, want: type, n: int = 1, timeout: float = 20.0) -> li
     return out
 
 
-def test_a_bank_whose_name_was_unlinked_is_recreated_when_the_stages_are_reattached(tmp_path: Path) -> None:
+def test_banks_and_a_doorbell_whose_names_were_unlinked_are_recreated_when_the_stages_are_reattached(
+    tmp_path: Path,
+) -> None:
     FakeWorker.reset()
     settings = replace(FAST, stage_down_limit_s=8.0)  # without re-creation the executor gives up after this
     with stage_servers(tmp_path, lambda s: fake_model(), worker_factory=FakeWorker, settings=settings) as running:
         ex = GrpcExecutor(fake_setup(), {s: r.address for s, r in running.items()}, settings)
         try:
+            bell = ex.stages.doorbell
+            assert bell is not None, "the stages reply on rings, ringing the doorbell"
             old = (ex.bank.spec.name, ex.tokens.spec.name)
-            for name in old:
+            old_bell = bell.name
+            for name in (*old, old_bell):
                 os.unlink(os.path.join(SHM_DIR, name))  # e.g. /dev/shm cleaned by hand under a live tree
             restart_stage(running, Stage.LOOP)  # the loop stage dies and comes back: it must attach the banks
             _poll(ex, StageLoss)
@@ -181,6 +186,7 @@ def test_a_bank_whose_name_was_unlinked_is_recreated_when_the_stages_are_reattac
             assert [(r.stage, r.seq, r.error) for r in results] == [(Stage.LOOP, 0, None), (Stage.HEAD, 0, None)]
             assert (ex.bank.spec.name, ex.tokens.spec.name) != old and ex.outage is None and ex.recoveries == 1
             assert ex.bank._segment is not None and still_linked(ex.bank._segment)
+            assert bell.name != old_bell and bell._segment is not None and still_linked(bell._segment)
             assert ex.bank.tensor is not None and float(ex.bank.tensor[3, 0]) == 1.0  # the stages use the new bank
             assert results[1].token_ids == (1,)
         finally:
@@ -202,3 +208,32 @@ def test_a_scheduler_without_room_in_dev_shm_exits_1_with_one_line(
     monkeypatch.setattr(services.api.server, "run_scheduler", full)
     assert processes.scheduler_main(["--in-process", "--model", "ouro-tiny", "--listen", "127.0.0.1:0"]) == 1
     assert capsys.readouterr().err.strip().splitlines() == [f"cdb scheduler: {message}"]
+
+
+@pytest.mark.parametrize("forged", ["record", "reply"])
+def test_an_unreadable_reply_is_that_stages_loss_and_the_executor_serves_on(tmp_path: Path, forged: str) -> None:
+    """A replies-ring record that does not fit the ring, or one whose bytes are no reply: ``poll`` (the engine
+    thread's) does not raise; the stage is lost and re-attached on new rings, and the next ops are answered."""
+    from services.transport import ring as ring_module
+
+    FakeWorker.reset()
+    with stage_servers(tmp_path, lambda s: fake_model(), worker_factory=FakeWorker, settings=FAST) as running:
+        ex = GrpcExecutor(fake_setup(), {s: r.address for s, r in running.items()}, FAST)
+        try:
+            replies = ex._links[Stage.HEAD]._rings[1]  # type: ignore[index]
+            if forged == "record":  # a length past what was written
+                q = replies._q
+                ring_module._REC.pack_into(replies._data, q[ring_module._WRITTEN] % replies.capacity, 4096, 0, 0)
+                q[ring_module._WRITTEN] += 32
+            else:  # a record that is not a StageReply
+                replies.put(b"\xff" * 40, timeout=1)
+            ex.stages.doorbell.ring()  # type: ignore[union-attr]
+            losses = [x for x in _poll(ex, StageLoss) if isinstance(x, StageLoss)]
+            assert "head stage sent a reply that cannot be read" in losses[0].reason
+            ex.submit(_loop_op(0, (3,)))
+            ex.submit(_head_op(0, (3,), (Fence(Stage.LOOP, 0),)))
+            results = [r for r in _poll(ex, StageResult, 2) if isinstance(r, StageResult)]
+            assert [(r.stage, r.error) for r in results] == [(Stage.LOOP, None), (Stage.HEAD, None)]
+            assert ex.outage is None and ex.recoveries == 1 and ex.broken is None
+        finally:
+            ex.close()

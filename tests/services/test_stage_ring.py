@@ -1,5 +1,6 @@
 """The shared-memory message ring of the stage data plane (``services.transport.ring``): records arrive whole and
-in order across laps and processes, a full ring blocks its producer (then fails), closing wakes both sides."""
+in order across laps and processes, a full ring blocks its producer (then fails), closing wakes both sides, and a
+record no producer writes (whatever the shared bytes hold) is refused, never read past the ring."""
 
 from __future__ import annotations
 
@@ -9,9 +10,11 @@ import threading
 import time
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from services.transport import ring as ring_module
-from services.transport.ring import SUPPORTED, MessageRing, RingClosed, RingFull
+from services.transport.ring import SUPPORTED, MessageRing, RingClosed, RingCorrupt, RingFull
 
 pytestmark = pytest.mark.skipif(not SUPPORTED, reason="stage rings need x86-64 Linux")
 
@@ -178,3 +181,56 @@ def test_a_closed_ring_fails_its_users_cleanly(ring: MessageRing) -> None:
         ring.put(b"x", timeout=0)
     ring.shut()
     ring.interrupt()
+
+
+def _forge(ring: MessageRing, length: int, kind: int, claimed: int) -> None:
+    """Write a record header as a broken or hostile producer would: ``length`` and ``kind`` at the next record's
+    place, and ``claimed`` more bytes written."""
+    q = ring._q
+    ring_module._REC.pack_into(ring._data, q[ring_module._WRITTEN] % ring.capacity, length, kind, 0)
+    q[ring_module._WRITTEN] += claimed
+
+
+@pytest.mark.parametrize(
+    ("length", "kind", "claimed"),
+    [
+        (4096, 0, 32),  # longer than the bytes written
+        (1 << 31, 0, 1024),  # longer than the lap
+        (8, 7, 32),  # a kind no producer writes
+        (8, 0, 4096),  # more written than the ring holds
+        (0, 1, 16),  # a wrap record before the end of the lap it skips to the end of, past what was written
+    ],
+)
+def test_a_record_that_does_not_fit_the_ring_is_refused_and_nothing_is_taken(
+    ring: MessageRing, length: int, kind: int, claimed: int
+) -> None:
+    ring.put(b"good", timeout=1)
+    assert ring.get(timeout=0)[0] == b"good"
+    consumed = ring._q[ring_module._CONSUMED]
+    _forge(ring, length, kind, claimed)
+    for _ in range(2):  # and again: the ring stays refused, not read past
+        with pytest.raises(RingCorrupt):
+            ring.get(timeout=0)
+    assert ring._q[ring_module._CONSUMED] == consumed
+
+
+@settings(max_examples=300, deadline=None, database=None)
+@given(st.binary(min_size=64, max_size=64), st.binary(max_size=200), st.integers(0, 3 * 1024))
+def test_whatever_the_shared_bytes_hold_a_read_gives_a_record_within_the_ring_or_a_refusal(
+    header: bytes, body: bytes, start: int
+) -> None:
+    ring = MessageRing.create(1024, "fuzzed ring")
+    try:
+        ring._buf[:64] = header
+        ring._q[ring_module._CONSUMED] = start  # (the totals a hostile producer may leave; the consumer owns this)
+        ring._data[: len(body)] = body
+        for _ in range(4):
+            try:
+                got = ring.get(timeout=0)
+            except (RingCorrupt, RingClosed):
+                break
+            if got is None:
+                break
+            assert len(got[0]) <= ring.max_record
+    finally:
+        ring.close()
