@@ -15,7 +15,6 @@ import errno
 import ipaddress
 import os
 import socket
-import subprocess
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -79,7 +78,15 @@ def write_ready_file(path: str, address: str) -> None:
     os.replace(tmp, path)
 
 
-def wait_ready_file(path: str, proc: subprocess.Popen[Any], timeout: float, what: str) -> str:
+class Child(Protocol):
+    """What ``wait_ready_file`` asks of a child process (``subprocess.Popen``'s, or a forked stage's)."""
+
+    returncode: int | None
+
+    def poll(self) -> int | None: ...
+
+
+def wait_ready_file(path: str, proc: Child, timeout: float, what: str) -> str:
     """The address ``proc`` publishes in ``path``; raises RuntimeError if it exits or times out first."""
     deadline = time.monotonic() + timeout
     while True:

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import random
 import signal
-import subprocess
 import threading
 import time
 from dataclasses import dataclass
 
 from cdb_bench.soak.replicas import Replica
 from cdb_scheduler.plan import Stage
+from services.launcher.supervisor import Process
 
 KINDS = ("stage_kill", "stage_freeze", "scheduler_kill")
 RECOVERY_LIMIT_S = 120.0  # a fault not healed by then is reported unrecovered
@@ -39,7 +39,7 @@ class Fault:
     killed: bool | None = None  # freezes: the frozen process was killed (by the scheduler's watchdog)
     reattach_s: float | None = None  # stage faults: the scheduler's own loss -> re-attached (Info.recovery_seconds)
     healed_before: int = 0  # Info.recovery_seconds entries before the fault
-    proc: subprocess.Popen[bytes] | None = None
+    proc: Process | None = None
 
 
 class Faults:

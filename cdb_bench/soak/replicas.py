@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import subprocess
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -19,6 +18,7 @@ from cdb_engine.config import EngineConfig
 from cdb_scheduler.plan import Stage
 from clients.sync_client import Client
 from services.launcher import ServeHandle
+from services.launcher.supervisor import Process
 
 HELD = ("waiting", "running", "held_rows", "used_kv_blocks")
 # Open fds a live process may hold beyond its role's count right after start without being called a leak: gRPC
@@ -73,8 +73,8 @@ class Replica:
     def address(self) -> str:
         return self.tree.address
 
-    def roles(self) -> dict[str, subprocess.Popen[bytes]]:
-        procs: dict[str, subprocess.Popen[bytes]] = {s.role: p for s, p in self.tree.stages.items()}
+    def roles(self) -> dict[str, Process]:
+        procs: dict[str, Process] = {s.role: p for s, p in self.tree.stages.items()}
         if self.tree.scheduler is not None:
             procs["scheduler"] = self.tree.scheduler
         return procs
@@ -105,7 +105,7 @@ class Replica:
             return None
         return {k: int(c.get(k, 0)) for k in ("loop_steps", "recoveries", "recomputed")}
 
-    def serving(self, stage: Stage) -> subprocess.Popen[bytes] | None:
+    def serving(self, stage: Stage) -> Process | None:
         """The process serving ``stage`` now: with warm standby stages (``CDB_STANDBY_STAGES``) the one its
         scheduler attached (``Info.stage_pids``), not the idle one; else the role's only process."""
         procs = [p for p in (self.tree.stages.get(stage), self.tree.standbys.get(stage)) if p is not None]

@@ -14,7 +14,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from types import TracebackType
@@ -24,11 +24,13 @@ from cdb_scheduler.plan import Stage
 from services.launcher.child import PARENT_ENV
 from services.launcher.commands import FRONTEND_PREFIX, STANDBY_SUFFIX
 from services.launcher.restarts import Restart, RestartPolicy
+from services.launcher.zygote import ForkedStage, Zygote
 from services.settings.knobs import Settings
 
 log = logging.getLogger("cdb.launcher")
 _SUPERVISE_PERIOD_S = 0.1
 _T = TypeVar("_T")
+Process = subprocess.Popen[bytes] | ForkedStage  # a child: a fresh interpreter, or a stage forked by the zygote
 
 
 class SpawnError(RuntimeError):
@@ -41,7 +43,7 @@ class _Child:
     argv: list[str]
     env: Mapping[str, str] | None
     ready_file: str | None
-    proc: subprocess.Popen[bytes] | None = None
+    proc: Process | None = None
     streak: int = 0  # exits in a row without readiness in between
     exited: tuple[int, float] = (0, 0.0)  # the last exit: code, when it was seen
     restart_at: float | None = None  # a restart is due then (backoff)
@@ -69,6 +71,7 @@ class ServeHandle:
         self.failed: str | None = None  # why supervision gave up (the tree is then stopped)
         self.ended = threading.Event()  # the tree has stopped: stop() or supervision gave up
         self._children: dict[str, _Child] = {}
+        self._zygote: Zygote | None = None  # owner thread only: the stages' template process (CDB_STAGE_FORK)
         self._supervising = False  # owner thread only
         self._stopping: float | None = None  # owner thread only: stop asked, with this drain timeout
         self._calls: queue.SimpleQueue[tuple[Callable[[], object], Future[object]]] = queue.SimpleQueue()
@@ -92,12 +95,12 @@ class ServeHandle:
 
     def start_child(
         self, name: str, argv: list[str], env: Mapping[str, str] | None, ready_file: str | None = None
-    ) -> subprocess.Popen[bytes]:
+    ) -> Process:
         """Start ``python ARGV`` as the child ``name`` (``scheduler`` or a stage role); ``ready_file``: where it
         announces readiness (a restart removes it first). Raises SpawnError if it cannot be started."""
         child = _Child(name, argv, env, ready_file)
 
-        def start() -> subprocess.Popen[bytes]:
+        def start() -> Process:
             if name in self._children:
                 raise ValueError(f"the tree already has a {name}")
             child.proc = self._popen(child)
@@ -149,12 +152,17 @@ class ServeHandle:
             scheduler = [c.proc for n, c in self._children.items() if n == "scheduler" and c.proc is not None]
             _terminate(scheduler, drain + 10.0)
             _terminate(list(self.stages.values()) + list(self.standbys.values()), 10.0)
+            if self._zygote is not None:
+                self._zygote.close()
             self.ended.set()
 
-    def _popen(self, child: _Child) -> subprocess.Popen[bytes]:
+    def _popen(self, child: _Child) -> Process:
         cmd = [self.python, *child.argv]
         child_env = dict(os.environ if child.env is None else child.env)
         child_env[PARENT_ENV] = str(os.getpid())
+        zygote = self._zygote_for(child, child_env)
+        if zygote is not None:  # (argv: ``-m cdb stage ...``)
+            return zygote.spawn(child.argv[2:], child_env, os.path.join(self.workdir, f"{child.name}.log"))
         try:
             with open(os.path.join(self.workdir, f"{child.name}.log"), "ab") as out:
                 # A session of its own: a terminal's Ctrl-C reaches the launcher only, which stops the children
@@ -164,6 +172,29 @@ class ServeHandle:
                 )
         except (OSError, subprocess.SubprocessError) as exc:
             raise SpawnError(f"cannot start {child.what} ({exc})") from exc
+
+    def _zygote_for(self, child: _Child, env: Mapping[str, str]) -> Zygote | None:
+        """The zygote that forks ``child`` (a stage or a standby, where ``CDB_STAGE_FORK`` is on), started at the
+        first one and again if it ended; None: start it as a fresh interpreter."""
+        if not self.settings.stage_fork or child.argv[2:3] != ["stage"] or "--resolved-config" not in child.argv:
+            return None
+        old = self._zygote
+        if old is not None and old.alive:
+            return old
+        problem = None
+        if old is not None and not old.forked:  # it ended before forking anything: it cannot here
+            problem = f"the stage zygote exited with code {old.proc.returncode} (zygote.log)"
+        else:
+            document = child.argv[child.argv.index("--resolved-config") + 1]
+            try:
+                self._zygote = Zygote(self.python, document, env, os.path.join(self.workdir, "zygote.log"))
+            except OSError as exc:
+                problem = str(exc)
+        if problem is not None:
+            log.warning("cdb: stages start as fresh interpreters: %s", problem)
+            self.settings = dataclasses.replace(self.settings, stage_fork=False)
+            return None
+        return self._zygote
 
     def _watch(self) -> None:
         """One look at every child: note readiness, restart the dead (or give up on them)."""
@@ -217,7 +248,7 @@ class ServeHandle:
         return self.failed is not None
 
     @property
-    def stages(self) -> dict[Stage, subprocess.Popen[bytes]]:
+    def stages(self) -> dict[Stage, Process]:
         """The first stage process of each role now (a restart replaces one; see ``standbys``)."""
         return {
             Stage.from_role(n): c.proc
@@ -226,7 +257,7 @@ class ServeHandle:
         }
 
     @property
-    def standbys(self) -> dict[Stage, subprocess.Popen[bytes]]:
+    def standbys(self) -> dict[Stage, Process]:
         """The warm standby stage process of each role (``CDB_STANDBY_STAGES``); whichever of a role's two serves,
         the other waits, model loaded."""
         return {
@@ -236,12 +267,12 @@ class ServeHandle:
         }
 
     @property
-    def scheduler(self) -> subprocess.Popen[bytes] | None:
+    def scheduler(self) -> Process | None:
         child = self._children.get("scheduler")
         return child.proc if child is not None else None
 
     @property
-    def frontends(self) -> list[subprocess.Popen[bytes]]:
+    def frontends(self) -> list[Process]:
         """The front-end processes now (``CDB_FRONTENDS``), in start order."""
         return [c.proc for n, c in list(self._children.items()) if n.startswith(FRONTEND_PREFIX) and c.proc]
 
@@ -253,7 +284,7 @@ class ServeHandle:
 
         self._on_owner(put)
 
-    def processes(self) -> list[subprocess.Popen[bytes]]:
+    def processes(self) -> list[Process]:
         procs = (*self.frontends, self.scheduler, *self.stages.values(), *self.standbys.values())
         return [p for p in procs if p is not None]
 
@@ -289,7 +320,7 @@ def _any_port(argv: list[str]) -> bool:
     return listen.endswith(":0")
 
 
-def _terminate(procs: list[subprocess.Popen[bytes]], timeout: float) -> None:
+def _terminate(procs: Sequence[Process], timeout: float) -> None:
     for p in procs:
         if p.poll() is None:
             p.send_signal(signal.SIGTERM)

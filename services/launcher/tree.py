@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import subprocess
 import tempfile
 from collections.abc import Mapping
 
@@ -19,7 +18,7 @@ from services.launcher.commands import (
     scheduler_command,
     stage_command,
 )
-from services.launcher.supervisor import ServeHandle
+from services.launcher.supervisor import Process, ServeHandle
 from services.net import wait_ready_file
 from services.settings.knobs import Settings
 from services.settings.resolved import Resolved
@@ -148,7 +147,7 @@ def _frontend_ready(handle: ServeHandle, i: int) -> str:
 
 def _spawn_frontend(
     handle: ServeHandle, i: int, listen: str, link: str, document: str, env: Mapping[str, str] | None, join: bool
-) -> subprocess.Popen[bytes]:
+) -> Process:
     ready = _frontend_ready(handle, i)
     argv = frontend_command(listen, ready, link, document, join)
     return handle.start_child(f"{FRONTEND_PREFIX}{i}", argv, env, ready)

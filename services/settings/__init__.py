@@ -41,6 +41,7 @@ launcher's document), ``resolved`` (``Resolved``, the record a tree hands its ch
 | ``CDB_STAGE_HANG_FACTOR`` | 20 | an op past this many times its expected time (pace x tokens): its stage is replaced |
 | ``CDB_FRONTENDS`` | auto | front-end processes (0: the scheduler serves the ports); auto: by the cores and device |
 | ``CDB_STANDBY_STAGES`` | false | a warm standby process per stage role: a lost stage is replaced at once (2x memory) |
+| ``CDB_STAGE_FORK`` | true | stages are forked from one process that imported torch (fast starts, restarts; Linux) |
 | ``CDB_STAGE_RINGS`` | true | stage ops and replies travel on shared-memory rings (x86-64 Linux); false: on gRPC |
 | ``CDB_STAGE_RING_BYTES`` | 4194304 | capacity of each stage ring (two per stage); the largest op or reply fits |
 | ``CDB_CUDA_GRAPHS`` | true | on CUDA, decode loop ops replay graphs captured per width and context bucket |

@@ -79,6 +79,10 @@ class Settings:
     standby_stages: bool = _help(
         "a warm standby process per stage role: a lost stage is replaced at once (2x memory)", False
     )
+    stage_fork: bool = _help(
+        "stages are forked from one process that imported torch (fast starts, restarts; Linux)",
+        True,
+    )
     stage_rings: bool = _help(
         "stage ops and replies travel on shared-memory rings (x86-64 Linux); false: on gRPC", True
     )

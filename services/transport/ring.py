@@ -41,7 +41,14 @@ import time
 from multiprocessing import shared_memory
 
 from services.transport import futex
-from services.transport.segments import MappedSegment, attach_segment, create_segment, forget_segment, still_linked
+from services.transport.segments import (
+    MappedSegment,
+    attach_segment,
+    close_segment,
+    create_segment,
+    forget_segment,
+    still_linked,
+)
 
 log = logging.getLogger(__name__)
 
@@ -272,7 +279,8 @@ class Doorbell(MappedSegment):
     def __init__(self, segment: shared_memory.SharedMemory, owner: bool) -> None:
         self._words = self._map(segment, owner)[:4].cast("i")
         self._addr = self._base
-        self._retired: list[object] = []  # renewed-away mappings, kept: a thread may still be asleep on one
+        # renewed-away mappings (segment, words view, pinning anchor), kept: a thread may still be asleep on one
+        self._retired: list[tuple[shared_memory.SharedMemory, memoryview, object]] = []
 
     @classmethod
     def create(cls, what: str) -> Doorbell:
@@ -324,5 +332,11 @@ class Doorbell(MappedSegment):
             futex.wait(self._addr, word, min(_DATA_SLICE_S, timeout_s))
 
     def close(self) -> None:
-        """Unmap; the owner also unlinks. Idempotent. Call once no thread of this process uses the doorbell."""
+        """Unmap (the renewed-away mappings too); the owner also unlinks. Idempotent. Call once no thread of this
+        process uses the doorbell."""
         self._unmap(self._words)
+        retired, self._retired = self._retired, []
+        for segment, words, anchor in retired:
+            words.release()
+            del anchor
+            close_segment(segment, unlink=False)
