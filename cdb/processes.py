@@ -12,7 +12,7 @@ from cdb.arguments import add_config_arg, add_log_args, add_public_api_args, new
 from cdb.resolution import parse_command, resolve_command
 from cdb_engine.options import add_engine_args
 from cdb_scheduler.plan import Stage
-from services.launcher.child import die_with_parent, pin_cpus
+from services.launcher.child import die_with_parent, pin_cpus, raise_open_files
 from services.net import ListenError, parse_stage_addrs
 from services.settings.resolved import Resolved
 from services.settings.source import Configuration
@@ -46,6 +46,7 @@ def stage_main(argv: list[str] | None = None) -> int:
     from services.transport.stage_server import run_stage
 
     die_with_parent()
+    raise_open_files()
     command = parse_command(argv, "cdb stage", stage_parser)
     if command is None:
         return 2
@@ -137,6 +138,7 @@ def scheduler_main(argv: list[str] | None = None) -> int:
     from services.transport.segments import SharedMemoryFull, sweep_stale_segments
 
     die_with_parent()
+    raise_open_files()
     command = parse_command(argv, "cdb scheduler", scheduler_parser)
     if command is None:
         return 2
@@ -196,6 +198,7 @@ def frontend_main(argv: list[str] | None = None) -> int:
     from services.net import check_can_listen
 
     die_with_parent()
+    raise_open_files()
     command = parse_command(argv, "cdb frontend", frontend_parser)
     if command is None:
         return 2

@@ -20,6 +20,7 @@ from cdb_model.loader import DEFAULT_MODEL
 from clients.messages import StreamToken
 from clients.sync_client import Client
 from services.api.security import PortSecurity, read_api_keys
+from services.launcher.child import raise_open_files
 from services.launcher.foreground import serve_forever
 from services.launcher.tree import serve_all
 from services.net import ListenError, check_can_listen
@@ -93,6 +94,7 @@ def serve_main(argv: list[str] | None = None) -> int:
     parser, args, resolved = command.parser, command.args, command.resolved
     settings = resolved.settings
     configure_logging("launcher", settings)
+    raise_open_files()  # (its children inherit the limit; each raises its own too)
     try:
         PortSecurity.from_settings(settings)  # bad TLS files or keys: fail before the tree starts
     except ValueError as exc:

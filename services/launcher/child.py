@@ -4,6 +4,7 @@ when the launcher dies, and pin itself to the CPUs ``CDB_CPUS`` gives its role."
 from __future__ import annotations
 
 import os
+import resource
 import signal
 
 from services.settings.checks import cpu_map
@@ -11,6 +12,21 @@ from services.settings.knobs import Settings
 from services.settings.source import load_settings
 
 PARENT_ENV = "CDB_PARENT_PID"  # the launcher's pid, in each child's environment
+_MAX_OPEN_FILES = 1 << 20  # where the hard limit is unlimited (the kernel's usual nr_open)
+
+
+def raise_open_files() -> int:
+    """Raise this process's soft limit on open files to its hard limit (a server's connections and a tree's sockets
+    and segments outgrow the usual soft default of 1,024 long before the host's limit); the soft limit now."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = _MAX_OPEN_FILES if hard == resource.RLIM_INFINITY else hard
+    if soft == resource.RLIM_INFINITY or soft >= want:
+        return soft
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+    except (ValueError, OSError):
+        return soft
+    return want
 
 
 def pin_cpus(role: str, settings: Settings | None = None) -> None:

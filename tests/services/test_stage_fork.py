@@ -5,6 +5,7 @@ is started again at the next stage (re)start; with the knob off every stage is a
 from __future__ import annotations
 
 import os
+import resource
 import signal
 import time
 from pathlib import Path
@@ -68,3 +69,25 @@ def test_without_forking_each_stage_is_a_fresh_interpreter() -> None:
             argv = _cmdline(proc.pid)
             assert argv[argv.index(b"--role") + 1] == stage.role.encode() and b"stage" in argv
         assert len(client.generate("And God said", max_tokens=4, ignore_eos=True).token_ids) == 4
+
+
+def _open_files(pid: int) -> tuple[str, str]:
+    line = next(x for x in Path(f"/proc/{pid}/limits").read_text().splitlines() if x.startswith("Max open files"))
+    soft, hard = line.split()[3:5]
+    return soft, hard
+
+
+def test_every_process_of_a_tree_raises_its_open_files_limit_to_the_hard_one() -> None:
+    """Started under a soft limit of 1,024 (a common default; a server's connections outgrow it long before the
+    host's limit), each process of the tree raises its own to the hard one."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(1024, hard), hard))
+    try:
+        with process_tree(CONFIG) as tree:
+            procs = tree.processes()
+            assert len(procs) == 4
+            for proc in procs:
+                got = _open_files(proc.pid)
+                assert got[0] == got[1] or (got[1] == "unlimited" and int(got[0]) >= 1 << 20), (proc.pid, got)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
