@@ -125,6 +125,7 @@ class ForkedStage:
         self.returncode: int | None = None
         self._zygote = zygote
         self._pid: int | None = None
+        self._reaping = threading.Lock()  # one waitpid at a time (the owner thread and a caller may both poll)
 
     def started(self, pid: int) -> None:
         if pid > 0:
@@ -145,14 +146,15 @@ class ForkedStage:
             self._zygote.collect(wait=False)
             if self._pid is None:
                 return self.returncode  # still being forked (None), or never was (1)
-        try:
-            pid, status = os.waitpid(self._pid, os.WNOHANG)
-        except ChildProcessError:  # reaped elsewhere: gone, its status unknown
-            self.returncode = 1
-            return 1
-        if pid == 0:
-            return None
-        self.returncode = os.waitstatus_to_exitcode(status)
+        with self._reaping:
+            if self.returncode is None:
+                try:
+                    pid, status = os.waitpid(self._pid, os.WNOHANG)
+                except ChildProcessError:  # reaped elsewhere: gone, its status unknown
+                    self.returncode = 1
+                else:
+                    if pid:
+                        self.returncode = os.waitstatus_to_exitcode(status)
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
