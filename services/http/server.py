@@ -75,6 +75,10 @@ class HttpServer:
             ws="none",
             http=guarded_protocol(limits.header_read_timeout_s, limits.stream_stall_timeout_s),
             timeout_keep_alive=limits.http_keep_alive_s,  # type: ignore[arg-type]  # a float works (call_later)
+            limit_concurrency=limits.http_max_connections,
+            # the client's address names its caller (its share): a forwarded one only from a configured proxy
+            proxy_headers=bool(limits.forwarded_allow_ips),
+            forwarded_allow_ips=limits.forwarded_allow_ips or None,
             timeout_graceful_shutdown=max(1, round(shutdown_timeout_s)),
             **(_tls_options(settings) if settings is not None else {}),
         )

@@ -58,6 +58,8 @@ launcher's document), ``resolved`` (``Resolved``, the record a tree hands its ch
 | ``CDB_STREAM_STALL_TIMEOUT_S`` | 60 | a stream whose client takes no message this long is cut, its request aborted |
 | ``CDB_IDLE_CONNECTION_TIMEOUT_S`` | 300 | gRPC: a connection without calls this long is closed (GOAWAY) |
 | ``CDB_HTTP_KEEP_ALIVE_S`` | 5 | HTTP: an idle keep-alive connection is closed after this long |
+| ``CDB_HTTP_MAX_CONNECTIONS`` | 2048 | HTTP: open connections and requests past this get 503 at once |
+| ``CDB_FORWARDED_ALLOW_IPS`` | (unset) | HTTP: proxies (IPs, CIDRs; * any) whose X-Forwarded-For names the client |
 | ``CDB_HEADER_READ_TIMEOUT_S`` | 10 | time for a new connection's handshake (gRPC), for a request's headers (HTTP) |
 | ``CDB_BODY_READ_TIMEOUT_S`` | 30 | HTTP: time for a request's whole body once its headers are in (else 408) |
 | ``CDB_HTTP_ADDR`` | (unset) | ``HOST:PORT`` of the OpenAI HTTP API (``cdb serve``: 127.0.0.1:8000); empty: none |

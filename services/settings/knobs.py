@@ -108,6 +108,11 @@ class Settings:
     )
     idle_connection_timeout_s: float = _help("gRPC: a connection without calls this long is closed (GOAWAY)", 300.0)
     http_keep_alive_s: float = _help("HTTP: an idle keep-alive connection is closed after this long", 5.0)
+    http_max_connections: int = _help("HTTP: open connections and requests past this get 503 at once", 2048)
+    forwarded_allow_ips: str = _help(
+        "HTTP: proxies (IPs, CIDRs; * any) whose X-Forwarded-For names the client",
+        "",
+    )
     header_read_timeout_s: float = _help(
         "time for a new connection's handshake (gRPC), for a request's headers (HTTP)", 10.0
     )

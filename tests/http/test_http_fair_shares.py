@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import socket
+import threading
 import time
 from dataclasses import replace
 
@@ -62,6 +63,46 @@ def test_without_keys_the_client_host_is_the_caller() -> None:
         s.gate.set()
         assert list(first)[-1].choices[0].finish_reason == "length"
         settled(s)
+
+
+@pytest.mark.parametrize("proxies", ["", "127.0.0.1"])
+def test_a_forwarded_client_address_names_the_caller_only_from_a_configured_proxy(proxies: str) -> None:
+    """By default a client cannot name its own caller (and so escape its share) with ``X-Forwarded-For``; behind
+    a proxy listed in ``CDB_FORWARDED_ALLOW_IPS`` the forwarded address is the caller."""
+    settings = replace(SETTINGS, max_streams_per_caller=1, forwarded_allow_ips=proxies)
+    with served(gated=True, settings=settings) as s:
+        assert s.gate is not None
+        body = {"model": "ouro-tiny", "prompt": "a", "max_tokens": 2, "stream": True, **LONG}
+        first = s.client().completions.create(model="ouro-tiny", prompt="a", max_tokens=2, stream=True, extra_body=LONG)
+        got: list[int] = []
+        second = threading.Thread(
+            target=lambda: got.append(
+                s.request("POST", "/v1/completions", body, headers={"X-Forwarded-For": "203.0.113.9"})[0]
+            )
+        )
+        second.start()
+        if proxies:  # admitted as another caller (held at its first stage op until the gate opens)
+            wait_until(lambda: set(held(s)) == {"peer-127.0.0.1", "peer-203.0.113.9"}, "the second caller's share")
+        else:
+            second.join(30)
+            assert got == [429] and set(held(s)) == {"peer-127.0.0.1"}
+        s.gate.set()
+        second.join(30)
+        assert got == [200 if proxies else 429]
+        assert list(first)[-1].choices[0].finish_reason == "length"
+        settled(s)
+
+
+def test_connections_past_the_cap_get_503_at_once() -> None:
+    with served(settings=replace(SETTINGS, http_max_connections=2)) as s:
+        host, port = s.address.rsplit(":", 1)
+        idle = [socket.create_connection((host, int(port))) for _ in range(2)]
+        try:
+            wait_until(lambda: s.request("GET", "/health")[0] == 503, "the third connection to be refused")
+        finally:
+            for sock in idle:
+                sock.close()
+        wait_until(lambda: s.request("GET", "/health")[0] == 200, "serving again once they closed")
 
 
 @pytest.fixture
