@@ -16,11 +16,41 @@ if TYPE_CHECKING:  # (services.telemetry.metrics re-exports this module's server
     from services.telemetry.metrics import Metrics
 
 
+MAX_CONNECTIONS = 16  # connections served at once (a thread each); more are closed at once
+CONNECTION_TIMEOUT_S = 10.0  # a connection that sends nothing (or trickles its request) for this long is closed
+
+
 class _ThreadingWSGIServer(ThreadingMixIn, WSGIServer):
+    """A thread per connection, at most ``MAX_CONNECTIONS`` of them: a scraper needs one or two, and a client that
+    opens thousands must not make thousands of threads."""
+
     daemon_threads = True
+    block_on_close = False
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)  # over the cap
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
 
 
 class _QuietHandler(WSGIRequestHandler):
+    timeout = CONNECTION_TIMEOUT_S  # (the socket's: a read that waits longer ends the connection)
+
     def log_message(self, format: str, *args: Any) -> None:  # scrapes are not worth a log line
         pass
 

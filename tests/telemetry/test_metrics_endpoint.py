@@ -296,3 +296,31 @@ def test_address_from_env() -> None:
     assert metrics_address_from_env({}) is None
     assert metrics_address_from_env({"CDB_METRICS_ADDR": ""}) is None
     assert metrics_address_from_env({"CDB_METRICS_ADDR": "0.0.0.0:9464"}) == "0.0.0.0:9464"
+
+
+def test_the_endpoint_serves_a_bounded_number_of_connections_and_closes_idle_ones(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Connections past ``MAX_CONNECTIONS`` are closed at once (no thread each); a connection that sends nothing
+    is closed after ``CONNECTION_TIMEOUT_S``; then scrapes are served again."""
+    import socket
+
+    import services.telemetry.metrics_endpoint as endpoint
+
+    monkeypatch.setattr(endpoint, "MAX_CONNECTIONS", 3)
+    monkeypatch.setattr(endpoint._QuietHandler, "timeout", 0.5)
+    srv = MetricsServer(Metrics(), "127.0.0.1", 0)
+    try:
+        idle = [socket.create_connection(("127.0.0.1", srv.port)) for _ in range(3)]
+        extra = socket.create_connection(("127.0.0.1", srv.port))  # (accepted after them: connections queue in order)
+        extra.settimeout(5)
+        assert extra.recv(1) == b"", "closed at once: over the cap"
+        extra.close()
+        for sock in idle:
+            sock.settimeout(5)
+            assert sock.recv(1) == b"", "an idle connection is closed after the timeout"
+            sock.close()
+        with urllib.request.urlopen(f"http://127.0.0.1:{srv.port}/metrics", timeout=5) as resp:
+            assert resp.status == 200
+    finally:
+        srv.close()
