@@ -68,7 +68,7 @@ def _become_stage(request: dict[str, object]) -> None:
 
         code = main(argv)
     except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 1
+        code = 0 if exc.code is None else exc.code if isinstance(exc.code, int) else 1
     except BaseException:
         traceback.print_exc()
     finally:

@@ -3,6 +3,7 @@ model names, histogram buckets, CPUs by process role."""
 
 from __future__ import annotations
 
+import ipaddress
 from typing import Any
 
 from cdb_engine.config_source import SourceError
@@ -33,6 +34,9 @@ def value_problem(name: str, value: Any) -> str | None:
         except ValueError as exc:
             return str(exc)
         return None
+    if name == "forwarded_allow_ips":
+        ok = not value or value == "*" or all(map(_is_network, value.split(",")))
+        return None if ok else "must be IPs or CIDRs, or *"
     if name == "cpus":
         try:
             cpu_map(value)
@@ -48,6 +52,14 @@ def value_problem(name: str, value: Any) -> str | None:
     if name in ("fence_spin_s", "throughput_log_interval_s", "frontends"):
         return None if value >= 0 else "must be >= 0"
     return None if value > 0 else "must be positive"
+
+
+def _is_network(text: str) -> bool:
+    try:
+        ipaddress.ip_network(text.strip(), strict=False)
+    except ValueError:
+        return False
+    return True
 
 
 def served_names(spec: str) -> list[str]:

@@ -114,6 +114,7 @@ BAD_ENV = [
     ({"CDB_DRAIN_TIMEOUT_S": "0"}, "CDB_DRAIN_TIMEOUT_S='0': must be positive"),
     ({"CDB_HTTP_ADDR": "8000"}, "CDB_HTTP_ADDR='8000': must be HOST:PORT"),
     ({"CDB_CPUS": "coda:1"}, "CDB_CPUS='coda:1': must be ROLE:CPU"),
+    ({"CDB_FORWARDED_ALLOW_IPS": "proxy.local"}, "CDB_FORWARDED_ALLOW_IPS='proxy.local': must be IPs or CIDRs"),
     ({"CDB_CONFIG": "/nonexistent/cdb.toml"}, "CDB_CONFIG='/nonexistent/cdb.toml': no such file"),
 ]
 BAD_FILE = [
