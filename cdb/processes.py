@@ -153,7 +153,7 @@ def scheduler_main(argv: list[str] | None = None) -> int:
         stage_addrs = None if args.in_process else parse_stage_addrs(args.stage)
         standby_addrs = parse_stage_addrs(args.standby_stage, "--standby-stage", complete=False)
         PortSecurity.from_settings(settings)  # TLS files and API keys, checked before the model loads
-        check_config(config)  # a bad model path, preset, device: one line before anything loads
+        config = check_config(config)  # a bad model path, preset, device, memory: one line before anything loads
     except ValueError as exc:
         parser.error(str(exc))
     try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 from cdb.arguments import (
@@ -14,6 +15,7 @@ from cdb.arguments import (
     new_parser,
 )
 from cdb.resolution import parse_command
+from cdb_engine.memory import plan_memory
 from cdb_engine.options import add_engine_args, auto_or
 from cdb_engine.preflight import ConfigError, check_config
 from cdb_model.loader import DEFAULT_MODEL
@@ -99,11 +101,12 @@ def serve_main(argv: list[str] | None = None) -> int:
         PortSecurity.from_settings(settings)  # bad TLS files or keys: fail before the tree starts
     except ValueError as exc:
         parser.error(str(exc))
-    try:
-        check_config(resolved.engine)  # a bad model path, preset, dtype or device: one line, before any child starts
+    try:  # a bad model path, preset, dtype or device, a plan that cannot fit: one line, before any child starts
+        resolved = dataclasses.replace(resolved, engine=check_config(resolved.engine))
     except ConfigError as exc:
         print(f"{parser.prog}: {exc}", file=sys.stderr)
         return 2
+    print(f"cdb serve: {plan_memory(resolved.engine).describe()}", flush=True)
     try:
         check_can_listen(args.listen)
         if settings.http_addr:

@@ -125,15 +125,24 @@ def count(fn: Callable[[], object]) -> OpCounts:
 class DecodeBench:
     """A loop stage worker over ``requests`` requests with ``context`` positions each, issuing decode loop ops."""
 
-    def __init__(self, model: Any, config: ModelConfig, requests: int = 64, context: int = 64, block: int = 16) -> None:
+    def __init__(
+        self,
+        model: Any,
+        config: ModelConfig,
+        requests: int = 64,
+        context: int = 64,
+        block: int = 16,
+        policy: KVPolicy = KVPolicy.DEPTH_INDEXED,
+        decode_graphs: bool | None = None,
+    ) -> None:
         self.config, self.context = config, context
         device = next(model.parameters()).device
         per = -(-context // block) + 1
         bank = torch.zeros(requests, config.bank_width, dtype=model.dtype, device=device)
         if device.type != "meta":
-            bank.normal_(generator=torch.Generator().manual_seed(0))
-        layout = KVLayout(KVPolicy.DEPTH_INDEXED, config.max_depth)
-        self.worker = StageWorker(model, Stage.LOOP, bank, layout, requests * per, block)
+            bank.normal_(generator=torch.Generator(device=device).manual_seed(0))
+        layout = KVLayout(policy, config.max_depth)
+        self.worker = StageWorker(model, Stage.LOOP, bank, layout, requests * per, block, decode_graphs=decode_graphs)
         self.worker.tables.apply([KVUpdate(r, tuple(range(r * per, (r + 1) * per))) for r in range(requests)])
         self.seq = 0
 

@@ -85,6 +85,8 @@ def config_and_workload(args: argparse.Namespace, **engine: Any) -> tuple[Engine
         kv_policy=args.kv_policy,
         exit_rule=ExitRule.REPLAY if replay else ExitRule.AUTO,
         num_threads=args.threads,
+        # (the KV pool, sized to memory, then holds every resident request at the workload's longest)
+        max_total_tokens=args.prompt_len[1] + args.output_len[1],
         **({"speculative": Speculative.OFF} | engine),  # the method's own figures (cdb bench serve --speculative)
     )
     probe = Engine(cfg)

@@ -56,9 +56,10 @@ def parse_choice(name: str, kind: type[enum.StrEnum], value: Any) -> Any:
         raise ValueError(f"{name} must be one of {allowed}; got {value!r}") from None
 
 
-def _help(text: str) -> dict[str, str]:
-    """A field's help: the one text of its ``--option``, its ``CDB_*`` variable and its config-file key."""
-    return {"help": text}
+def _help(text: str, *aliases: str) -> dict[str, Any]:
+    """A field's help: the one text of its ``--option``, its ``CDB_*`` variable and its config-file key; ``aliases``:
+    more spellings of its option (vLLM's names)."""
+    return {"help": text, "aliases": aliases}
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,13 +72,24 @@ class EngineConfig:
 
     model: str = field(default="ouro-tiny", metadata=_help("a preset name (cdb presets) or a local checkpoint folder"))
     dtype: DType = field(default=AUTO_DTYPE, metadata=_help("compute dtype; auto: bfloat16 on CUDA, float32 elsewhere"))
-    device: str = field(default="cpu", metadata=_help("compute device of every process: cpu, cuda or cuda:N"))
+    device: str = field(
+        default="auto", metadata=_help("compute device of every process: cpu, cuda or cuda:N; auto: cuda when present")
+    )
     mode: Mode = field(
         default=Mode.CDB,
         metadata=_help("cdb: refill freed loop slots at once; no-refill: lockstep waves; full-depth: no early exit"),
     )
     max_num_seqs: int = field(default=32, metadata=_help("resident requests = the width of the loop batch"))
-    num_kv_blocks: int = field(default=2048, metadata=_help("KV-cache blocks per pool"))
+    num_kv_blocks: int | None = field(
+        default=None, metadata=_help("KV-cache blocks per pool; auto: sized to memory (cdb_engine.memory)")
+    )
+    gpu_memory_utilization: float = field(
+        default=0.9,
+        metadata=_help("share of the GPU's memory (CPU: of the RAM free at start) the server may use"),
+    )
+    kv_cache_memory: int | None = field(
+        default=None, metadata=_help("bytes of KV cache per device, over gpu_memory_utilization; auto: unset")
+    )
     kv_block_size: int = field(default=16, metadata=_help("tokens per KV-cache block"))
     kv_policy: KVPolicy = field(
         default=KVPolicy.LAST_EXITED,
@@ -121,7 +133,8 @@ class EngineConfig:
         default=None, metadata=_help("longest prompt accepted; auto: the model's max positions - 1")
     )
     max_total_tokens: int | None = field(
-        default=None, metadata=_help("prompt + max_tokens at most; auto: the model's max positions")
+        default=None,
+        metadata=_help("prompt + max_tokens at most; auto: the model's max positions", "--max-model-len"),
     )
     max_waiting: int = field(
         default=256, metadata=_help("bounded waiting queue: beyond it, requests get RESOURCE_EXHAUSTED")
@@ -168,6 +181,10 @@ class EngineConfig:
     )
 
     def __post_init__(self) -> None:
+        if self.device == "auto":
+            from cdb_engine.hardware import default_device
+
+            object.__setattr__(self, "device", default_device())
         if self.dtype == AUTO_DTYPE:
             object.__setattr__(self, "dtype", DType.BFLOAT16 if self.device.startswith("cuda") else DType.FLOAT32)
         for name, kind in _CHOICES.items():
@@ -181,7 +198,6 @@ class EngineConfig:
             SyntheticDepths.parse(self.synthetic_depths, "ouro")
         for name in (
             "max_num_seqs",
-            "num_kv_blocks",
             "kv_block_size",
             "max_waiting",
             "loop_pipeline_depth",
@@ -189,6 +205,11 @@ class EngineConfig:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        for name in ("num_kv_blocks", "kv_cache_memory"):
+            if (getattr(self, name) or 1) < 1:
+                raise ValueError(f"{name} must be >= 1 or auto")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.speculative_max_occupancy is not None and not 0.0 < self.speculative_max_occupancy <= 1.0:
             raise ValueError(f"speculative_max_occupancy must be in (0, 1], got {self.speculative_max_occupancy}")
 

@@ -23,6 +23,7 @@ from cdb_engine.detokenizer import TextOutput
 from cdb_engine.errors import EngineStopped, InvalidRequest, Overloaded
 from cdb_engine.events import Completion, EngineStats, Event, FinishEvent, RequestObserver, TokenEvent
 from cdb_engine.limits import Limits
+from cdb_engine.memory import sized
 from cdb_engine.prepare import RequestPreparer
 from cdb_engine.setup import StageSetup
 from cdb_engine.stream import RequestStream
@@ -69,7 +70,7 @@ class Engine:
     ) -> None:
         """``on_fatal(error)``: called on the engine thread if the loop itself fails, after every live request has
         been failed (a server exits non-zero there, so that it is restarted instead of refusing everything)."""
-        self.config = config
+        self.config = config = sized(config)  # (num_kv_blocks auto: the KV pool sized to memory)
         self.prep = RequestPreparer.of(config)
         self.model_config = self.prep.model_config
         self.tokenizer = self.prep.tokenizer

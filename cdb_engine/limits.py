@@ -44,6 +44,7 @@ import math
 from dataclasses import dataclass, replace
 
 from cdb_engine.config import EngineConfig, Speculative
+from cdb_engine.setup import sized_blocks
 from cdb_model.config import ModelConfig
 from cdb_model.kv_layout import KVPolicy
 from cdb_model.loader import is_preset
@@ -130,7 +131,7 @@ class Limits:
             max_depth=self.max_depth,
             mode=cfg.mode,
             max_num_seqs=cfg.max_num_seqs,
-            num_kv_blocks=cfg.num_kv_blocks,
+            num_kv_blocks=sized_blocks(cfg),
             kv_block_size=cfg.kv_block_size,
             prefill_token_budget=cfg.prefill_token_budget,
             prefill_chunk_size=cfg.prefill_chunk_size,
@@ -188,7 +189,8 @@ def resolve_limits(cfg: EngineConfig, mc: ModelConfig) -> Limits:
     if rule is ExitRule.HAZARD and mc.arch != "ouro":
         raise ValueError("exit_rule 'hazard' needs an Ouro model (Huginn has no exit gate)")
     q, source = _threshold(cfg, mc, rule)
-    budget_kv = cfg.num_kv_blocks * cfg.kv_block_size
+    # (auto: the memory plan holds at least one sequence of the longest length, or refuses to start)
+    budget_kv = cfg.num_kv_blocks * cfg.kv_block_size if cfg.num_kv_blocks else mc.max_positions
     max_total = min(cfg.max_total_tokens or mc.max_positions, mc.max_positions, budget_kv)
     max_input = min(cfg.max_input_tokens or max_total - 1, max_total - 1)
     min_head = cfg.min_head_batch_size or (1 if mc.arch == "ouro" else max(1, cfg.max_num_seqs // 4))

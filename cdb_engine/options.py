@@ -42,6 +42,11 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def _flags(name: str) -> tuple[str, ...]:
+    """A field's option and its aliases (``--max-total-tokens``, ``--max-model-len``)."""
+    return (_flag(name), *FIELDS[name].metadata.get("aliases", ()))
+
+
 def _choice_type(kind: type[enum.StrEnum], sentinel: str | None) -> Callable[[str], Any]:
     def convert(text: str) -> Any:
         if sentinel is not None and text.lower() == sentinel:
@@ -84,18 +89,22 @@ def add_engine_args(
         value = given.get(name, field_default)
         help_ = field_help(name)
         if kind is bool:
-            group.add_argument(_flag(name), action=argparse.BooleanOptionalAction, default=value, help=help_)
+            group.add_argument(*_flags(name), action=argparse.BooleanOptionalAction, default=value, help=help_)
         elif issubclass(kind, enum.StrEnum):
             sentinel = field_default if isinstance(field_default, str) and field_default not in set(kind) else None
             choices = [m.value for m in kind] + ([sentinel] if sentinel else [])  # strings: readable errors
             group.add_argument(
-                _flag(name), type=_choice_type(kind, sentinel), choices=choices, default=value, help=help_
+                *_flags(name), type=_choice_type(kind, sentinel), choices=choices, default=value, help=help_
             )
         elif optional:
             default = AUTO if value is None else value  # argparse converts a string default: auto -> None
             group.add_argument(
-                _flag(name), type=auto_or(kind), default=default, metavar=f"{kind.__name__.upper()}|{AUTO}", help=help_
+                *_flags(name),
+                type=auto_or(kind),
+                default=default,
+                metavar=f"{kind.__name__.upper()}|{AUTO}",
+                help=help_,
             )
         else:
             plain = None if kind is str else kind.__name__.upper()  # a string: the option's name (--model MODEL)
-            group.add_argument(_flag(name), type=kind, default=value, metavar=plain, help=help_)
+            group.add_argument(*_flags(name), type=kind, default=value, metavar=plain, help=help_)

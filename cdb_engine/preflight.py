@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import re
 
+from cdb_engine import hardware
 from cdb_engine.config import EngineConfig
 from cdb_engine.limits import resolve_limits
+from cdb_engine.memory import MemoryPlanError, sized
 from cdb_model.config import CheckpointError
 from cdb_model.loader import check_source
 
@@ -22,10 +24,11 @@ class ConfigError(ValueError):
     """A configuration that cannot serve; the message is one line naming the option and the problem."""
 
 
-def check_config(config: EngineConfig) -> None:
+def check_config(config: EngineConfig) -> EngineConfig:
     """Check the model source (preset name, shipped model, or checkpoint folder: config, weight files, generation
-    and tokenizer configs), the device (well-formed and present) and the exit and KV settings against the model.
-    Raises ``ConfigError`` with a one-line message. An unknown dtype or other choice already fails when the
+    and tokenizer configs), the device (well-formed and present), the exit and KV settings against the model and
+    the memory plan (``cdb_engine.memory``); return ``config`` with its KV pool sized. Raises ``ConfigError`` with a
+    one-line message. An unknown dtype or other choice already fails when the
     ``EngineConfig`` is built (``ValueError`` naming the option and the choices)."""
     if not _DEVICE.fullmatch(config.device):
         raise ConfigError(f"--device must be cpu, cuda or cuda:N; got {config.device!r}")
@@ -34,17 +37,15 @@ def check_config(config: EngineConfig) -> None:
     except CheckpointError as exc:
         raise ConfigError(f"--model {config.model}: {_one_line(exc)}") from None
     if config.device.startswith("cuda"):
-        import torch
-
-        # device_count creates no CUDA context in this (launcher) process; the stages create their own.
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        index = int(config.device.partition(":")[2] or 0)
+        count = len(hardware.cuda_memory())  # (the driver's count: no CUDA context in this process)
+        index = hardware.device_index(config.device)
         if index >= count:
             found = f"{count} CUDA device(s)" if count else "no CUDA device"
             raise ConfigError(f"--device {config.device}: this machine has {found}")
     try:
         resolve_limits(config, model)
-    except ValueError as exc:
+        return sized(config, model)
+    except (ValueError, MemoryPlanError) as exc:
         raise ConfigError(_one_line(exc)) from None
 
 

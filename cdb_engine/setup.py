@@ -46,6 +46,13 @@ class StageSetup:
             kv_policy=cfg.kv_policy,
             kv_shared_after=cfg.kv_shared_after,
             max_depth=max_depth,
-            num_kv_blocks=cfg.num_kv_blocks,
+            num_kv_blocks=sized_blocks(cfg),
             kv_block_size=cfg.kv_block_size,
         )
+
+
+def sized_blocks(cfg: EngineConfig) -> int:
+    """``num_kv_blocks`` of a sized configuration (``cdb_engine.memory.sized``)."""
+    if cfg.num_kv_blocks is None:
+        raise ValueError("num_kv_blocks is auto: size the configuration first (cdb_engine.memory.sized)")
+    return cfg.num_kv_blocks

@@ -10,6 +10,7 @@ import tempfile
 from collections.abc import Mapping
 
 from cdb_engine.config import EngineConfig
+from cdb_engine.memory import sized
 from cdb_scheduler.plan import Stage
 from services.launcher.commands import (
     FRONTEND_PREFIX,
@@ -58,6 +59,7 @@ def _start_tree(
     metrics_listen: str | None = None,
 ) -> ServeHandle:
     settings = settings or load_settings(env)
+    config = sized(config)  # once, here: every child reads the same KV pool size
     if metrics_listen is not None:
         settings = dataclasses.replace(settings, metrics_addr=metrics_listen)
     sweep_stale_segments()  # what trees SIGKILLed whole left behind (their owners are gone)

@@ -84,10 +84,12 @@ scheduler`` and ``cdb demo``; ``cdb stage`` takes ``--model``, ``--dtype`` and `
 |---|---|---|
 | ``CDB_MODEL`` | ouro-tiny | a preset name (cdb presets) or a local checkpoint folder |
 | ``CDB_DTYPE`` | auto | compute dtype; auto: bfloat16 on CUDA, float32 elsewhere |
-| ``CDB_DEVICE`` | cpu | compute device of every process: cpu, cuda or cuda:N |
+| ``CDB_DEVICE`` | auto | compute device of every process: cpu, cuda or cuda:N; auto: cuda when present |
 | ``CDB_MODE`` | cdb | cdb: refill freed loop slots at once; no-refill: lockstep waves; full-depth: no early exit |
 | ``CDB_MAX_NUM_SEQS`` | 32 | resident requests = the width of the loop batch |
-| ``CDB_NUM_KV_BLOCKS`` | 2048 | KV-cache blocks per pool |
+| ``CDB_NUM_KV_BLOCKS`` | auto | KV-cache blocks per pool; auto: sized to memory (cdb_engine.memory) |
+| ``CDB_GPU_MEMORY_UTILIZATION`` | 0.9 | share of the GPU's memory (CPU: of the RAM free at start) the server may use |
+| ``CDB_KV_CACHE_MEMORY`` | auto | bytes of KV cache per device, over gpu_memory_utilization; auto: unset |
 | ``CDB_KV_BLOCK_SIZE`` | 16 | tokens per KV-cache block |
 | ``CDB_KV_POLICY`` | last_exited | which loop-KV depth slot a token writes and reads (depth_indexed: as trained) |
 | ``CDB_KV_SHARED_AFTER`` | 2 | first_then_shared: private KV slots for the first k-1 loop steps, then one shared |

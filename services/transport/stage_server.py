@@ -28,10 +28,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from cdb_api.v1 import stage_pb2 as pb
 from cdb_api.v1 import stage_pb2_grpc
+from cdb_engine.memory import stage_weights
 from cdb_engine.setup import torch_dtype
 from cdb_engine.stage_worker import StageWorker
 from cdb_engine.synthetic import SyntheticWorker, synthetic_model
-from cdb_model.config import ModelConfig
 from cdb_model.loader import load_config, load_model
 from cdb_scheduler.plan import Stage
 from services import heap, telemetry
@@ -94,13 +94,6 @@ def build_server(service: StageService, listen: str, secret: str, max_workers: i
     for name in ("", pb.DESCRIPTOR.services_by_name["Stage"].full_name):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     return server, port
-
-
-def stage_weights(stage: Stage, config: ModelConfig) -> set[Stage]:
-    """The parts of the model a stage process loads. Ouro's loop stage also holds the head (final norm, LM head,
-    embedding): a loop op may sample the tokens that left the loop and embed their successors (``LoopHead``,
-    ``--fuse-loop-head``)."""
-    return {stage, Stage.HEAD} if stage is Stage.LOOP and config.prelude_is_embedding else {stage}
 
 
 def run_stage(

@@ -15,12 +15,12 @@ from cdb_engine.config import EngineConfig, RequestParams
 from cdb_engine.engine import Engine
 from cdb_engine.events import Event, FinishEvent, TokenEvent
 from cdb_engine.isolation import isolating
+from cdb_engine.memory import stage_weights
 from cdb_model.loader import load_config, load_model
 from cdb_scheduler.plan import Stage
 from cdb_scheduler.request import FinishReason
 from cdb_scheduler.sampling import SamplingParams
 from services.transport.executor import GrpcExecutorFactory
-from services.transport.stage_server import stage_weights
 from tests.services.stage_harness import FAST, stage_servers
 
 pytestmark = pytest.mark.timeout(120)

@@ -19,6 +19,7 @@ from cdb_api.v1 import stage_pb2 as pb
 from cdb_api.v1 import stage_pb2_grpc
 from cdb_engine.config import EngineConfig, RequestParams
 from cdb_engine.engine import Engine
+from cdb_engine.memory import stage_weights
 from cdb_model.loader import load_config, load_model
 from cdb_scheduler.plan import Fence, HeadOp, LoopOp, PreludeOp, Stage, StageLoss, StageOp, StageResult
 from cdb_scheduler.sampling import SamplingParams
@@ -26,7 +27,6 @@ from services.net import require_loopback
 from services.stage_secret import call_metadata
 from services.transport import stage_probe
 from services.transport.executor import GrpcExecutor, GrpcExecutorFactory
-from services.transport.stage_server import stage_weights
 from tests.services.stage_harness import (
     FAST,
     TEST_SECRET,
