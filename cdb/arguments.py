@@ -27,7 +27,10 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 def new_parser(prog: str, description: str | None) -> argparse.ArgumentParser:
     """A ``cdb`` command's parser: defaults shown in the help, ``--version``."""
-    parser = argparse.ArgumentParser(prog=prog, description=description, formatter_class=HelpFormatter)
+    # (no abbreviations: ``--api-key`` must never be read as ``--api-keys-file``)
+    parser = argparse.ArgumentParser(
+        prog=prog, description=description, formatter_class=HelpFormatter, allow_abbrev=False
+    )
     parser.add_argument("--version", action="version", version=f"cdb {server_version()}")
     return parser
 
@@ -104,6 +107,19 @@ def add_public_port_args(parser: argparse.ArgumentParser) -> None:
         metavar="FILE",
         help="API keys, one per line, '#' comments; calls need 'authorization: Bearer KEY' "
         "(default: $CDB_API_KEYS_FILE)",
+    )
+
+
+def add_vllm_args(parser: argparse.ArgumentParser) -> None:
+    """vLLM's spellings of ``cdb serve``'s options (``docs/coming-from-vllm.md``): ``--host``/``--port`` of the
+    HTTP API (over ``--http``), ``--api-key`` (repeatable, over ``CDB_API_KEYS``), ``--enforce-eager`` (no CUDA
+    graphs). ``--max-model-len`` and ``--gpu-memory-utilization`` are engine options."""
+    group = parser.add_argument_group("vLLM's spellings")
+    group.add_argument("--host", help="the HTTP API's host (over --http's)")
+    group.add_argument("--port", type=int, help="the HTTP API's port (over --http's)")
+    group.add_argument("--api-key", action="append", metavar="KEY", help="an API key calls must send (repeat for more)")
+    group.add_argument(
+        "--enforce-eager", action="store_true", help="no CUDA graphs: every kernel launched (also CDB_CUDA_GRAPHS)"
     )
 
 

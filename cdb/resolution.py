@@ -82,6 +82,28 @@ def _take_model_arg(args: argparse.Namespace, argv: list[str]) -> None:
     args.model = args.model_arg
 
 
+def _vllm_flags(given: Mapping[str, object], http: str) -> dict[str, object]:
+    """The settings vLLM's spellings set (``cdb.arguments.add_vllm_args``): ``--host``/``--port`` over the HTTP
+    API's address ``http``, ``--api-key`` (the keys), ``--enforce-eager`` (no CUDA graphs)."""
+    flags: dict[str, object] = {}
+    host, port = given.get("host"), given.get("port")
+    if host is not None or port is not None:
+        if not http:
+            raise ValueError("--host/--port: the HTTP API is off (--no-http or an empty --http)")
+        old_host, _, old_port = http.rpartition(":")
+        flags["http_addr"] = f"{host if host is not None else old_host}:{port if port is not None else old_port}"
+        if not is_host_port(str(flags["http_addr"])):
+            raise ValueError(f"--host/--port must make HOST:PORT, got {flags['http_addr']!r}")
+    keys = given.get("api_key")
+    if isinstance(keys, list) and keys:
+        if any("," in k or not k.strip() for k in keys):
+            raise ValueError("--api-key: a key must be non-empty and hold no comma")
+        flags["api_keys"] = ",".join(keys)
+    if given.get("enforce_eager"):
+        flags["cuda_graphs"] = False
+    return flags
+
+
 def _resolve(conf: Configuration, args: argparse.Namespace, source: ModelSource) -> Resolved:
     """The command's flags over its source: every engine field and setting a flag of this command sets."""
     given = vars(args)
@@ -90,6 +112,7 @@ def _resolve(conf: Configuration, args: argparse.Namespace, source: ModelSource)
         if (value := given.get(dest)) and not is_host_port(value):
             raise ValueError(f"{flag} must be HOST:PORT, got {value!r}")
     flags = {field: given[dest] for dest, field in SETTING_FLAGS.items() if given.get(dest) is not None}
+    flags.update(_vllm_flags(given, flags.get("http_addr", conf.settings.http_addr)))
     flags.update({name: os.path.abspath(flags[name]) for name in _PATH_FLAGS if name in flags})
     if "chat_template" in given and (template := flags.get("chat_template", conf.settings.chat_template)):
         from services.http.chat_template import ChatTemplateError, read_chat_template  # (FastAPI: only if set)

@@ -12,6 +12,7 @@ from cdb.arguments import (
     add_log_args,
     add_public_port_args,
     add_served_name_arg,
+    add_vllm_args,
     new_parser,
 )
 from cdb.resolution import parse_command
@@ -84,6 +85,7 @@ def serve_parser(conf: Configuration) -> argparse.ArgumentParser:
     add_chat_template_arg(parser)
     add_log_args(parser, conf)
     add_public_port_args(parser)
+    add_vllm_args(parser)
     return parser
 
 

@@ -71,6 +71,9 @@ class EngineConfig:
     """
 
     model: str = field(default="ouro-tiny", metadata=_help("a preset name (cdb presets) or a local checkpoint folder"))
+    tokenizer: str = field(
+        default="", metadata=_help("a tokenizer folder (or tokenizer.json) instead of the model's; empty: the model's")
+    )
     dtype: DType = field(default=AUTO_DTYPE, metadata=_help("compute dtype; auto: bfloat16 on CUDA, float32 elsewhere"))
     device: str = field(
         default="auto", metadata=_help("compute device of every process: cpu, cuda or cuda:N; auto: cuda when present")
@@ -232,6 +235,8 @@ class RequestParams:
     # the prefill's full-depth hidden states; reported with the first token (or the finish, if none is generated)
     prompt_logprobs: bool = False
     speculative: bool | None = None  # self-speculative decoding for this request (None: the server's choice)
+    skip_special_tokens: bool = True  # the output text leaves special tokens out
+    include_stop_str: bool = False  # the output text ends with the stop string it hit (else just before it)
 
 
 def logits_processing(

@@ -23,11 +23,15 @@ class Detokenizer:
     the chunk before it (``prefix``), which gives tokenizers whose decoding depends on the previous token (a
     leading space, a byte fallback) their context; the context's decoded length is kept (``context``), so it is
     decoded again only when the boundary moves. ``text`` holds the stable text so far (without stop strings: only
-    what is not handed out yet); ``sent`` counts the characters of it already handed out.
+    what is not handed out yet); ``sent`` counts the characters of it already handed out. ``skip_special``: special
+    tokens decode to nothing (vLLM's ``skip_special_tokens``); ``include_stop``: the text ends after the stop string
+    it hit, not before it (vLLM's ``include_stop_str_in_output``).
     """
 
     tokenizer: Tokenizer
     stop_strings: tuple[str, ...]
+    skip_special: bool = True
+    include_stop: bool = False
     ids: list[int] = field(default_factory=list)
     text: str = ""
     sent: int = 0
@@ -39,12 +43,17 @@ class Detokenizer:
         """Add a token; returns (new text, whether a stop string was hit — the text stops before it)."""
         ids = self.ids
         ids.append(token_id)
-        window = self.tokenizer.decode(ids[self.prefix :])
+        window = self.tokenizer.decode(ids[self.prefix :], self.skip_special)
         settled = len(window) > self.context and not window.endswith(_INCOMPLETE)
         if settled or len(ids) - self.read >= _MAX_PENDING:
             self.text += window[self.context :]
             self.prefix, self.read = self.read, len(ids)
-            self.context = len(self.tokenizer.decode(ids[self.prefix : self.read])) if self.prefix < self.read else 0
+            context = (
+                self.tokenizer.decode(ids[self.prefix : self.read], self.skip_special)
+                if self.prefix < self.read
+                else ""
+            )
+            self.context = len(context)
         if not self.stop_strings:  # nothing to hold back or search: all new stable text goes out, none is kept
             delta, self.text, self.sent = self.text[self.sent :], "", 0
             return delta, False
@@ -52,7 +61,7 @@ class Detokenizer:
 
     def flush(self) -> str:
         """Text held back at the end of the stream."""
-        self.text += self.tokenizer.decode(self.ids[self.prefix :])[self.context :]
+        self.text += self.tokenizer.decode(self.ids[self.prefix :], self.skip_special)[self.context :]
         self.prefix = self.read = len(self.ids)
         self.context = 0
         return self._release(final=True)[0]
@@ -62,8 +71,9 @@ class Detokenizer:
         for stop in self.stop_strings:
             at = text.find(stop, max(0, self.sent - len(stop) + 1))
             if at >= 0:
-                delta = text[self.sent : at]
-                self.sent = at
+                end = at + len(stop) if self.include_stop else at
+                delta = text[self.sent : end]
+                self.sent = end
                 return delta, True
         end = len(text)
         if not final:

@@ -27,6 +27,7 @@ limits that keep one request's cost on the engine thread small:
 | ``max_tokens`` | >= 0 (0: prefill only; gRPC and chat: >= 1); prompt + max_tokens <= ``max_total_tokens`` |
 | ``temperature`` | 0 (greedy) or in [1e-06, 100] (``min_temperature``, ``max_temperature``) |
 | ``top_p`` | in (0, 1] |
+| ``min_p`` | in [0, 1] (HTTP) |
 | ``top_k`` | in [0, 2^31 - 1] (0: no filter; more than the vocabulary keeps it all) |
 | ``seed`` | in [0, 2^64 - 1] |
 | ``logprobs`` (top alternatives) | in [0, 20] (``max_logprobs``) |

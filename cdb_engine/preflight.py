@@ -9,6 +9,7 @@ weights or creates a CUDA context.
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 from cdb_engine import hardware
 from cdb_engine.config import EngineConfig
@@ -42,11 +43,17 @@ def check_config(config: EngineConfig) -> EngineConfig:
         if index >= count:
             found = f"{count} CUDA device(s)" if count else "no CUDA device"
             raise ConfigError(f"--device {config.device}: this machine has {found}")
+    if config.tokenizer and not _has_tokenizer(Path(config.tokenizer).expanduser()):
+        raise ConfigError(f"--tokenizer {config.tokenizer}: no tokenizer.json or tokenizer_config.json there")
     try:
         resolve_limits(config, model)
         return sized(config, model)
     except (ValueError, MemoryPlanError) as exc:
         raise ConfigError(_one_line(exc)) from None
+
+
+def _has_tokenizer(path: Path) -> bool:
+    return path.is_file() or (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file()
 
 
 def _one_line(exc: BaseException) -> str:

@@ -35,7 +35,8 @@ class RequestPreparer:
     @classmethod
     def of(cls, config: EngineConfig) -> RequestPreparer:
         model_config = load_config(config.model)
-        return cls(config, model_config, load_tokenizer(config.model), resolve_limits(config, model_config))
+        tokenizer = load_tokenizer(config.model, config.tokenizer)
+        return cls(config, model_config, tokenizer, resolve_limits(config, model_config))
 
     def validate(self, prompt: str | list[int], params: RequestParams) -> list[int]:
         """The prompt's token ids, or ``InvalidRequest`` naming the field and the limit."""
@@ -45,7 +46,7 @@ class RequestPreparer:
         """The request's output text; a resumed stream's is primed with the tokens it had delivered, so that the
         text of what follows (an unfinished character, a stop string across the boundary) is what it would have
         been."""
-        out = TextOutput(self.tokenizer, params.stop_strings)
+        out = TextOutput(self.tokenizer, params.stop_strings, params.skip_special_tokens, params.include_stop_str)
         for token in params.resume_tokens:
             if out.push(token)[1]:
                 raise InvalidRequest("resume", "the resumed tokens already end at a stop string")

@@ -150,6 +150,8 @@ def _check_sampling(params: RequestParams, bounds: RequestBounds) -> None:
         )
     if not (0.0 < s.top_p <= 1.0):
         raise InvalidRequest("top_p", f"must be in (0, 1], got {s.top_p}")
+    if not (0.0 <= s.min_p <= 1.0):
+        raise InvalidRequest("min_p", f"must be in [0, 1], got {s.min_p}")
     if s.top_k < 0:
         raise InvalidRequest("top_k", f"must be >= 0, got {s.top_k}")
     if s.top_k > bounds.max_top_k:

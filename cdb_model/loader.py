@@ -300,14 +300,23 @@ def load_model(
     return _load_folder(Path(resolve_source(source)), torch.float32 if dtype is None else dtype, device, stages)
 
 
-def load_tokenizer(source: str) -> Tokenizer:
+def load_tokenizer(source: str, tokenizer: str = "") -> Tokenizer:
     """The tokenizer of a model source: a folder with ``tokenizer_config.json`` gets ``transformers``'
     ``AutoTokenizer`` (local files only), one with only ``tokenizer.json`` the ``tokenizers`` wrapper, presets and
-    folders without tokenizer files the byte tokenizer. Stop ids: the model config's (``load_config``)."""
+    folders without tokenizer files the byte tokenizer. ``tokenizer``: another folder (or a ``tokenizer.json``
+    file) to take it from (vLLM's ``--tokenizer``; ``CheckpointError`` when it holds none). Stop ids: the model
+    config's (``load_config``)."""
     config = load_config(source)
-    if is_preset(source):
+    if tokenizer:
+        path = Path(tokenizer).expanduser()
+        if path.is_file():
+            return HFTokenizer(path, config.stop_token_ids, config.vocab_size)
+        if not ((path / TOKENIZER_CONFIG).is_file() or (path / TOKENIZER_JSON).is_file()):
+            raise CheckpointError(f"--tokenizer {tokenizer}: no {TOKENIZER_CONFIG} or {TOKENIZER_JSON} there")
+    elif is_preset(source):
         return ByteTokenizer(config.vocab_size, config.stop_token_ids)
-    path = _folder(source)
+    else:
+        path = _folder(source)
     if (path / TOKENIZER_CONFIG).is_file():
         return HFTokenizer(path, config.stop_token_ids, config.vocab_size)
     if (path / TOKENIZER_JSON).is_file():

@@ -1,7 +1,8 @@
 """Token sampling whose randomness depends only on ``(params.seed, token_index)``, never on the batch.
 
-Per token: greedy argmax when ``temperature == 0``; otherwise logits / temperature, top-k, top-p (the smallest
-set of most likely tokens whose mass reaches p, at least one), then an inverse-CDF draw with ``u ~ U[0, 1)``
+Per token: greedy argmax when ``temperature == 0``; otherwise logits / temperature, min-p (the tokens less likely
+than min_p times the most likely one dropped), top-k, top-p (the smallest set of most likely tokens whose mass
+reaches p, at least one), then an inverse-CDF draw with ``u ~ U[0, 1)``
 given by ``seeded_uniform(derive_seed(seed, token_index))`` (integer mixing). The math runs on CPU in float64,
 so the same logits give the same token on every device and in every batch. Before all that, a request's
 ``LogitsProcessing`` (logit bias, min_tokens, repetition / frequency / presence penalties over its history). This
@@ -11,6 +12,7 @@ are ``log_softmax`` of the unmodified logits.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -27,6 +29,8 @@ def filtered_probs(logits: Tensor, p: SamplingParams) -> tuple[Tensor, Tensor]:
     vocabulary order. ``logits [V]``, ``p.temperature > 0``.
     """
     scaled = logits.double() / p.temperature  # [V]
+    if p.min_p > 0.0:  # p_i < min_p * p_max  <=>  scaled_i < max(scaled) + log(min_p)
+        scaled = scaled.masked_fill(scaled < scaled.max() + math.log(p.min_p), float("-inf"))
     if p.top_k <= 0 and p.top_p >= 1.0:  # no filter: the full distribution in vocabulary order (no sort)
         return torch.arange(scaled.shape[0]), torch.softmax(scaled, dim=-1)
     ids = torch.argsort(scaled, descending=True, stable=True)  # [V]

@@ -66,17 +66,26 @@ class Tokenizer(Protocol):
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 
     def apply_chat_template(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True, chat_template: str | None = None
+        self,
+        messages: list[dict[str, str]],
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
         """Token ids of a chat (``[{"role": ..., "content": ...}, ...]``) rendered by the model's chat template
-        (``chat_template``: this Jinja template instead), ending with the assistant's turn opened when
-        ``add_generation_prompt``. Raises the request error (``InvalidRequest("messages", ...)`` in the engine)
-        when there is no chat template or the messages are malformed."""
+        (``chat_template``: this Jinja template instead; ``template_kwargs``: more variables of its context), ending
+        with the assistant's turn opened when ``add_generation_prompt``. Raises the request error
+        (``InvalidRequest("messages", ...)`` in the engine) when there is no chat template or the messages are
+        malformed."""
         ...
 
 
 def render_chat_template(
-    template: str, messages: list[dict[str, str]], add_generation_prompt: bool, special: Mapping[str, str]
+    template: str,
+    messages: list[dict[str, str]],
+    add_generation_prompt: bool,
+    special: Mapping[str, str],
+    extra: Mapping[str, Any] | None = None,
 ) -> str:
     """The text of a chat rendered by a Jinja ``template`` as ``transformers`` renders chat templates (a sandbox,
     ``trim_blocks`` / ``lstrip_blocks``, ``raise_exception``), with ``special`` (``bos_token``, ``eos_token``) in
@@ -91,9 +100,8 @@ def render_chat_template(
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = raise_exception
     try:
-        return env.from_string(template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt, **special
-        )
+        context = {**(extra or {}), "messages": messages, "add_generation_prompt": add_generation_prompt, **special}
+        return env.from_string(template).render(context)
     except TemplateError as e:
         raise request_error("messages", f"the chat template refused them: {e}") from None
 
@@ -151,7 +159,11 @@ class ByteTokenizer:
         return b"".join([table[i] if 0 <= i < n else b"" for i in ids]).decode("utf-8", errors="replace")
 
     def apply_chat_template(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True, chat_template: str | None = None
+        self,
+        messages: list[dict[str, str]],
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
         checked = check_messages(messages)
         if chat_template is None:
@@ -160,7 +172,9 @@ class ByteTokenizer:
                 "the served model has no chat template (the byte tokenizer; its folder has no tokenizer files)",
             )
         special = {"bos_token": SPECIAL_TOKENS[0], "eos_token": SPECIAL_TOKENS[0]}
-        return self.encode(render_chat_template(chat_template, checked, add_generation_prompt, special))
+        return self.encode(
+            render_chat_template(chat_template, checked, add_generation_prompt, special, template_kwargs)
+        )
 
 
 class HFTokenizer:
@@ -214,7 +228,11 @@ class HFTokenizer:
         return str(self._hf.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
     def apply_chat_template(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True, chat_template: str | None = None
+        self,
+        messages: list[dict[str, str]],
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
         checked = check_messages(messages)
         if chat_template is None and self.chat_template is None:
@@ -223,7 +241,9 @@ class HFTokenizer:
             assert chat_template is not None
             eos = self.decode([self.eos_token_id], False) if self.eos_token_id is not None else ""
             special = {"bos_token": "", "eos_token": eos}
-            return self.encode(render_chat_template(chat_template, checked, add_generation_prompt, special))
+            return self.encode(
+                render_chat_template(chat_template, checked, add_generation_prompt, special, template_kwargs)
+            )
         from jinja2 import TemplateError
 
         try:
@@ -233,6 +253,7 @@ class HFTokenizer:
                 tokenize=True,
                 return_dict=False,
                 chat_template=chat_template,
+                **(template_kwargs or {}),
             )
         except TemplateError as e:  # the template's own raise_exception(...) or a template bug
             raise request_error("messages", f"the chat template refused them: {e}") from None

@@ -14,14 +14,16 @@ from dataclasses import dataclass
 class SamplingParams:
     """Per-request sampling settings; validated by the engine before a request is admitted.
 
-    ``temperature == 0`` is greedy. ``top_k == 0`` and ``top_p == 1`` disable those filters. The random stream of
-    a sampled token depends only on ``(seed, token_index)``, never on the batch it runs in.
+    ``temperature == 0`` is greedy. ``top_k == 0``, ``top_p == 1`` and ``min_p == 0`` disable those filters
+    (``min_p``: after temperature, the tokens less likely than ``min_p`` times the most likely one are dropped).
+    The random stream of a sampled token depends only on ``(seed, token_index)``, never on the batch it runs in.
     """
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
     seed: int = 0
+    min_p: float = 0.0
     logprobs: int = 0  # number of top alternatives to return (0: only the sampled token's logprob if asked)
     return_logprob: bool = False
     processing: LogitsProcessing | None = None  # penalties, logit bias, min_tokens (None: the logits as they are)

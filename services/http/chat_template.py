@@ -8,9 +8,18 @@ compiled) once, at start: a missing file or a template that does not compile fai
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
+from cdb_engine.errors import InvalidRequest
 from cdb_model.tokenizer import Tokenizer
+
+# What the renderer itself passes a template (transformers' and this project's): not a request's to set.
+RESERVED = frozenset(
+    {"messages", "add_generation_prompt", "bos_token", "eos_token", "tools", "documents", "chat_template",
+     "tokenize", "return_dict", "continue_final_message", "raise_exception"}
+)  # fmt: skip
 
 
 class ChatTemplateError(ValueError):
@@ -52,10 +61,22 @@ class ChatTemplate:
         """The template in use (None: none; a chat is then refused naming ``messages``)."""
         return self.override or getattr(self.tokenizer, "chat_template", None)
 
-    def apply(self, messages: list[dict[str, str]], *, add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of the rendered chat (the request error naming ``messages`` for a chat it cannot render)."""
-        if self.override is None:
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    def apply(
+        self,
+        messages: list[dict[str, str]],
+        *,
+        add_generation_prompt: bool = True,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[int]:
+        """Token ids of the rendered chat (the request error naming ``messages`` for a chat it cannot render);
+        ``template_kwargs``: more variables of the template (a request's ``chat_template_kwargs``; none may be
+        one the renderer sets: ``InvalidRequest`` naming the field)."""
+        taken = sorted(RESERVED & set(template_kwargs or ()))
+        if taken:
+            raise InvalidRequest("chat_template_kwargs", f"{', '.join(taken)}: set by the server, not by a request")
         return self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, chat_template=self.override
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            chat_template=self.override,
+            template_kwargs=template_kwargs,
         )

@@ -6,13 +6,15 @@ from __future__ import annotations
 import functools
 import uuid
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from cdb_engine.config import RequestParams
 from cdb_engine.errors import InvalidRequest
-from cdb_engine.validation import check_messages_size
+from cdb_engine.limits import REQUEST_BOUNDS
+from cdb_engine.validation import check_messages_size, check_request_id
 from services.api.door import Ticket
 from services.api.shares import host_key, share_scope
 from services.http.calls import Choice, open_call
@@ -88,9 +90,9 @@ class GenerationRoutes:
         prompts = body.prompts()
         try:
             body.check_choices(len(prompts))
+            response_id = f"cmpl-{base_id(request, body)}"
         except InvalidRequest as exc:
             return _refused(exc, FIELDS)
-        response_id = f"cmpl-{uuid.uuid4().hex}"
         several = len(prompts) > 1
         choices = [
             Choice(
@@ -133,15 +135,17 @@ class GenerationRoutes:
         fields = {**CHAT_FIELDS, "max_tokens": body.max_tokens_field}
         try:
             body.check_choices()
+            response_id = f"chatcmpl-{base_id(request, body)}"
         except InvalidRequest as exc:
             return _refused(exc, fields)
-        response_id = f"chatcmpl-{uuid.uuid4().hex}"
 
         def prepare(sample: int) -> tuple[str | list[int], RequestParams]:  # on a worker thread (admit)
             body.refuse_unsupported()
             chat = body.chat_messages()
             check_messages_size(chat)  # before the template renders them
-            ids = templates.apply(chat, add_generation_prompt=True)
+            ids = templates.apply(
+                chat, add_generation_prompt=body.add_generation_prompt, template_kwargs=body.chat_template_kwargs
+            )
             requested = body.requested_max_tokens()
             if requested is None:  # the checkpoint's max_new_tokens, else up to the context limit
                 requested = generation.max_new_tokens or max(1, prep.limits.max_total_tokens - len(ids))
@@ -167,6 +171,16 @@ class GenerationRoutes:
         return await self.run(
             request, choices, stream=body.stream, fields=fields, operation="chat", max_tokens=max_tokens
         )
+
+
+def base_id(request: Request, body: CompletionRequest | ChatCompletionRequest) -> str:
+    """The request's own id, as vLLM takes it: the ``X-Request-Id`` header, else the body's ``request_id``, else a
+    fresh one; the response's id is made of it, and so the engine's request ids and the request log's lines."""
+    given = request.headers.get("x-request-id") or body.request_id
+    if given is None:
+        return uuid.uuid4().hex
+    check_request_id(given, replace(REQUEST_BOUNDS, max_request_id_bytes=REQUEST_BOUNDS.max_request_id_bytes // 2))
+    return given
 
 
 def _refused(exc: InvalidRequest, fields: Mapping[str, str]) -> JSONResponse:

@@ -2,9 +2,9 @@
 
 Types are checked here (a wrong type is a 400 naming the field); values are checked by the engine
 (``Engine.validate``), whose ``InvalidRequest.field`` names are translated back to this API's field names by
-``FIELDS`` / ``CHAT_FIELDS``. Fields OpenAI clients send that the engine cannot honour are refused when set to
-anything but their neutral value (penalties, ``logit_bias``, tools, ...); unknown extra fields are ignored, as
-OpenAI-compatible servers do.
+``FIELDS`` / ``CHAT_FIELDS``. Fields OpenAI and vLLM clients send that the engine cannot honour are refused when
+set to anything but their neutral value (tools, ``suffix``, vLLM's ``guided_*``, ...: ``services.http.vllm_fields``);
+keys that are neither OpenAI's nor vLLM's are ignored, as OpenAI-compatible servers do.
 
 One body may ask for several choices: a completion's list of prompts, and ``n`` samples of each. Each choice is
 its own engine request (``choices()``: prompt ``i``'s sample ``j`` is choice ``i * n + j``); sample ``j`` draws
@@ -24,6 +24,7 @@ from cdb_engine.errors import InvalidRequest
 from cdb_model.generation import GenerationDefaults
 from cdb_scheduler.plan import derive_seed
 from cdb_scheduler.sampling import LogitsProcessing, SamplingParams
+from services.http.vllm_fields import refuse_unhonoured
 
 # The engine's field names -> this API's (a value the engine refuses is reported under the name the caller sent).
 FIELDS = {"stop_strings": "stop"}
@@ -47,6 +48,7 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False  # vLLM's: usage in every chunk (refused)
 
 
 class ResumeState(BaseModel):
@@ -66,6 +68,7 @@ class _Common(BaseModel):
     model: str | None = None
     temperature: float | None = None  # OpenAI's default: 1
     top_p: float | None = None
+    min_p: float | None = None  # vLLM's extension: drop tokens less likely than min_p x the most likely one
     n: StrictInt | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
@@ -79,6 +82,12 @@ class _Common(BaseModel):
     repetition_penalty: float | None = None  # vLLM's extension: > 1 discourages tokens of the prompt and output
     min_tokens: StrictInt | None = None  # vLLM's extension: no stop id before this many tokens
     user: str | None = None  # accepted and ignored
+    response_format: dict[str, Any] | None = None  # only {"type": "text"}
+    # vLLM's extensions
+    include_stop_str_in_output: StrictBool = False  # the text ends with the stop string it hit
+    skip_special_tokens: StrictBool = True  # false: special tokens' text is part of the output
+    request_id: str | None = None  # the request's id (as the X-Request-Id header), in the response's id and logs
+    cache_salt: str | None = None  # no KV is shared between requests here: every request is isolated already
     # cdb extensions (OpenAI clients pass them with ``extra_body``)
     exit_threshold: float | None = None  # per-request exit threshold of the loop (lower: shallower, faster)
     speculative: StrictBool | None = None  # self-speculative decoding for this request (None: the server's choice)
@@ -96,6 +105,11 @@ class _Common(BaseModel):
 
     def refuse_unsupported(self) -> None:
         """``InvalidRequest`` naming the first field set to something the engine cannot do."""
+        refuse_unhonoured(self.model_extra)
+        if self.stream_options is not None and self.stream_options.continuous_usage_stats:
+            raise InvalidRequest("stream_options", "continuous_usage_stats is not supported (include_usage is)")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise InvalidRequest("response_format", "only {'type': 'text'} is supported")
 
     def processing(self) -> LogitsProcessing | None:
         """Penalties, logit bias and min_tokens (checked by the engine); ``logit_bias`` keys must be token ids."""
@@ -127,6 +141,7 @@ class _Common(BaseModel):
             temperature=temperature,
             top_k=top_k,
             top_p=top_p,
+            min_p=self.min_p or 0.0,
             seed=secrets.randbits(63) if self.seed is None else self.seed,
             logprobs=logprobs or 0,
             return_logprob=logprobs is not None,
@@ -166,6 +181,8 @@ class _Common(BaseModel):
             ignore_eos=self.ignore_eos,
             resume_tokens=tuple(self.resume.token_ids) if self.resume else (),
             resume_depths=tuple(self.resume.depths) if self.resume else (),
+            skip_special_tokens=self.skip_special_tokens,
+            include_stop_str=self.include_stop_str_in_output,
         )
 
     @property
@@ -258,7 +275,9 @@ class ChatCompletionRequest(_Common):
     top_logprobs: StrictInt | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
+    parallel_tool_calls: StrictBool | None = None  # (no tool calls are made: nothing to parallelize)
+    add_generation_prompt: StrictBool = True  # the template opens the assistant's turn
+    chat_template_kwargs: dict[str, Any] | None = None  # more variables of the chat template (vLLM's)
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
@@ -266,8 +285,8 @@ class ChatCompletionRequest(_Common):
             raise InvalidRequest("messages", "must not be empty")
         if self.tools:
             raise InvalidRequest("tools", "tool calls are not supported (omit tools)")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise InvalidRequest("response_format", "only {'type': 'text'} is supported")
+        if self.tool_choice not in (None, "none", "auto"):
+            raise InvalidRequest("tool_choice", "tool calls are not supported (none or auto, with no tools)")
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequest("top_logprobs", "needs logprobs: true")
         if self.top_logprobs is not None and self.top_logprobs < 0:

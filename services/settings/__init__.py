@@ -83,6 +83,7 @@ scheduler`` and ``cdb demo``; ``cdb stage`` takes ``--model``, ``--dtype`` and `
 | variable | default | meaning |
 |---|---|---|
 | ``CDB_MODEL`` | ouro-tiny | a preset name (cdb presets) or a local checkpoint folder |
+| ``CDB_TOKENIZER`` | (unset) | a tokenizer folder (or tokenizer.json) instead of the model's; empty: the model's |
 | ``CDB_DTYPE`` | auto | compute dtype; auto: bfloat16 on CUDA, float32 elsewhere |
 | ``CDB_DEVICE`` | auto | compute device of every process: cpu, cuda or cuda:N; auto: cuda when present |
 | ``CDB_MODE`` | cdb | cdb: refill freed loop slots at once; no-refill: lockstep waves; full-depth: no early exit |

@@ -33,6 +33,7 @@ SAMPLING = (
     ("temperature", "d"),
     ("top_k", "q"),
     ("top_p", "d"),
+    ("min_p", "d"),
     ("seed", "Q"),
     ("logprobs", "q"),
     ("return_logprob", "?"),

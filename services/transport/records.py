@@ -16,7 +16,7 @@ Layout (little-endian)::
                     blocks, released, the token columns, KV copies (rid, position, from slot), the head's integer
                     columns (its own rids, positions, rows, token indices and embedded ids for a fused head), then
                     top_k, logprobs and return_logprob per sampled token
-    float64[doubles] temperature, then top_p, per sampled token
+    float64[doubles] temperature, then top_p, then min_p, per sampled token
     uint64[seeds]   the sampling seeds (modulo 2**64, as ``StageBatch`` carries them)
 
 The token columns and sampling settings, and their order, are the tables of ``services.transport.opfields`` (the
@@ -48,7 +48,7 @@ from services.transport.opfields import (
     setting_columns,
 )
 
-VERSION = 1
+VERSION = 2
 _HEADER = struct.Struct("<BBBBIIId")  # marker, version, kind, flags, ints, doubles, seeds, fence_timeout_s
 _PRELUDE, _LOOP, _HEAD = 0, 1, 2
 _PREFILL, _FUSED, _EMBED = 1, 2, 4

@@ -9,6 +9,7 @@ import http.client
 import json
 import threading
 from dataclasses import replace
+from typing import Any
 
 import pytest
 
@@ -96,9 +97,9 @@ def test_tokenization_and_chat_templates_run_off_the_event_loop(monkeypatch: pyt
             threads.append(threading.current_thread().name)
             return encode(text)
 
-        def spy_template(messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+        def spy_template(messages: list[dict[str, str]], add_generation_prompt: bool = True, **kw: Any) -> list[int]:
             threads.append(threading.current_thread().name)
-            return template(messages, add_generation_prompt)
+            return template(messages, add_generation_prompt, **kw)
 
         monkeypatch.setattr(tokenizer, "encode", spy_encode)
         monkeypatch.setattr(tokenizer, "apply_chat_template", spy_template)

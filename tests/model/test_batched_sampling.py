@@ -28,6 +28,8 @@ def mixed_params(n: int) -> list[SamplingParams]:
         SamplingParams(temperature=0.9, top_k=12, top_p=0.6, seed=8),
         SamplingParams(temperature=2.0, top_p=1e-9, seed=1),  # nucleus of one
         SamplingParams(temperature=1.0, top_k=1000, seed=2),  # k beyond the vocabulary
+        SamplingParams(temperature=1.1, min_p=0.1, seed=9),  # min-p alone: vocabulary order, the tail dropped
+        SamplingParams(temperature=0.8, top_k=20, top_p=0.9, min_p=0.05, seed=10),
     ]
     return [kinds[i % len(kinds)] for i in range(n)]
 
@@ -36,13 +38,28 @@ def test_every_row_draws_the_oracles_token_in_float64() -> None:
     gen = torch.Generator().manual_seed(0)
     agree = 0
     for trial in range(30):
-        logits = (torch.randn(14, 97, generator=gen, dtype=torch.float64) * 2.5).float()
-        params = mixed_params(14)
-        index = [trial * 14 + i for i in range(14)]
+        logits = (torch.randn(18, 97, generator=gen, dtype=torch.float64) * 2.5).float()
+        params = mixed_params(18)
+        index = [trial * 18 + i for i in range(18)]
         expected, _ = sample(logits, params, index)
         assert batched(logits, params, index) == expected
-        agree += 14
-    assert agree == 420
+        agree += 18
+    assert agree == 540
+
+
+def test_min_p_one_keeps_only_the_most_likely_token_and_drops_the_tail() -> None:
+    gen = torch.Generator().manual_seed(4)
+    logits = torch.randn(6, 80, generator=gen) * 3
+    index = list(range(6))
+    greedy = logits.argmax(dim=-1).tolist()
+    for seed in range(5):
+        params = [SamplingParams(temperature=1.5, min_p=1.0, seed=seed)] * 6
+        assert batched(logits, params, index) == greedy  # min_p 1: the argmax, whatever the draw
+    probs = torch.softmax(logits.double(), dim=-1)
+    for seed in range(20):
+        params = [SamplingParams(temperature=1.0, min_p=0.3, seed=seed)] * 6
+        for row, token in enumerate(batched(logits, params, index)):
+            assert probs[row, token] >= 0.3 * probs[row].max()
 
 
 def test_greedy_is_the_argmax_of_float32_logits() -> None:

@@ -112,6 +112,7 @@ def test_frozen_plan_classes_pickle_every_field() -> None:
         temperature=0.7,
         top_k=40,
         top_p=0.9,
+        min_p=0.05,
         seed=12345,
         logprobs=3,
         return_logprob=True,

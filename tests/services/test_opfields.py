@@ -40,8 +40,10 @@ def test_every_field_of_an_op_is_a_table_column_or_a_codec_s_own(cls: type) -> N
 
 def test_the_sampling_table_names_every_setting_and_builds_one_shared_object() -> None:
     assert set(SAMPLING_NAMES) == {f.name for f in dataclasses.fields(SamplingParams)} - {"processing"}
-    key = (0.5, 4, 0.9, 2**64 - 1, 2, True)
+    key = (0.5, 4, 0.9, 0.05, 2**64 - 1, 2, True)
     params = sampling_params(key)
-    want = SamplingParams(temperature=0.5, top_k=4, top_p=0.9, seed=2**64 - 1, logprobs=2, return_logprob=True)
+    want = SamplingParams(
+        temperature=0.5, top_k=4, top_p=0.9, min_p=0.05, seed=2**64 - 1, logprobs=2, return_logprob=True
+    )
     assert params == want
     assert sampling_params(key) is params

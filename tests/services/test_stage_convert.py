@@ -202,7 +202,7 @@ def test_truncated_columns_fail_the_op_naming_them() -> None:
         op_from_pb(msg)
     msg = op_to_pb(loop)
     msg.loop.head.columns = msg.loop.head.columns[:-3]
-    with pytest.raises(ValueError, match=r"head columns: \d+ bytes is not a whole number of 73-byte tokens"):
+    with pytest.raises(ValueError, match=r"head columns: \d+ bytes is not a whole number of 81-byte tokens"):
         op_from_pb(msg)
 
 
