@@ -74,6 +74,8 @@ launcher's document), ``resolved`` (``Resolved``, the record a tree hands its ch
 | ``CDB_LOG_FORMAT`` | text | log lines as text, or json: one JSON object per line |
 | ``CDB_REQUEST_LOG`` | false | log a line per finished request: id, caller, tokens, depth, reason, latency |
 | ``CDB_THROUGHPUT_LOG_INTERVAL_S`` | 10 | period of the scheduler's throughput log line; 0: none |
+| ``CDB_METRICS_VLLM_NAMES`` | false | also export the main series under vLLM's names (vllm:num_requests_waiting..) |
+| ``CDB_METRICS_CACHE_S`` | 0.1 | a metrics scrape this soon after the last gets its body again (gateways scrape 20/s) |
 | ``CDB_REQUEST_LATENCY_BUCKETS`` | (unset) | bucket bounds (s) of TTFT, end-to-end, queue time; empty: 1 ms..2 h |
 | ``CDB_TOKEN_LATENCY_BUCKETS`` | (unset) | bucket bounds (s) of inter-token latency and TPOT; empty: 1 ms..60 s |
 

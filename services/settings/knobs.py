@@ -138,6 +138,12 @@ class Settings:
     log_format: str = _help("log lines as text, or json: one JSON object per line", "text")
     request_log: bool = _help("log a line per finished request: id, caller, tokens, depth, reason, latency", False)
     throughput_log_interval_s: float = _help("period of the scheduler's throughput log line; 0: none", 10.0)
+    metrics_vllm_names: bool = _help(
+        "also export the main series under vLLM's names (vllm:num_requests_waiting..)", False
+    )
+    metrics_cache_s: float = _help(
+        "a metrics scrape this soon after the last gets its body again (gateways scrape 20/s)", 0.1
+    )
     request_latency_buckets: str = _help("bucket bounds (s) of TTFT, end-to-end, queue time; empty: 1 ms..2 h", "")
     token_latency_buckets: str = _help("bucket bounds (s) of inter-token latency and TPOT; empty: 1 ms..60 s", "")
 

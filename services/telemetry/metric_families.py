@@ -69,9 +69,15 @@ class Gauge(Family):
     """Value that goes up and down (``set``), per label values."""
 
     def __init__(
-        self, name: str, help_: str, label_names: Sequence[str] = (), *, registry: prom.CollectorRegistry
+        self,
+        name: str,
+        help_: str,
+        label_names: Sequence[str] = (),
+        *,
+        registry: prom.CollectorRegistry,
+        fixed: Sequence[str] = (),
     ) -> None:
-        super().__init__(prom.Gauge(name, help_, label_names, registry=registry), name, label_names)
+        super().__init__(prom.Gauge(name, help_, label_names, registry=registry), name, label_names, fixed)
 
     def set(self, value: float, *labels: str) -> None:
         self.child(labels).set(value)
@@ -79,17 +85,20 @@ class Gauge(Family):
     def remove(self, *labels: str) -> None:
         """Drop the series of ``labels`` (no-op when it does not exist)."""
         if self._children.pop(labels, None) is not None:
-            self.metric.remove(*labels)
+            self.metric.remove(*labels, *self.fixed)
 
     def value(self, *labels: str) -> float:
         return self._sample(self.name, labels)
 
 
 class OptionalGauge:
-    """An unlabelled gauge exported only once ``set`` (where a 0 before then would read as a real value)."""
+    """A gauge exported only once ``set`` (where a 0 before then would read as a real value); ``labels``: the
+    fixed labels of its one series (the served model)."""
 
-    def __init__(self, name: str, help_: str, *, registry: prom.CollectorRegistry) -> None:
-        self.name, self.help = name, help_
+    def __init__(
+        self, name: str, help_: str, *, registry: prom.CollectorRegistry, labels: dict[str, str] | None = None
+    ) -> None:
+        self.name, self.help, self.labels = name, help_, dict(labels or {})
         self._value: float | None = None
         registry.register(self)
 
@@ -104,7 +113,11 @@ class OptionalGauge:
 
     def collect(self) -> list[Metric]:
         value = self._value
-        return [] if value is None else [GaugeMetricFamily(self.name, self.help, value=value)]
+        if value is None:
+            return []
+        family = GaugeMetricFamily(self.name, self.help, labels=list(self.labels))
+        family.add_metric(list(self.labels.values()), value)
+        return [family]
 
 
 class Histogram(Family):

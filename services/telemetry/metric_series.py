@@ -1,14 +1,15 @@
 """Every series of the scheduler's metrics (``Metrics``), declared per concern on one registry, and their buckets.
 
-Names follow Prometheus conventions (base units: seconds; ``_total`` for counters). The request series (latencies,
-per-request token counts, finished and rejected requests) carry a ``model_name`` label, the served model, as vLLM's
-do: a dashboard or a gateway over several deployments tells them apart; the families fill it in (callers pass only
-the other labels). The declaration order is the exposition order.
+Names follow Prometheus conventions (base units: seconds; ``_total`` for counters). Every series carries a
+``model_name`` label, the served model, as vLLM's do: a dashboard, an autoscaler or a gateway over several
+deployments tells them apart; the families fill it in (callers pass only the other labels), and a family with no
+other label exports its one series from the start. The declaration order is the exposition order.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import TypeVar
 
 import prometheus_client as prom
 
@@ -21,34 +22,35 @@ REQUEST_LATENCY_BUCKETS = (*LATENCY_BUCKETS, 120, 300, 600, 1200, 1800, 3600, 72
 # Tokens per request (prompt, generated): 1-2-5 steps to 200k.
 TOKEN_COUNT_BUCKETS = tuple(m * 10**e for e in range(6) for m in (1, 2, 5))
 MODEL_LABEL = "model_name"
+_F = TypeVar("_F", bound=Family)
 COMPUTE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1)
 OCCUPANCY_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
 class _Declare:
-    """Makes the families of one registry; a request family ends in the served model's label."""
+    """Makes the families of one registry, each ending in the served model's label."""
 
     def __init__(self, registry: prom.CollectorRegistry, model: str) -> None:
         self.registry, self.model = registry, model
-        self.per_model: list[Family] = []  # request series without labels of their own: exported from the start
+        self.per_model: list[Family] = []  # series without labels of their own: exported from the start
 
-    def histogram(self, name: str, help_: str, buckets: Iterable[float], labels: Sequence[str] = ()) -> Histogram:
-        return Histogram(name, help_, buckets, labels, registry=self.registry)
-
-    def request_histogram(self, name: str, help_: str, buckets: Iterable[float]) -> Histogram:
-        family = Histogram(name, help_, buckets, (MODEL_LABEL,), registry=self.registry, fixed=(self.model,))
-        self.per_model.append(family)
+    def _made(self, family: _F, labels: Sequence[str]) -> _F:
+        if not labels:
+            self.per_model.append(family)
         return family
 
+    def histogram(self, name: str, help_: str, buckets: Iterable[float], labels: Sequence[str] = ()) -> Histogram:
+        family = Histogram(name, help_, buckets, (*labels, MODEL_LABEL), registry=self.registry, fixed=(self.model,))
+        return self._made(family, labels)
+
     def gauge(self, name: str, help_: str, labels: Sequence[str] = ()) -> Gauge:
-        return Gauge(name, help_, labels, registry=self.registry)
+        family = Gauge(name, help_, (*labels, MODEL_LABEL), registry=self.registry, fixed=(self.model,))
+        return self._made(family, labels)
 
     def counter(self, name: str, help_: str, labels: Sequence[str] = ()) -> Counter:
-        return Counter(name, help_, labels, registry=self.registry)
-
-    def request_counter(self, name: str, help_: str, labels: Sequence[str]) -> Counter:
-        return Counter(name, help_, (*labels, MODEL_LABEL), registry=self.registry, fixed=(self.model,))
+        family = Counter(name, help_, (*labels, MODEL_LABEL), registry=self.registry, fixed=(self.model,))
+        return self._made(family, labels)
 
 
 class MetricSeries:
@@ -84,27 +86,27 @@ class MetricSeries:
         self, d: _Declare, request_buckets: Sequence[float], token_buckets: Sequence[float]
     ) -> None:
         """Per request: its latencies and token counts."""
-        self.ttft = d.request_histogram(
+        self.ttft = d.histogram(
             "cdb_time_to_first_token_seconds", "Request arrival to first token streamed.", request_buckets
         )
-        self.itl = d.request_histogram(
+        self.itl = d.histogram(
             "cdb_inter_token_latency_seconds", "Gap between consecutive streamed tokens.", token_buckets
         )
-        self.e2e = d.request_histogram(
+        self.e2e = d.histogram(
             "cdb_e2e_request_latency_seconds", "Request arrival to its final message.", request_buckets
         )
-        self.queue = d.request_histogram(
+        self.queue = d.histogram(
             "cdb_request_queue_time_seconds", "Admission to the first stage op serving it.", request_buckets
         )
-        self.tpot = d.request_histogram(
+        self.tpot = d.histogram(
             "cdb_request_time_per_output_token_seconds",
             "Per request of two tokens or more: first token to last token / (generated tokens - 1).",
             token_buckets,
         )
-        self.request_prompt_tokens = d.request_histogram(
+        self.request_prompt_tokens = d.histogram(
             "cdb_request_prompt_tokens", "Prompt tokens per finished request.", TOKEN_COUNT_BUCKETS
         )
-        self.request_generation_tokens = d.request_histogram(
+        self.request_generation_tokens = d.histogram(
             "cdb_request_generation_tokens", "Tokens generated per finished request.", TOKEN_COUNT_BUCKETS
         )
 
@@ -133,7 +135,7 @@ class MetricSeries:
             "cdb_spec_drafts_total",
             "Self-speculative decoding: successors started from a draft read at a shallow depth.",
         )
-        self.spec_verified = d.request_counter(
+        self.spec_verified = d.counter(
             "cdb_spec_verified_total",
             "Drafts verified against the real token, by outcome (accepted: the successor's early work kept).",
             ["outcome"],
@@ -154,6 +156,7 @@ class MetricSeries:
             "cdb_stages_attached",
             "1 while every stage server is attached; 0 during an outage or once given up (absent in-process).",
             registry=self.registry,
+            labels={MODEL_LABEL: d.model},
         )
         self.recoveries = d.counter(
             "cdb_stage_recoveries_total", "Stage losses recovered from (running requests recomputed)."
@@ -177,10 +180,8 @@ class MetricSeries:
 
     def _declare_outcome_series(self, d: _Declare) -> None:
         """How requests ended, and the tokens and loop steps served since start."""
-        self.finished = d.request_counter(
-            "cdb_requests_finished_total", "Requests ended, by finish reason.", ["finish_reason"]
-        )
-        self.rejected = d.request_counter(
+        self.finished = d.counter("cdb_requests_finished_total", "Requests ended, by finish reason.", ["finish_reason"])
+        self.rejected = d.counter(
             "cdb_requests_rejected_total", "Requests refused at admission, by gRPC code.", ["code"]
         )
         self.prompt_tokens = d.counter("cdb_prompt_tokens_total", "Prompt tokens of admitted requests.")

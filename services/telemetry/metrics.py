@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
@@ -33,6 +34,7 @@ from prometheus_client.registry import Collector
 from services.telemetry.metric_series import MetricSeries
 from services.telemetry.metrics_endpoint import MetricsServer as MetricsServer  # (re-exported for its importers)
 from services.telemetry.metrics_endpoint import serve_metrics as serve_metrics
+from services.telemetry.vllm_names import VllmNames
 
 if TYPE_CHECKING:  # services.settings imports the engine's config (torch): only where settings are read
     from services.settings.knobs import Settings
@@ -64,8 +66,13 @@ class Metrics(MetricSeries):
         *,
         request_buckets: Sequence[float] = (),
         token_buckets: Sequence[float] = (),
+        cache_s: float = 0.0,
     ) -> None:
+        """``cache_s``: a scrape within this long of the last one of the same format gets its body again
+        (``exposition``; ``CDB_METRICS_CACHE_S``)."""
         super().__init__(model, max_depth, request_buckets, token_buckets)
+        self.cache_s = cache_s
+        self._cached: dict[str, tuple[float, bytes]] = {}  # content type -> (when, body)
         self._collectors: list[Callable[[Metrics], None]] = []
         self._threshold_labels: tuple[str, str] | None = None
         self._scrape = _Sampled(self._run_collectors, self.registry)
@@ -79,12 +86,16 @@ class Metrics(MetricSeries):
         """The metrics of a scheduler serving ``model``, with the latency buckets ``settings`` give."""
         from services.settings.checks import parse_buckets
 
-        return cls(
+        metrics = cls(
             model,
             max_depth,
             request_buckets=parse_buckets(settings.request_latency_buckets),
             token_buckets=parse_buckets(settings.token_latency_buckets),
+            cache_s=settings.metrics_cache_s,
         )
+        if settings.metrics_vllm_names:
+            metrics.registry.register(VllmNames(metrics))
+        return metrics
 
     def add_collector(self, collect: Callable[[Metrics], None]) -> None:
         """Run ``collect(self)`` before every scrape (``collect``, ``render``, ``exposition``): sample gauges and
@@ -280,7 +291,13 @@ class Metrics(MetricSeries):
         """(body, content type) of a scrape whose ``Accept`` header is ``accept``: OpenMetrics when it asks for
         ``application/openmetrics-text``, else the Prometheus text format (0.0.4, or 1.0.0 when asked)."""
         encoder, content_type = choose_encoder(accept or "")
-        return encoder(self._scrape), content_type
+        now = time.monotonic()
+        cached = self._cached.get(content_type)
+        if cached is not None and now - cached[0] < self.cache_s:
+            return cached[1], content_type
+        body = encoder(self._scrape)
+        self._cached[content_type] = (now, body)
+        return body, content_type
 
     def render(self) -> str:
         """The Prometheus text exposition (0.0.4, ``CONTENT_TYPE``) of every metric, after running the collectors."""

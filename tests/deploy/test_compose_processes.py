@@ -154,7 +154,7 @@ def test_with_front_ends_every_process_reaches_ready_and_the_public_port_streams
     deadline = time.monotonic() + 30
     while True:  # the front ends relay their request metrics every 50 ms
         with urllib.request.urlopen(f"http://127.0.0.1:{front_tree.metrics_port}/metrics", timeout=10) as resp:
-            counted = [ln for ln in resp.read().decode().splitlines() if ln.startswith("cdb_generation_tokens_total ")]
+            counted = [ln for ln in resp.read().decode().splitlines() if ln.startswith("cdb_generation_tokens_total{")]
         if (counted and float(counted[0].split()[1]) >= 7) or time.monotonic() > deadline:
             break
         time.sleep(0.1)

@@ -284,7 +284,7 @@ def test_health_and_metrics(api: Served, client: openai.OpenAI) -> None:
     status, headers, body = api.request("GET", "/metrics")
     assert status == 200 and headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
     samples = dict(line.rsplit(" ", 1) for line in body.decode().splitlines() if line and not line.startswith("#"))
-    assert float(samples["cdb_generation_tokens_total"]) >= 2
+    assert float(samples[f'cdb_generation_tokens_total{{model_name="{MODEL}"}}']) >= 2
     assert float(samples[f'cdb_requests_finished_total{{finish_reason="length",model_name="{MODEL}"}}']) >= 1
 
 

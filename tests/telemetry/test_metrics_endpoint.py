@@ -69,9 +69,13 @@ M = 'model_name="ouro-tiny"'  # the request series' label, last
 SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(?:[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\]|\\.)*",?)*\})? (\S+)$')
 
 
+MODEL_NAME = re.compile(r',?model_name="(?:[^"\\]|\\.)*"')
+
+
 def parse(text: str) -> tuple[dict[str, str], dict[str, float]]:
     """Minimal Prometheus 0.0.4 parser: (metric family → type, 'name{labels}' → value). Asserts well-formed (the
-    library's own parser too)."""
+    library's own parser too), and that every cdb series carries ``model_name``; each sample is under its key both
+    with and without that label (``name{le="1.0"}`` and ``name{le="1.0",model_name="m"}``)."""
     assert list(parse_prometheus(text))
     types: dict[str, str] = {}
     samples: dict[str, float] = {}
@@ -88,7 +92,12 @@ def parse(text: str) -> tuple[dict[str, str], dict[str, float]]:
             assert m, f"malformed sample line: {line!r}"
             family = re.sub(r"_(bucket|sum|count)$", "", m.group(1))
             assert m.group(1) in types or family in types, f"sample before its TYPE: {line!r}"
-            samples[m.group(1) + (m.group(2) or "")] = float(m.group(3))
+            key = m.group(1) + (m.group(2) or "")
+            samples[key] = float(m.group(3))
+            if m.group(1).startswith("cdb_") and not m.group(1).endswith("_created"):
+                assert "model_name=" in key, f"a cdb series without model_name: {line!r}"
+                bare = MODEL_NAME.sub("", key).replace("{,", "{").replace("{}", "")
+                samples.setdefault(bare, float(m.group(3)))
     return types, samples
 
 
@@ -230,7 +239,8 @@ def test_gzip_and_name_filter_of_the_library_app(server: tuple[Metrics, MetricsS
     metrics.add_collector(lambda m: m.set_queue_sizes(waiting=4, running=1))
     status, _, text = _get(srv, "/metrics?name[]=cdb_requests_waiting", **{"Accept-Encoding": "gzip"})
     types, s = parse(text)
-    assert status == 200 and types == {"cdb_requests_waiting": "gauge"} and s == {"cdb_requests_waiting": 4}
+    assert status == 200 and types == {"cdb_requests_waiting": "gauge"}
+    assert s == {"cdb_requests_waiting": 4, f"cdb_requests_waiting{{{M}}}": 4}
 
 
 def test_each_metrics_has_its_own_registry() -> None:

@@ -60,9 +60,13 @@ def test_kv_cache_usage_is_a_ratio() -> None:
     assert m.kv_usage.value() == 1.0
 
 
-def test_request_series_carry_the_model_name() -> None:
+def test_every_series_carries_the_model_name() -> None:
     m = Metrics(model="ouro-kjv")
-    _, fresh = parse(m.render())
+    m.set_stages_attached(True)
+    text = m.render()
+    cdb = [ln for ln in text.splitlines() if ln.startswith("cdb_") and "_created" not in ln.split(" ")[0]]
+    assert cdb and all(f"{MODEL}" in ln for ln in cdb), [ln for ln in cdb if MODEL not in ln]
+    _, fresh = parse(text)
     # every request histogram exists (at zero) from the start, with the model's label
     for name in (
         "cdb_time_to_first_token_seconds",
@@ -74,7 +78,6 @@ def test_request_series_carry_the_model_name() -> None:
         "cdb_request_generation_tokens",
     ):
         assert fresh[f"{name}_count{{{MODEL}}}"] == 0, name
-        assert f"{name}_count" not in fresh, name
     m.observe_request_end(1.5, "stop")
     m.observe_rejected("INVALID_ARGUMENT")
     _, s = parse(m.render())
@@ -82,7 +85,8 @@ def test_request_series_carry_the_model_name() -> None:
     assert s[f'cdb_requests_rejected_total{{code="INVALID_ARGUMENT",{MODEL}}}'] == 1
     assert s[f"cdb_e2e_request_latency_seconds_count{{{MODEL}}}"] == 1
     assert m.finished.value("stop") == 1  # the typed API still takes only the caller's labels
-    assert 'cdb_requests_waiting{model_name="ouro-kjv"}' not in s and "cdb_requests_waiting" in s  # gauges: none
+    assert s['cdb_requests_waiting{model_name="ouro-kjv"}'] == 0  # the gauges too (a gateway reads them per model)
+    assert s['cdb_stages_attached{model_name="ouro-kjv"}'] == 1
 
 
 def test_a_finished_request_records_tpot_and_token_counts() -> None:
@@ -244,3 +248,38 @@ def test_the_protocol_chooses_the_exporter(monkeypatch: pytest.MonkeyPatch) -> N
     assert all(isinstance(e, OtlpHttpExporter) for e in _otlp_pair())
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "grpc")  # the per-signal variable wins
     assert all(isinstance(e, OtlpExporter) for e in _otlp_pair())
+
+
+def test_vllm_names_are_opt_in_and_carry_the_same_samples() -> None:
+    from services.settings import Settings
+    from services.telemetry.vllm_names import NAMES
+
+    plain = Metrics.from_settings("ouro-kjv", 4, Settings())
+    assert "vllm:" not in plain.render()
+    m = Metrics.from_settings("ouro-kjv", 4, Settings(metrics_vllm_names=True))
+    m.set_queue_sizes(waiting=3, running=2)
+    m.set_kv_blocks(used=16, total=64)
+    m.observe_admitted(prompt_tokens=9)
+    m.observe_ttft(0.02)
+    m.observe_request_end(0.5, "stop")
+    _, s = parse(m.render())
+    assert s[f"vllm:num_requests_waiting{{{MODEL}}}"] == 3 and s[f"vllm:num_requests_running{{{MODEL}}}"] == 2
+    assert s[f"vllm:kv_cache_usage_perc{{{MODEL}}}"] == s[f"vllm:gpu_cache_usage_perc{{{MODEL}}}"] == 0.25
+    assert s[f"vllm:prompt_tokens_total{{{MODEL}}}"] == 9
+    assert s[f"vllm:time_to_first_token_seconds_count{{{MODEL}}}"] == 1
+    assert s[f'vllm:request_success_total{{finish_reason="stop",{MODEL}}}'] == 1
+    assert {n for names in NAMES.values() for n in names} <= {k.split("{")[0].removesuffix("_total") for k in s} | {
+        k.split("{")[0].rsplit("_", 1)[0] for k in s
+    }
+
+
+def test_a_scrape_within_the_cache_time_gets_the_last_body() -> None:
+    cached, fresh = Metrics(model="ouro-kjv", cache_s=3600.0), Metrics(model="ouro-kjv")
+    for m in (cached, fresh):
+        m.set_queue_sizes(waiting=1, running=1)
+        first = m.exposition(None)[0]
+        m.set_queue_sizes(waiting=7, running=1)
+        again = m.exposition(None)[0]
+        assert (again == first) is (m is cached)
+    assert b"cdb_requests_waiting" in cached.exposition("application/openmetrics-text")[0]  # per format
+    assert parse(cached.render())[1]["cdb_requests_waiting"] == 7  # render(): never cached
