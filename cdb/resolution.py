@@ -48,8 +48,9 @@ SETTING_FLAGS = {
     "api_keys_file": "api_keys_file",
     "chat_template": "chat_template",
     "frontends": "frontends",
+    "log_dir": "log_dir",
 }
-_PATH_FLAGS = ("tls_cert", "tls_key", "tls_client_ca", "api_keys_file")
+_PATH_FLAGS = ("tls_cert", "tls_key", "tls_client_ca", "api_keys_file", "log_dir")
 _ADDRESS_FLAGS = {"metrics_listen": "--metrics-listen", "http": "--http"}
 
 

@@ -84,6 +84,13 @@ def serve_parser(conf: Configuration) -> argparse.ArgumentParser:
     add_served_name_arg(parser)
     add_chat_template_arg(parser)
     add_log_args(parser, conf)
+    parser.add_argument(
+        "--log-dir",
+        metavar="DIR",
+        default=conf.settings.log_dir or None,
+        help="also keep each process's log lines in DIR/NAME.log (they are on this command's stderr either way; "
+        "also CDB_LOG_DIR)",
+    )
     add_public_port_args(parser)
     add_vllm_args(parser)
     return parser

@@ -10,6 +10,8 @@ import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
+from prometheus_client.parser import text_string_to_metric_families
+
 
 def cpu_self() -> float:
     r = resource.getrusage(resource.RUSAGE_SELF)
@@ -29,18 +31,18 @@ def host_cpu() -> dict[str, float]:
 
 
 def scrape(url: str) -> dict[str, float]:
-    """The scheduler's counters this benchmark reads, from its Prometheus exposition."""
+    """The scheduler's counters this benchmark reads, from its Prometheus exposition (by name and label, whatever
+    other labels a series carries: ``model_name``)."""
     text = urllib.request.urlopen(url, timeout=10).read().decode()
     out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("cdb_engine_thread_cpu_seconds_total{"):
-            part = line.split('part="', 1)[1].split('"', 1)[0]
-            out[f"cpu_{part}"] = float(line.rsplit(" ", 1)[1])
-        elif line.startswith(("cdb_loop_steps_total ", "cdb_generation_tokens_total ")):
-            name, value = line.split()
-            out[name] = float(value)
-        elif line.startswith('cdb_stage_compute_seconds_count{stage="loop"}'):
-            out["loop_ops"] = float(line.rsplit(" ", 1)[1])
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "cdb_engine_thread_cpu_seconds_total":
+                out[f"cpu_{sample.labels['part']}"] = sample.value
+            elif sample.name in ("cdb_loop_steps_total", "cdb_generation_tokens_total"):
+                out[sample.name] = sample.value
+            elif sample.name == "cdb_stage_compute_seconds_count" and sample.labels.get("stage") == "loop":
+                out["loop_ops"] = sample.value
     return out
 
 

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 import sys
+import tempfile
 import threading
 
+from cdb_engine.config import EngineConfig
 from cdb_engine.limits import describe, resolve_limits
 from cdb_model.loader import load_config
+from services.launcher.log_relay import LogRelay
 from services.launcher.supervisor import ServeHandle
 from services.launcher.tree import serve_all
+from services.settings.knobs import Settings
 from services.settings.resolved import Resolved
 
 
@@ -35,9 +40,20 @@ def serve_forever(resolved: Resolved, listen: str = "127.0.0.1:50051") -> int:
     """Run the tree with ``resolved`` in the foreground until SIGTERM / Ctrl-C / SIGHUP (exit 0), or until the
     supervisor gives up on a child or cannot restart it (exit 1)."""
     config, settings = resolved.engine, resolved.settings
+    with tempfile.TemporaryDirectory(prefix="cdb-logs-") as scratch:
+        if not settings.log_dir:  # the children's files are relayed, then deleted with the folder
+            settings = dataclasses.replace(settings, log_dir=scratch)
+        relay = LogRelay(settings.log_dir, sys.stderr, json_lines=settings.log_format == "json").start()
+        try:
+            return _serve(config, settings, listen)
+        finally:
+            relay.stop()
+
+
+def _serve(config: EngineConfig, settings: Settings, listen: str) -> int:
     try:
         handle = serve_all(config, listen, settings=settings)
-    except RuntimeError as exc:  # a child failed to start: its log tail follows the first line
+    except RuntimeError as exc:  # a child failed to start: its last lines follow the first line
         print(f"cdb serve: {exc}", file=sys.stderr)
         return 1
     stop = stop_signals()

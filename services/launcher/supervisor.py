@@ -61,6 +61,7 @@ class ServeHandle:
 
     def __init__(self, workdir: str, settings: Settings) -> None:
         self.workdir = workdir
+        self.log_dir = settings.log_dir or workdir  # each child's NAME.log (CDB_LOG_DIR: kept after the tree)
         self.settings = settings
         self.address = ""
         self.stage_addrs: dict[Stage, str] = {}
@@ -162,9 +163,9 @@ class ServeHandle:
         child_env[PARENT_ENV] = str(os.getpid())
         zygote = self._zygote_for(child, child_env)
         if zygote is not None:  # (argv: ``-m cdb stage ...``)
-            return zygote.spawn(child.argv[2:], child_env, os.path.join(self.workdir, f"{child.name}.log"))
+            return zygote.spawn(child.argv[2:], child_env, self.log_path(child.name))
         try:
-            with open(os.path.join(self.workdir, f"{child.name}.log"), "ab") as out:
+            with open(self.log_path(child.name), "ab") as out:
                 # A session of its own: a terminal's Ctrl-C reaches the launcher only, which stops the children
                 # in order.
                 return subprocess.Popen(
@@ -187,7 +188,7 @@ class ServeHandle:
         else:
             document = child.argv[child.argv.index("--resolved-config") + 1]
             try:
-                self._zygote = Zygote(self.python, document, env, os.path.join(self.workdir, "zygote.log"))
+                self._zygote = Zygote(self.python, document, env, self.log_path("zygote"))
             except OSError as exc:
                 problem = str(exc)
         if problem is not None:
@@ -288,9 +289,18 @@ class ServeHandle:
         procs = (*self.frontends, self.scheduler, *self.stages.values(), *self.standbys.values())
         return [p for p in procs if p is not None]
 
+    def log_path(self, name: str) -> str:
+        """Where the child ``name`` writes its output."""
+        return os.path.join(self.log_dir, f"{name}.log")
+
+    def exited(self, name: str) -> bool:
+        """Whether the child ``name`` was started and has exited (for error messages)."""
+        child = self._children.get(name)
+        return child is not None and child.proc is not None and child.proc.poll() is not None
+
     def log(self, name: str) -> str:
         """A child's output so far (``scheduler`` or a role name); for error messages and tests."""
-        path = os.path.join(self.workdir, f"{name}.log")
+        path = self.log_path(name)
         return Path(path).read_text(errors="replace") if os.path.exists(path) else ""
 
     def stop(self, drain_timeout: float | None = None) -> None:

@@ -64,6 +64,8 @@ def _start_tree(
         settings = dataclasses.replace(settings, metrics_addr=metrics_listen)
     sweep_stale_segments()  # what trees SIGKILLed whole left behind (their owners are gone)
     workdir = tempfile.mkdtemp(prefix="cdb-serve-")
+    if settings.log_dir:
+        os.makedirs(settings.log_dir, exist_ok=True)
     if not (settings.stage_secret_file or settings.stage_secret):
         secret_file = os.path.join(workdir, "stage.secret")
         create_secret_file(secret_file)
@@ -79,13 +81,19 @@ def _start_tree(
         _wait_until_ready(handle, fronts, document, env)
         handle.supervise()
     except BaseException as exc:
-        logged = ("scheduler", *Stage.roles(), *(f"{FRONTEND_PREFIX}{i}" for i in range(fronts)))
-        logs = "\n".join(f"--- {n}.log ---\n{handle.log(n)[-2000:]}" for n in logged)
+        logs = _failed_logs(handle, ("scheduler", *Stage.roles(), *(f"{FRONTEND_PREFIX}{i}" for i in range(fronts))))
         handle.stop(drain_timeout=0.0)
         if isinstance(exc, RuntimeError):
             raise RuntimeError(f"{exc}\n{logs}") from exc
         raise
     return handle
+
+
+def _failed_logs(handle: ServeHandle, names: tuple[str, ...], lines: int = 20) -> str:
+    """The last ``lines`` lines of the children that exited (of every child named when none has)."""
+    failed = [n for n in names if handle.exited(n)] or list(names)
+    tails = ("\n".join(handle.log(n).splitlines()[-lines:]) for n in failed)
+    return "\n".join(f"--- {n} (last lines of {handle.log_path(n)}) ---\n{tail}" for n, tail in zip(failed, tails))
 
 
 def _ready_file(handle: ServeHandle, name: str) -> str:

@@ -71,6 +71,7 @@ launcher's document), ``resolved`` (``Resolved``, the record a tree hands its ch
 | ``CDB_RESTART_BACKOFF_S`` | 0.5 | delay of a child's 2nd restart in a row (the 1st is at once); doubles per restart |
 | ``CDB_RESTART_BACKOFF_MAX_S`` | 30 | longest delay between two restarts of a failing child |
 | ``CDB_LOG_LEVEL`` | info | log level of every process of the tree: debug, info, warning or error |
+| ``CDB_LOG_DIR`` | (unset) | folder where each process of a tree writes NAME.log, kept; empty: a temporary one |
 | ``CDB_LOG_FORMAT`` | text | log lines as text, or json: one JSON object per line |
 | ``CDB_REQUEST_LOG`` | false | log a line per finished request: id, caller, tokens, depth, reason, latency |
 | ``CDB_THROUGHPUT_LOG_INTERVAL_S`` | 10 | period of the scheduler's throughput log line; 0: none |

@@ -135,6 +135,7 @@ class Settings:
     restart_backoff_max_s: float = _help("longest delay between two restarts of a failing child", 30.0)
     # --- logs and metrics
     log_level: str = _help("log level of every process of the tree: debug, info, warning or error", "info")
+    log_dir: str = _help("folder where each process of a tree writes NAME.log, kept; empty: a temporary one", "")
     log_format: str = _help("log lines as text, or json: one JSON object per line", "text")
     request_log: bool = _help("log a line per finished request: id, caller, tokens, depth, reason, latency", False)
     throughput_log_interval_s: float = _help("period of the scheduler's throughput log line; 0: none", 10.0)
