@@ -1,10 +1,14 @@
 # syntax=docker/dockerfile:1
-# One image for the whole process tree. Its default command serves: `cdb serve` runs the scheduler and the three
-# stage servers in this one container, on the shipped model (ouro-kjv); docker-compose.yml and the Kubernetes
-# manifests (deploy/k8s) instead run each process in a container of its own (`cdb stage` / `cdb scheduler`).
+# One image for the whole process tree. Its entrypoint serves: `cdb serve` runs the scheduler and the three stage
+# servers in this one container, on the shipped model (ouro-kjv) unless a model is given, and the arguments of
+# `docker run IMAGE ...` pass through to it as vLLM's image does; docker-compose.yml and the Kubernetes manifests
+# (deploy/k8s) instead run each process in a container of its own (`cdb stage` / `cdb scheduler`, their own
+# entrypoint and command).
 #   docker build -t cdb:latest .                                    CPU torch (default)
 #   docker build -t cdb:gpu --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 .
 #   docker run --init --shm-size 1g -p 127.0.0.1:50051:50051 -p 127.0.0.1:8000:8000 cdb:latest
+#   docker run --init --gpus all --shm-size 8g -p 127.0.0.1:8000:8000 -v ~/.cache/huggingface:/models/hf:ro \
+#       cdb:gpu ByteDance/Ouro-1.4B --max-model-len 8192      a model from the host's Hugging Face cache
 # Inside the container it listens on 0.0.0.0; what the host publishes decides the exposure (keep 127.0.0.1 unless
 # TLS or API keys are configured: CDB_TLS_CERT/CDB_TLS_KEY, CDB_API_KEYS_FILE). With --read-only, also pass
 # --tmpfs /tmp: `cdb serve` keeps its sockets and stage secret in a private folder there.
@@ -63,4 +67,12 @@ ENV CDB_HTTP_ADDR=0.0.0.0:8000
 # 50051: public gRPC API; 8000: OpenAI-compatible HTTP API; 9464: Prometheus metrics (all the scheduler's).
 EXPOSE 50051 8000 9464
 
-CMD ["python", "-m", "cdb", "serve", "--listen", "0.0.0.0:50051", "--metrics-listen", "0.0.0.0:9464"]
+# The Hugging Face cache, mounted read-only (models are never downloaded): `cdb serve ORG/NAME` finds them here.
+ENV HF_HOME=/models/hf
+
+ENTRYPOINT ["python", "-m", "cdb", "serve", "--listen", "0.0.0.0:50051", "--metrics-listen", "0.0.0.0:9464"]
+CMD []
+
+# Ready: the scheduler's grpc.health.v1 says SERVING (a first start loads the model: a long start period).
+HEALTHCHECK --interval=10s --timeout=5s --start-period=300s --retries=3 \
+    CMD ["python", "-m", "services.healthcheck", "127.0.0.1:50051", "--timeout", "3"]

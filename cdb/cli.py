@@ -32,15 +32,22 @@ COMMANDS = {
 
 
 def _presets(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="cdb presets", description="the built-in presets with their F0/Fr")
+    parser = argparse.ArgumentParser(
+        prog="cdb presets", description="the shipped models and the built-in presets, with their F0/Fr"
+    )
     parser.parse_args(argv)
+    from cdb_model.loader import DEFAULT_MODEL, load_config, shipped_models
     from cdb_model.presets import preset_config, preset_names
 
-    print(f"{'preset':<14} {'arch':<7} {'F0':>10} {'Fr':>10} {'F0/Fr':>7} {'max depth':>9}")
-    for name in preset_names():
-        c = preset_config(name)
+    rows = [
+        (f"{name}{' *' if name == DEFAULT_MODEL else ''}", "shipped", load_config(name)) for name in shipped_models()
+    ]
+    rows += [(name, "preset", preset_config(name)) for name in preset_names()]
+    print(f"{'model':<14} {'kind':<8} {'arch':<7} {'F0':>10} {'Fr':>10} {'F0/Fr':>7} {'max depth':>9}")
+    for name, kind, c in rows:
         f0, fr = c.param_counts()
-        print(f"{name:<14} {c.arch:<7} {f0:>10} {fr:>10} {f0 / fr:>7.3f} {c.max_depth:>9}")
+        print(f"{name:<14} {kind:<8} {c.arch:<7} {f0:>10} {fr:>10} {f0 / fr:>7.3f} {c.max_depth:>9}")
+    print("* the default model (cdb serve, cdb demo); shipped: trained weights in models/; presets: random weights")
     return 0
 
 

@@ -105,6 +105,12 @@ def resolve_source(source: str) -> str:
     return source
 
 
+def shipped_models() -> list[str]:
+    """The names of the models shipped with the project (folders of ``models/`` with a ``config.json``)."""
+    names = {p.parent.name for base in SHIPPED_MODELS if base.is_dir() for p in base.glob("*/config.json")}
+    return sorted(names)
+
+
 def is_preset(source: str | Path) -> bool:
     """True for a built-in preset name (random weights, no files)."""
     return isinstance(source, str) and source in preset_names()

@@ -231,3 +231,13 @@ def test_cdb_version_prints_the_projects_version(argv: list[str], capsys: pytest
         cli.main(argv)
     assert exit_.value.code == 0
     assert capsys.readouterr().out == f"cdb {version}\n"
+
+
+def test_cdb_presets_lists_the_default_model_first(capsys: pytest.CaptureFixture[str]) -> None:
+    from cdb.cli import _presets
+    from cdb_model.loader import DEFAULT_MODEL
+
+    assert _presets([]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].split()[:3] == [DEFAULT_MODEL, "*", "shipped"]
+    assert any(line.startswith("ouro-tiny ") for line in lines) and "default model" in lines[-1]

@@ -42,6 +42,8 @@ class ApiContext:
         self.created = int(time.time())
         # sampling defaults of unset fields, max_new_tokens
         self.generation = load_generation_defaults(prep.config.model)
+        # requests the engine holds at once (resident + waiting): a body of more choices could never be admitted
+        self.capacity = prep.config.max_num_seqs + prep.config.max_waiting
 
     def authorized(self, request: Request) -> None:
         why = self.auth.refusal(request.headers.items())

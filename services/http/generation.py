@@ -65,6 +65,7 @@ class GenerationRoutes:
                     streaming=stream,
                 )
                 calls.append(call)
+                choice.render.prompt_tokens = len(call.prompt_ids)
                 if echo is not None:
                     echo(choice, call)
         except Exception as exc:
@@ -89,7 +90,7 @@ class GenerationRoutes:
         ctx.check_model(body.model)
         prompts = body.prompts()
         try:
-            body.check_choices(len(prompts))
+            body.check_choices(len(prompts), ctx.capacity)
             response_id = f"cmpl-{base_id(request, body)}"
         except InvalidRequest as exc:
             return _refused(exc, FIELDS)
@@ -101,6 +102,7 @@ class GenerationRoutes:
                     served,
                     prep.tokenizer,
                     include_usage=body.include_usage,
+                    continuous_usage=body.continuous_usage,
                     logprobs=body.logprobs is not None,
                     index=index,
                     sample=sample,
@@ -134,7 +136,7 @@ class GenerationRoutes:
         ctx.check_model(body.model)
         fields = {**CHAT_FIELDS, "max_tokens": body.max_tokens_field}
         try:
-            body.check_choices()
+            body.check_choices(capacity=ctx.capacity)
             response_id = f"chatcmpl-{base_id(request, body)}"
         except InvalidRequest as exc:
             return _refused(exc, fields)
@@ -158,6 +160,7 @@ class GenerationRoutes:
                     served,
                     prep.tokenizer,
                     include_usage=body.include_usage,
+                    continuous_usage=body.continuous_usage,
                     logprobs=body.logprobs,
                     index=sample,
                     sample=sample,

@@ -37,6 +37,7 @@ class Render:
         tokenizer: Tokenizer,
         *,
         include_usage: bool = False,
+        continuous_usage: bool = False,
         logprobs: bool = False,
         index: int = 0,
         sample: int = 0,
@@ -45,6 +46,8 @@ class Render:
         (the usage counts a prompt's tokens once, with its sample 0)."""
         self.id, self.model, self.tokenizer = response_id, model, tokenizer
         self.include_usage = include_usage
+        self.continuous_usage = continuous_usage  # every chunk carries the usage so far (vLLM's stream option)
+        self.prompt_tokens = 0  # set once the request is admitted (its tokenized prompt)
         self.logprobs = logprobs
         self.index, self.sample = index, sample
         self.created = int(time.time())
@@ -108,7 +111,14 @@ class Render:
             "model": self.model,
             "choices": choices,
         }
-        if self.include_usage and usage:
+        if self.continuous_usage and usage:
+            n = len(self.depths)
+            out["usage"] = {
+                "prompt_tokens": self.prompt_tokens,
+                "completion_tokens": n,
+                "total_tokens": self.prompt_tokens + n,
+            }
+        elif self.include_usage and usage:
             out["usage"] = None
         return out
 

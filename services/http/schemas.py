@@ -48,7 +48,7 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     include_usage: StrictBool = False
-    continuous_usage_stats: StrictBool = False  # vLLM's: usage in every chunk (refused)
+    continuous_usage_stats: StrictBool = False  # vLLM's: the usage so far in every chunk
 
 
 class ResumeState(BaseModel):
@@ -106,8 +106,6 @@ class _Common(BaseModel):
     def refuse_unsupported(self) -> None:
         """``InvalidRequest`` naming the first field set to something the engine cannot do."""
         refuse_unhonoured(self.model_extra)
-        if self.stream_options is not None and self.stream_options.continuous_usage_stats:
-            raise InvalidRequest("stream_options", "continuous_usage_stats is not supported (include_usage is)")
         if self.response_format and self.response_format.get("type", "text") != "text":
             raise InvalidRequest("response_format", "only {'type': 'text'} is supported")
 
@@ -153,15 +151,17 @@ class _Common(BaseModel):
         """``n``: samples per prompt."""
         return 1 if self.n is None else self.n
 
-    def check_choices(self, prompts: int = 1) -> None:
-        """``InvalidRequest`` for an ``n`` out of range or more than ``MAX_CHOICES`` choices (before any work)."""
+    def check_choices(self, prompts: int = 1, capacity: int = MAX_CHOICES) -> None:
+        """``InvalidRequest`` for an ``n`` out of range or more choices than ``MAX_CHOICES`` or the server's
+        ``capacity`` (the requests it holds at once: a body beyond it could never be admitted whole; before any
+        work)."""
         if self.samples < 1:
             raise InvalidRequest("n", f"must be >= 1, got {self.n}")
-        if prompts * self.samples > MAX_CHOICES:
+        limit = min(MAX_CHOICES, capacity)
+        if prompts * self.samples > limit:
             field = "n" if self.samples > 1 else "prompt"
-            raise InvalidRequest(
-                field, f"{prompts} prompts x n {self.samples} exceed {MAX_CHOICES} choices per request"
-            )
+            held = "choices per request" if limit == MAX_CHOICES else "requests this server holds at once"
+            raise InvalidRequest(field, f"{prompts} prompts x n {self.samples} exceed the {limit} {held}")
         if self.resume is not None and prompts * self.samples > 1:
             raise InvalidRequest("resume", "continues one broken stream: send one prompt and n = 1")
 
@@ -188,6 +188,10 @@ class _Common(BaseModel):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
 
 
 class CompletionRequest(_Common):

@@ -219,7 +219,7 @@ def test_the_four_processes_run_one_config(compose: dict[str, Any], env: dict[st
     scheduler runs the config the launcher would give its children."""
     config = check_consistent(_processes(interpolate(compose, env)["services"]))
     if not env:
-        assert config == EngineConfig(model="ouro-tiny"), "the defaults: auto dtype (float32 here), auto threshold"
+        assert config == EngineConfig(model="ouro-kjv"), "the defaults: auto dtype (float32 here), auto threshold"
     else:
         want = EngineConfig(model="huginn-tiny", dtype="float64", exit_threshold=0.3, max_num_seqs=8)
         assert config == want, "the host's values reach all four"
@@ -250,7 +250,7 @@ def test_public_override_turns_on_tls_and_api_keys(compose: dict[str, Any]) -> N
     env = scheduler["environment"]
     assert env["CDB_TLS_CERT"] == "/etc/cdb/tls/tls.crt" and env["CDB_TLS_KEY"] == "/etc/cdb/tls/tls.key"
     assert env["CDB_API_KEYS_FILE"] == "/etc/cdb/tls/api-keys" and env["CDB_TLS_CLIENT_CA"] == ""
-    assert env["CDB_MODEL"] == "ouro-tiny", "the base environment stays"
+    assert env["CDB_MODEL"] == "ouro-kjv", "the base environment stays"
     assert scheduler["healthcheck"]["test"] == ["NONE"], "the plaintext probe cannot speak TLS"
     for role in STAGES:
         assert "CDB_TLS_CERT" not in merged[role]["environment"], "the stage plane stays on loopback"

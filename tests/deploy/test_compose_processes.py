@@ -145,7 +145,7 @@ def test_with_front_ends_every_process_reaches_ready_and_the_public_port_streams
     with Client(front_tree.addr[f"{FRONTEND_SERVICE}-1"], timeout=60) as client:
         result = client.generate([1, 2, 3], max_tokens=4, ignore_eos=True)
     assert len(result.token_ids) == 4
-    body = json.dumps({"model": "ouro-tiny", "prompt": "Hi", "max_tokens": 3, "ignore_eos": True}).encode()
+    body = json.dumps({"model": "ouro-kjv", "prompt": "Hi", "max_tokens": 3, "ignore_eos": True}).encode()
     request = urllib.request.Request(
         f"http://127.0.0.1:{front_tree.http_port}/v1/completions", body, {"content-type": "application/json"}
     )

@@ -58,18 +58,18 @@ def test_parser() -> None:
     assert parse(text) == [("FROM", "a"), ("RUN", "x && y"), ("CMD", '["p", "q"]')]
 
 
-def test_default_command_serves_the_whole_tree(instructions: list[tuple[str, str]]) -> None:
-    assert _all(instructions, "ENTRYPOINT") == [], "CMD alone: compose and Kubernetes replace it with one process"
-    (cmd,) = _all(instructions, "CMD")
-    argv = json.loads(cmd)  # exec form: no shell in between, SIGTERM reaches `cdb serve` itself
+def test_the_entrypoint_serves_the_whole_tree_and_takes_the_run_arguments(instructions: list[tuple[str, str]]) -> None:
+    (entry,) = _all(instructions, "ENTRYPOINT")
+    assert _all(instructions, "CMD") == ["[]"], "docker run IMAGE MODEL --flag ...: the arguments go to cdb serve"
+    argv = json.loads(entry)  # exec form: no shell in between, SIGTERM reaches `cdb serve` itself
     assert argv[:4] == ["python", "-m", "cdb", "serve"]
     assert flag_values(argv, "--listen") == ["0.0.0.0:50051"], "all interfaces inside; the host binding restricts"
     assert flag_values(argv, "--metrics-listen") == ["0.0.0.0:9464"]
 
 
 def test_default_command_flags_exist() -> None:
-    """Every flag of the CMD is one that ``cdb serve`` takes (asks the real parser, without serving)."""
-    (cmd,) = _all(parse(DOCKERFILE.read_text()), "CMD")
+    """Every flag of the entrypoint is one that ``cdb serve`` takes (asks the real parser, without serving)."""
+    (cmd,) = _all(parse(DOCKERFILE.read_text()), "ENTRYPOINT")
     flags = [a for a in json.loads(cmd) if a.startswith("--")]
     run = subprocess.run(
         [sys.executable, "-m", "cdb", "serve", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120
@@ -149,3 +149,19 @@ def test_the_image_runs_the_compiled_scheduler(instructions: list[tuple[str, str
 def test_dockerignore_keeps_only_the_shipped_model() -> None:
     ignored = (ROOT / ".dockerignore").read_text().split()
     assert {".git", ".venv", "tests", "models/*", "!models/ouro-kjv"} <= set(ignored)
+
+
+def test_the_health_check_asks_the_served_port(instructions: list[tuple[str, str]]) -> None:
+    (check,) = _all(instructions, "HEALTHCHECK")
+    options, _, cmd = check.partition(" CMD ")
+    argv = json.loads(cmd)
+    assert argv[:3] == ["python", "-m", "services.healthcheck"]
+    (entry,) = _all(instructions, "ENTRYPOINT")
+    port = flag_values(json.loads(entry), "--listen")[0].rsplit(":", 1)[1]
+    assert argv[3] == f"127.0.0.1:{port}" and "--start-period=" in options
+
+
+def test_compose_runs_its_own_commands_not_the_entrypoint() -> None:
+    services = interpolate(load(), {})["services"]
+    cdb = [name for name, svc in services.items() if str(svc.get("image", "")).startswith("cdb")]
+    assert cdb and all(services[name].get("entrypoint") == [] for name in cdb), "entrypoint reset, command runs"

@@ -189,3 +189,13 @@ def test_a_refused_choice_refuses_the_request_and_ends_the_choices_admitted_befo
     wait_until(lambda: not api.on_loop(lambda: dict(api.door.live)), "the admitted choices to end")
     wait_until(lambda: api.engine.stats().running == 0 and api.engine.stats().waiting == 0, "an idle engine")
     assert api.engine.stats().used_kv_blocks == 0
+
+
+def test_more_choices_than_the_server_holds_is_a_400_naming_n_not_an_overload() -> None:
+    with served(replace(TINY, max_waiting=8)) as api:  # holds 4 resident + 8 waiting requests at once
+        body = {"model": "ouro-tiny", "prompt": "hi", "max_tokens": 1, "n": 13}
+        status, _, raw = api.request("POST", "/v1/completions", body)
+        error = json.loads(raw)["error"]
+        assert status == 400 and error["param"] == "n" and "12 requests this server holds" in error["message"]
+        status, _, raw = api.request("POST", "/v1/completions", {**body, "n": 12})
+        assert status == 200 and len(json.loads(raw)["choices"]) == 12

@@ -161,5 +161,15 @@ def test_tool_choice_that_asks_for_a_tool_call_is_refused(api: Served) -> None:
     assert status == 400 and body["error"]["param"] == "tool_choice"
     status, _, body = completion(api, response_format={"type": "json_object"})
     assert status == 400 and body["error"]["param"] == "response_format"
-    status, _, body = completion(api, stream=True, stream_options={"continuous_usage_stats": True})
-    assert status == 400 and body["error"]["param"] == "stream_options"
+
+
+def test_continuous_usage_stats_puts_the_usage_so_far_in_every_chunk(api: Served) -> None:
+    body = {"model": "ouro-kjv", "prompt": "And God said", "max_tokens": 5, "temperature": 0, "ignore_eos": True}
+    body |= {"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    status, _, raw = api.request("POST", "/v1/completions", body)
+    chunks = [json.loads(e.removeprefix("data: ")) for e in raw.decode().split("\n\n") if e and e != "data: [DONE]"]
+    assert status == 200 and chunks
+    counts = [c["usage"]["completion_tokens"] for c in chunks if c["choices"]]
+    prompt = {c["usage"]["prompt_tokens"] for c in chunks}
+    assert counts == sorted(counts) and counts[-1] == 5 and len(prompt) == 1 and prompt.pop() > 0
+    assert chunks[-1]["usage"]["total_tokens"] == chunks[-1]["usage"]["prompt_tokens"] + 5  # the closing usage
