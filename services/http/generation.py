@@ -65,7 +65,7 @@ class GenerationRoutes:
                     streaming=stream,
                 )
                 calls.append(call)
-                choice.render.prompt_tokens = len(call.prompt_ids)
+                choice.render.prompt_ids = list(call.prompt_ids)
                 if echo is not None:
                     echo(choice, call)
         except Exception as exc:
@@ -103,6 +103,7 @@ class GenerationRoutes:
                     prep.tokenizer,
                     include_usage=body.include_usage,
                     continuous_usage=body.continuous_usage,
+                    prompt_logprobs=body.prompt_logprobs is not None,
                     logprobs=body.logprobs is not None,
                     index=index,
                     sample=sample,
@@ -161,6 +162,7 @@ class GenerationRoutes:
                     prep.tokenizer,
                     include_usage=body.include_usage,
                     continuous_usage=body.continuous_usage,
+                    prompt_logprobs=body.prompt_logprobs is not None,
                     logprobs=body.logprobs,
                     index=sample,
                     sample=sample,

@@ -39,6 +39,7 @@ class Render:
         include_usage: bool = False,
         continuous_usage: bool = False,
         logprobs: bool = False,
+        prompt_logprobs: bool = False,
         index: int = 0,
         sample: int = 0,
     ) -> None:
@@ -47,7 +48,9 @@ class Render:
         self.id, self.model, self.tokenizer = response_id, model, tokenizer
         self.include_usage = include_usage
         self.continuous_usage = continuous_usage  # every chunk carries the usage so far (vLLM's stream option)
-        self.prompt_tokens = 0  # set once the request is admitted (its tokenized prompt)
+        self.prompt_ids: list[int] = []  # set once the request is admitted (its tokenized prompt)
+        self.prompt_logprobs = prompt_logprobs  # vLLM's prompt_logprobs: each prompt token's, with the first event
+        self.prompt_scores: list[dict[str, Any] | None] | None = None  # (sent with the first chunk that carries it)
         self.logprobs = logprobs
         self.index, self.sample = index, sample
         self.created = int(time.time())
@@ -94,6 +97,8 @@ class Render:
     def _record(self, ev: TokenEvent | FinishEvent) -> None:
         if self.echo is not None:
             self._record_echo(ev)
+        if self.prompt_logprobs and self.prompt_scores is None:
+            self.prompt_scores = prompt_scores(self.prompt_ids, ev.prompt_logprobs, self.token_text)
         if isinstance(ev, TokenEvent):
             self.offsets.append(len(self.text))
             self.depths.append(ev.depth)
@@ -114,9 +119,9 @@ class Render:
         if self.continuous_usage and usage:
             n = len(self.depths)
             out["usage"] = {
-                "prompt_tokens": self.prompt_tokens,
+                "prompt_tokens": len(self.prompt_ids),
                 "completion_tokens": n,
-                "total_tokens": self.prompt_tokens + n,
+                "total_tokens": len(self.prompt_ids) + n,
             }
         elif self.include_usage and usage:
             out["usage"] = None
@@ -140,12 +145,13 @@ class Render:
         self._record(ev)
         lp = self._logprobs(self.lp[-1:], self.offsets[-1:]) if self.logprobs and ev.logprobs is not None else None
         cdb = {"depths": [ev.depth], "token_ids": [ev.token_id]}  # what a broken stream resumes with
-        return self._envelope([self._chunk_choice(ev.text, lp, None, cdb)])
+        return self._envelope([self._with_prompt(self._chunk_choice(ev.text, lp, None, cdb))])
 
     def finish(self, ev: FinishEvent) -> dict[str, Any]:
         """The choice's last chunk (held-back text, ``finish_reason``)."""
         self._record(ev)
-        return self._envelope([self._chunk_choice(ev.text, None, self.finish_reason(), self.summary([]))])
+        choice = self._chunk_choice(ev.text, None, self.finish_reason(), self.summary([]))
+        return self._envelope([self._with_prompt(choice)])
 
     def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]:
         """The chunk after every choice's last, when usage is asked (``stream_options.include_usage``)."""
@@ -158,12 +164,19 @@ class Render:
     def response(self) -> dict[str, Any]:
         """The non-streamed body once every event has been recorded (``add``)."""
         lp = self._logprobs(self.lp, self.offsets) if self.logprobs else None
-        choice = self._full_choice(lp)
+        choice = self._with_prompt(self._full_choice(lp))
         choice["cdb"] = self.summary(self.depths)
         return {**self._envelope([choice], usage=False), "object": self.full_object, "usage": self.usage()}
 
     def add(self, ev: TokenEvent | FinishEvent) -> None:
         self._record(ev)
+
+    def _with_prompt(self, choice: dict[str, Any]) -> dict[str, Any]:
+        """``choice`` with the prompt's logprobs, the first time they are there (``prompt_logprobs``)."""
+        if self.prompt_scores is not None:
+            choice["prompt_logprobs"], self.prompt_scores = self.prompt_scores, None
+            self.prompt_logprobs = False  # (sent: not made again)
+        return choice
 
     # --- per format ---------------------------------------------------------------------------------------------
     def _chunk_choice(
@@ -176,6 +189,23 @@ class Render:
 
     def _logprobs(self, entries: list[tuple[int, TokenLogprobs | None]], offsets: list[int]) -> dict[str, Any]:
         raise NotImplementedError
+
+
+def prompt_scores(ids: Sequence[int], scores: Sequence[TokenLogprobs], text: Any) -> list[dict[str, Any] | None]:
+    """vLLM's ``prompt_logprobs`` of a prompt: None for its first token (nothing precedes it), then per token a map
+    ``{token id: {logprob, rank, decoded_token}}`` of the token itself and the top alternatives the request asked
+    for (ranks from 1, most likely first; a prompt token outside the alternatives has rank null: this server
+    computes the top alternatives, not the full ranking)."""
+    out: list[dict[str, Any] | None] = [None]
+    for token, lp in zip(ids[1:], scores, strict=False):
+        entry = {
+            str(t): {"logprob": v, "rank": r + 1, "decoded_token": text(t)}
+            for r, (t, v) in enumerate(zip(lp.top_ids, lp.top_logprobs, strict=True))
+        }
+        if str(token) not in entry:
+            entry = {str(token): {"logprob": lp.logprob, "rank": None, "decoded_token": text(token)}, **entry}
+        out.append(entry)
+    return out
 
 
 def usage_of(renders: Sequence[Render]) -> dict[str, int]:

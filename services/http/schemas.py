@@ -88,6 +88,7 @@ class _Common(BaseModel):
     skip_special_tokens: StrictBool = True  # false: special tokens' text is part of the output
     request_id: str | None = None  # the request's id (as the X-Request-Id header), in the response's id and logs
     cache_salt: str | None = None  # no KV is shared between requests here: every request is isolated already
+    prompt_logprobs: StrictInt | None = None  # each prompt token's logprob and this many alternatives (full depth)
     # cdb extensions (OpenAI clients pass them with ``extra_body``)
     exit_threshold: float | None = None  # per-request exit threshold of the loop (lower: shallower, faster)
     speculative: StrictBool | None = None  # self-speculative decoding for this request (None: the server's choice)
@@ -106,8 +107,20 @@ class _Common(BaseModel):
     def refuse_unsupported(self) -> None:
         """``InvalidRequest`` naming the first field set to something the engine cannot do."""
         refuse_unhonoured(self.model_extra)
+        if self.prompt_logprobs is not None:
+            asked = self.output_logprobs()
+            if self.prompt_logprobs < 0:
+                raise InvalidRequest("prompt_logprobs", f"must be >= 0, got {self.prompt_logprobs}")
+            if asked is not None and asked != self.prompt_logprobs:
+                raise InvalidRequest(
+                    "prompt_logprobs", f"must equal the output's alternatives ({asked}) when both are asked for"
+                )
         if self.response_format and self.response_format.get("type", "text") != "text":
             raise InvalidRequest("response_format", "only {'type': 'text'} is supported")
+
+    def output_logprobs(self) -> int | None:
+        """The alternatives asked for each output token (None: no logprobs)."""
+        return None
 
     def processing(self) -> LogitsProcessing | None:
         """Penalties, logit bias and min_tokens (checked by the engine); ``logit_bias`` keys must be token ids."""
@@ -171,6 +184,8 @@ class _Common(BaseModel):
         """The engine's parameters of the request's sample ``sample`` (its seed: ``sample_seed``)."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or ())
         sampling = self.sampling(logprobs, defaults)
+        if self.prompt_logprobs is not None:  # the prompt's alternatives come from the same count
+            sampling = replace(sampling, logprobs=max(sampling.logprobs, self.prompt_logprobs))
         return RequestParams(
             max_tokens=max_tokens,
             sampling=replace(sampling, seed=sample_seed(sampling.seed, sample)),
@@ -183,6 +198,7 @@ class _Common(BaseModel):
             resume_depths=tuple(self.resume.depths) if self.resume else (),
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str=self.include_stop_str_in_output,
+            prompt_logprobs=self.prompt_logprobs is not None,
         )
 
     @property
@@ -231,6 +247,9 @@ class CompletionRequest(_Common):
             raise InvalidRequest("suffix", "not supported (omit it)")
         if self.logprobs is not None and self.logprobs < 0:
             raise InvalidRequest("logprobs", f"must be >= 0, got {self.logprobs}")
+
+    def output_logprobs(self) -> int | None:
+        return self.logprobs
 
     def requested_max_tokens(self) -> int:
         """OpenAI's default for completions: 16; 0 generates nothing (with ``echo``: the prompt, scored)."""
@@ -302,6 +321,9 @@ class ChatCompletionRequest(_Common):
     @property
     def max_tokens_field(self) -> str:
         return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
+    def output_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def requested_max_tokens(self) -> int | None:
         """``max_completion_tokens`` (or the deprecated ``max_tokens``); None: up to the context limit."""

@@ -70,7 +70,6 @@ REFUSED: Mapping[str, tuple[tuple[Any, ...], str]] = {
     "priority": ((0,), "request priorities are not supported yet: only 0"),
     "echo": ((False,), "a chat does not echo its messages (only false)"),
     "best_of": ((1,), "only best_of=1 is supported"),
-    "prompt_logprobs": ((), "not supported here: a completion with echo and logprobs scores its prompt"),
     "add_special_tokens": ((), "the tokenizer's own configuration decides (omit it)"),
 }
 

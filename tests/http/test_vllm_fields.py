@@ -52,7 +52,6 @@ ASKING: dict[str, Any] = {
     "priority": 5,
     "echo": True,
     "best_of": 2,
-    "prompt_logprobs": 1,
     "add_special_tokens": True,
 }
 
@@ -173,3 +172,30 @@ def test_continuous_usage_stats_puts_the_usage_so_far_in_every_chunk(api: Served
     prompt = {c["usage"]["prompt_tokens"] for c in chunks}
     assert counts == sorted(counts) and counts[-1] == 5 and len(prompt) == 1 and prompt.pop() > 0
     assert chunks[-1]["usage"]["total_tokens"] == chunks[-1]["usage"]["prompt_tokens"] + 5  # the closing usage
+
+
+def test_prompt_logprobs_score_the_prompt_as_echo_does_in_vllms_shape(api: Served) -> None:
+    prompt = "And God said, Let there be light"
+    status, _, scored = completion(api, prompt=prompt, prompt_logprobs=2, max_tokens=1)
+    assert status == 200
+    entries = scored["choices"][0]["prompt_logprobs"]
+    _, _, echoed = completion(api, prompt=prompt, echo=True, logprobs=2, max_tokens=0)
+    reference = echoed["choices"][0]["logprobs"]  # the same prefill scores, in the legacy shape
+    assert entries[0] is None and reference["token_logprobs"][0] is None
+    ids = api.engine.tokenizer.encode(prompt)
+    assert len(entries) == len(ids) == len(reference["token_logprobs"])
+    for token, entry, logprob, top in zip(
+        ids[1:], entries[1:], reference["token_logprobs"][1:], reference["top_logprobs"][1:]
+    ):
+        assert entry[str(token)]["logprob"] == pytest.approx(logprob)
+        ranked = sorted((v for v in entry.values() if v["rank"] is not None), key=lambda v: v["rank"])
+        assert [v["rank"] for v in ranked] == [1, 2] and ranked[0]["logprob"] >= ranked[1]["logprob"]
+        assert sorted(v["logprob"] for v in ranked) == pytest.approx(sorted(top.values()))
+    status, _, streamed = api.request(
+        "POST", "/v1/completions", {"prompt": prompt, "max_tokens": 2, "prompt_logprobs": 2, "stream": True}
+    )
+    chunks = [json.loads(e[6:]) for e in streamed.decode().split("\n\n") if e.startswith("data: {")]
+    carrying = [c for c in chunks if "prompt_logprobs" in c["choices"][0]]
+    assert status == 200 and len(carrying) == 1 and carrying[0]["choices"][0]["prompt_logprobs"] == entries
+    status, _, body = completion(api, prompt_logprobs=2, logprobs=3)
+    assert status == 400 and body["error"]["param"] == "prompt_logprobs"
