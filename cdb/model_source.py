@@ -2,7 +2,10 @@
 folder, or a Hugging Face hub id (``ORG/NAME``) already in the local Hugging Face cache. The network is never
 used: a hub id that is not in the cache is a one-line error naming the cache folder searched.
 
-The cache is huggingface_hub's documented layout, found as huggingface_hub finds it: ``$HF_HUB_CACHE``, else
+A hub id is looked up by ``huggingface_hub`` itself (``snapshot_download(..., local_files_only=True)``: the main
+branch's snapshot, never the network); a cache holding one snapshot of another revision and no ``refs/main`` (a
+download of that revision) serves that snapshot. The cache is huggingface_hub's documented layout, found as
+huggingface_hub finds it: ``$HF_HUB_CACHE``, else
 ``$HUGGINGFACE_HUB_CACHE``, else ``$HF_HOME/hub``, else ``$XDG_CACHE_HOME/huggingface/hub``, else
 ``~/.cache/huggingface/hub``. A model ``ORG/NAME`` lives in ``models--ORG--NAME/``: ``refs/main`` holds the commit
 of its main branch and ``snapshots/<commit>/`` the files of that commit (what ``hf download ORG/NAME`` leaves).
@@ -68,6 +71,13 @@ def resolve_model(source: str, environ: Mapping[str, str] | None = None) -> Mode
     if is_preset(source) or Path(source).exists() or not is_hub_id(source):
         return ModelSource(source, source)
     cache = hub_cache(environ)
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return ModelSource(source, snapshot_download(source, cache_dir=str(cache), local_files_only=True))
+    except LocalEntryNotFoundError:
+        pass  # not there as the main branch: one snapshot of another revision, or nothing (below)
     repo = cache / ("models--" + source.replace("/", "--"))
     snapshots = repo / "snapshots"
     ref = repo / "refs" / "main"

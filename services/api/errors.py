@@ -19,6 +19,7 @@ _FIELD_PATHS = {
     "temperature": "sampling.temperature",
     "top_p": "sampling.top_p",
     "top_k": "sampling.top_k",
+    "min_p": "sampling.min_p",
     "seed": "sampling.seed",
     "logprobs": "sampling.top_logprobs",
     "presence_penalty": "sampling.presence_penalty",

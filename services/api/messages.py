@@ -43,6 +43,7 @@ def request_to_engine(req: pb.GenerateRequest) -> tuple[str | list[int], Request
         temperature=s.temperature,
         top_k=s.top_k,
         top_p=s.top_p if s.HasField("top_p") else 1.0,
+        min_p=s.min_p,
         seed=s.seed,
         logprobs=s.top_logprobs,
         return_logprob=s.return_logprobs,
