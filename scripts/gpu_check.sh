@@ -32,6 +32,13 @@ step() {
   ((limit > left)) && limit=$left
   echo "== $name (<= ${limit}s, at ${SECONDS}s)"; timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
   echo "   exit $? ($(tail -n 1 "$OUT/$name.log" | cut -c1-150))"
+  leftovers  # a step cut by its timeout leaves no process holding the GPU for the next
+}
+leftovers() {
+  local pattern='-m cdb(\.zygote| stage| scheduler| frontend)'
+  pgrep -f -- "$pattern" >/dev/null || return 0
+  echo "   (ending $(pgrep -fc -- "$pattern") leftover cdb processes)"
+  pkill -TERM -f -- "$pattern"; sleep 5; pkill -KILL -f -- "$pattern" || true
 }
 
 $PY -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.cuda.get_device_name())" || exit 2
