@@ -25,6 +25,7 @@ from cdb_scheduler.plan import derive_seed, seeded_uniform
 from cdb_scheduler.sampling import SamplingParams, TokenLogprobs
 
 _TEMPERATURE, _LOGPROBS, _PROCESSING = attrgetter("temperature"), attrgetter("logprobs"), attrgetter("processing")
+_MIN_P = attrgetter("min_p")
 
 
 def _wants_logprobs(p: SamplingParams) -> bool:
@@ -33,9 +34,10 @@ def _wants_logprobs(p: SamplingParams) -> bool:
 
 @dataclass(frozen=True, slots=True)
 class SamplingColumns:
-    """Per-row sampling inputs of one op, built on the host. ``table [5, N]`` float64 (on the host: the worker
-    sends it with the op's columns, in one copy) holds temperature, top-k, top-p, min-p and the row's uniform draw
-    (exact: top-k is an int below 2**53)."""
+    """Per-row sampling inputs of one op, built on the host. ``table [4, N]`` float64 (on the host: the worker
+    sends it with the op's columns, in one copy) holds temperature, top-k, top-p and the row's uniform draw (exact:
+    top-k is an int below 2**53), and a fifth row, min-p, only when a row asks for it (``sample_rows`` reads the
+    table's shape, known on the host: an op without min-p does none of its work)."""
 
     table: Tensor | None  # None when no row samples (all greedy)
     any_sampled: bool
@@ -50,17 +52,18 @@ class SamplingColumns:
         any_sampled = any(map(_TEMPERATURE, params))  # (C loops over the rows: this runs for every op)
         table = None
         if any_sampled:  # an all-greedy op needs no table: the argmax alone
-            cols = [
+            cols: list[tuple[float, ...]] = [
                 (
                     p.temperature,
                     float(p.top_k),
                     p.top_p,
-                    p.min_p,
                     seeded_uniform(derive_seed(p.seed, i)) if p.temperature else 0.0,
                 )
                 for p, i in zip(params, token_index)
             ]
-            table = torch.tensor(cols, dtype=torch.float64).reshape(len(cols), 5).T.contiguous()  # [5, N]
+            if any(map(_MIN_P, params)):
+                cols = [(*c, p.min_p) for c, p in zip(cols, params)]
+            table = torch.tensor(cols, dtype=torch.float64).reshape(len(cols), len(cols[0])).T.contiguous()
         wants = list(map(_wants_logprobs, params))
         return SamplingColumns(
             table=table,
@@ -134,17 +137,17 @@ class Processing:
 
 
 def sample_rows(logits: Tensor, table: Tensor | None, any_sampled: bool) -> Tensor:
-    """Token ids ``[N]`` (long) of ``logits [N, V]`` under ``table [5, N]`` (see ``SamplingColumns``)."""
+    """Token ids ``[N]`` (long) of ``logits [N, V]`` under ``table [4 or 5, N]`` (see ``SamplingColumns``)."""
     greedy = logits.argmax(dim=-1)  # [N]
     if not any_sampled or table is None:
         return greedy
-    temperature, top_k, top_p, min_p, u = table[0], table[1].long(), table[2], table[3], table[4]  # [N] each
+    temperature, top_k, top_p, u = table[0], table[1].long(), table[2], table[3]  # [N] each
     vocab = logits.shape[-1]
     is_greedy = temperature == 0.0
     scaled = logits.double() / torch.where(is_greedy, 1.0, temperature)[:, None]  # [N, V]
-    # min-p (rows with min_p > 0): p_i < min_p * p_max  <=>  scaled_i < max(scaled) + log(min_p), as the oracle
-    floor = scaled.max(dim=-1, keepdim=True).values + torch.log(min_p)[:, None]  # -inf where min_p == 0
-    scaled = scaled.masked_fill(scaled < floor, float("-inf"))
+    if table.shape[0] > 4:  # min-p: p_i < min_p * p_max  <=>  scaled_i < max(scaled) + log(min_p), as the oracle
+        floor = scaled.max(dim=-1, keepdim=True).values + torch.log(table[4])[:, None]  # -inf where min_p == 0
+        scaled = scaled.masked_fill(scaled < floor, float("-inf"))
     # Filtered rows: most likely first (stable); unfiltered rows keep vocabulary order, as the oracle does.
     filtered = ((top_k > 0) | (top_p < 1.0))[:, None]  # [N, 1]
     sorted_vals, sorted_ids = torch.sort(scaled, dim=-1, descending=True, stable=True)  # [N, V]

@@ -13,7 +13,7 @@ each prompt token's logprob (the first's is null), computed at full depth by the
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from cdb_engine.events import FinishEvent, TokenEvent
@@ -191,7 +191,9 @@ class Render:
         raise NotImplementedError
 
 
-def prompt_scores(ids: Sequence[int], scores: Sequence[TokenLogprobs], text: Any) -> list[dict[str, Any] | None]:
+def prompt_scores(
+    ids: Sequence[int], scores: Sequence[TokenLogprobs], text: Callable[[int], str]
+) -> list[dict[str, Any] | None]:
     """vLLM's ``prompt_logprobs`` of a prompt: None for its first token (nothing precedes it), then per token a map
     ``{token id: {logprob, rank, decoded_token}}`` of the token itself and the top alternatives the request asked
     for (ranks from 1, most likely first; a prompt token outside the alternatives has rank null: this server

@@ -42,8 +42,10 @@ class Family:
         return 0.0
 
 
-class Counter(Family):
-    """Monotonic count, per label values. ``name`` ends in ``_total``, as exposed."""
+class _Plain(Family):
+    """A family of the ``prometheus_client`` kind ``kind`` (a counter or a gauge: no buckets)."""
+
+    kind: Any
 
     def __init__(
         self,
@@ -54,9 +56,18 @@ class Counter(Family):
         registry: prom.CollectorRegistry,
         fixed: Sequence[str] = (),
     ) -> None:
+        super().__init__(self.kind(name, help_, label_names, registry=registry), name, label_names, fixed)
+
+
+class Counter(_Plain):
+    """Monotonic count, per label values. ``name`` ends in ``_total``, as exposed."""
+
+    kind = prom.Counter
+
+    def __init__(self, name: str, help_: str, *args: Any, **kwargs: Any) -> None:
         if not name.endswith("_total"):
             raise ValueError(f"counter names end in _total: {name!r}")
-        super().__init__(prom.Counter(name, help_, label_names, registry=registry), name, label_names, fixed)
+        super().__init__(name, help_, *args, **kwargs)
 
     def inc(self, amount: float = 1.0, *labels: str) -> None:
         self.child(labels).inc(amount)
@@ -65,19 +76,10 @@ class Counter(Family):
         return self._sample(self.name, labels)
 
 
-class Gauge(Family):
+class Gauge(_Plain):
     """Value that goes up and down (``set``), per label values."""
 
-    def __init__(
-        self,
-        name: str,
-        help_: str,
-        label_names: Sequence[str] = (),
-        *,
-        registry: prom.CollectorRegistry,
-        fixed: Sequence[str] = (),
-    ) -> None:
-        super().__init__(prom.Gauge(name, help_, label_names, registry=registry), name, label_names, fixed)
+    kind = prom.Gauge
 
     def set(self, value: float, *labels: str) -> None:
         self.child(labels).set(value)

@@ -156,3 +156,12 @@ def test_logits_processing_matches_the_oracle_row_by_row() -> None:
             logits, [SamplingParams(temperature=p.temperature, top_k=p.top_k, seed=p.seed) for p in params], index
         )[0]
     )
+
+
+def test_an_op_without_min_p_carries_no_min_p_row() -> None:
+    """min-p costs an op nothing unless a row asks for it: its table has the fifth row only then."""
+    plain = [SamplingParams(temperature=1.0, seed=1), SamplingParams()]
+    assert SamplingColumns.build(plain, [0, 1], CPU).table.shape == (4, 2)  # type: ignore[union-attr]
+    mixed = [SamplingParams(temperature=1.0, seed=1, min_p=0.2), SamplingParams()]
+    table = SamplingColumns.build(mixed, [0, 1], CPU).table
+    assert table is not None and table.shape == (5, 2) and table[4].tolist() == [0.2, 0.0]
