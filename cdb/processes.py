@@ -77,19 +77,27 @@ def stage_main(argv: list[str] | None = None) -> int:
 
 
 def secret_main(argv: list[str] | None = None) -> int:
-    """``cdb secret --out FILE``: write a fresh random stage-plane secret to FILE (mode 0600) unless it exists;
-    every process of a deployment reads it through ``CDB_STAGE_SECRET_FILE``. Prints no secret."""
-    from services.stage_secret import create_secret_file
+    """``cdb secret --out FILE [--link-out LINK]``: write a fresh random stage-plane secret to FILE (mode 0600)
+    unless it exists; every process but the front ends reads it through ``CDB_STAGE_SECRET_FILE``. With
+    ``--link-out``, also the front-end link's secret derived from it (the front ends' ``CDB_LINK_SECRET_FILE``: it
+    does not reveal the stage secret). Prints no secret."""
+    from services.settings import Settings, SettingsError
+    from services.stage_secret import create_secret_file, link_secret, load_stage_secret, write_secret_file
 
     parser = new_parser("cdb secret", secret_main.__doc__)
     parser.add_argument("--out", required=True, metavar="FILE", help="where to write the secret (kept if present)")
+    parser.add_argument("--link-out", metavar="FILE", help="where to write the front ends' link secret (replaced)")
     args = parser.parse_args(argv)
     try:
         made = create_secret_file(args.out)
-    except OSError as exc:
-        print(f"cdb secret: cannot write {args.out}: {exc.strerror or exc}", file=sys.stderr)
+        if args.link_out:
+            write_secret_file(args.link_out, link_secret(load_stage_secret(Settings(stage_secret_file=args.out))))
+    except (OSError, SettingsError) as exc:
+        print(f"cdb secret: cannot write the secrets: {getattr(exc, 'strerror', None) or exc}", file=sys.stderr)
         return 1
     print(f"cdb secret: {'created' if made else 'kept the existing'} {args.out}")
+    if args.link_out:
+        print(f"cdb secret: wrote the front-end link's secret to {args.link_out}")
     return 0
 
 
@@ -196,6 +204,7 @@ def frontend_main(argv: list[str] | None = None) -> int:
     from services.frontend.server import run_frontend
     from services.frontlink.wire import socket_path
     from services.net import check_can_listen
+    from services.stage_secret import load_link_secret
 
     die_with_parent()
     raise_open_files()
@@ -210,6 +219,7 @@ def frontend_main(argv: list[str] | None = None) -> int:
     try:
         socket_path(args.link)
         PortSecurity.from_settings(settings)
+        load_link_secret(settings)  # (absent: one line, before the model's tokenizer loads)
     except ValueError as exc:
         parser.error(str(exc))
     try:

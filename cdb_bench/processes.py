@@ -30,10 +30,12 @@ def free_address(host: str = LOOPBACK) -> str:
 
 
 def with_rpc_cap(env: Mapping[str, str], max_live: int) -> dict[str, str]:
-    """``env`` with the public server's RPC cap (``CDB_MAX_CONCURRENT_RPCS``) raised to hold ``max_live`` requests
-    and a margin: an overloaded tree shows latency, not refusals."""
+    """``env`` with the public server's RPC cap (``CDB_MAX_CONCURRENT_RPCS``) and the caller's share
+    (``CDB_MAX_REQUESTS_PER_CALLER``: a benchmark client is one caller) raised to hold ``max_live`` requests and a
+    margin: an overloaded tree shows latency, not refusals."""
     cap = max(int(env.get("CDB_MAX_CONCURRENT_RPCS", "1024")), max_live + 64)
-    return {**env, "CDB_MAX_CONCURRENT_RPCS": str(cap)}
+    share = env.get("CDB_MAX_REQUESTS_PER_CALLER") or str(max_live + 64)
+    return {**env, "CDB_MAX_CONCURRENT_RPCS": str(cap), "CDB_MAX_REQUESTS_PER_CALLER": share}
 
 
 def _each_at_once(fn: Callable[[int], None], n: int, name: str) -> None:

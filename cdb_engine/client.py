@@ -33,9 +33,13 @@ class EngineClient(Protocol):
         request_id: str,
         *,
         observer: RequestObserver | None = None,
+        caller: str = "",
+        streaming: bool = False,
     ) -> RequestStream:
         """Submit validated ids under ``request_id`` and return the request's stream once the engine has taken it;
-        raises ``Overloaded``, ``EngineStopped`` or ``InvalidRequest`` (a duplicate id) before anything streams."""
+        raises ``Overloaded``, ``EngineStopped`` or ``InvalidRequest`` (a duplicate id) before anything streams.
+        ``caller``, ``streaming``: the share the request holds of its caller, for an engine that counts the shares
+        of several front doors (a remote one: the scheduler's ``CallerShares``; it may raise ``CallerLimit``)."""
         ...
 
     async def abort(self, request_id: str) -> bool:
@@ -69,8 +73,12 @@ class InProcessClient:
         request_id: str,
         *,
         observer: RequestObserver | None = None,
+        caller: str = "",
+        streaming: bool = False,
     ) -> RequestStream:
-        return self.engine.open_stream(prompt_ids, params, request_id, observer=observer)
+        # (the door of this process holds the shares: ``caller`` is counted there)
+        output = await self._prep.output_async(params)  # (a resumed stream's: primed off the loop)
+        return self.engine.open_stream(prompt_ids, params, request_id, observer=observer, output=output)
 
     async def abort(self, request_id: str) -> bool:
         return self.engine.abort(request_id)

@@ -57,6 +57,8 @@ class _Live:
     req: Request
     sink: Callable[[Event], None]
     out: TextOutput | None  # None: the caller makes the text (``submit(detokenize=False)``)
+    resumed: int = 0  # a resumed stream's tokens (``RequestParams.resume_tokens``) and their loop steps: in the
+    resumed_steps: int = 0  # scheduler's counts, not in this request's usage
 
 
 class Engine:
@@ -145,6 +147,7 @@ class Engine:
         force: bool = False,
         on_queued: Callable[[int], None] | None = None,
         detokenize: bool = True,
+        output: TextOutput | None = None,
     ) -> str:
         """Queue a validated request; ``sink`` receives its events on the engine thread. Returns its request id.
 
@@ -152,7 +155,8 @@ class Engine:
         the engine thread when the scheduler takes the request (tracing keys its stage ops by that id).
         ``detokenize=False``: its events carry no text and its stop strings are the caller's to find (a front-end
         process makes the text with ``RequestPreparer.output(params)`` and aborts the request with
-        ``FinishReason.STOP``), so the engine thread spends nothing on text."""
+        ``FinishReason.STOP``), so the engine thread spends nothing on text. ``output``: the request's text made
+        already with ``prep.output(params)`` (a resumed stream's is primed off the caller's event loop)."""
         if not self._accepting or self._thread is None or self.error:
             raise EngineStopped(self.error or "the engine is not accepting requests")
         rid = next(self._rids)
@@ -169,8 +173,9 @@ class Engine:
             self._by_id[request_id] = rid
         try:
             req = self.prep.request(rid, prompt_ids, params)
-            out = self.prep.output(params)  # (checks resumed tokens even when the caller makes the text)
-            live = _Live(request_id, req, sink, out if detokenize else None)
+            out = output if output is not None else self.prep.output(params)  # (checks resumed tokens too)
+            resumed = len(params.resume_tokens), sum(params.resume_depths)
+            live = _Live(request_id, req, sink, out if detokenize else None, *resumed)
         except InvalidRequest:
             with self._lock:
                 del self._by_id[request_id]
@@ -284,9 +289,9 @@ class Engine:
                 del self._by_id[live.request_id]
         req = live.req
         queue_s = req.admitted - req.arrival if req.admitted else 0.0
-        finish = FinishEvent(
-            live.request_id, ev.reason, req.prompt_len, ev.generated, ev.loop_steps, "", ev.error, queue_s
-        )
+        generated, steps = ev.generated - live.resumed, max(0, ev.loop_steps - live.resumed_steps)  # (this request's)
+        finish = FinishEvent(live.request_id, ev.reason, req.prompt_len, generated, steps, "", ev.error, queue_s)
+        finish.resumed_tokens = live.resumed
         if live.out is not None:
             finish = live.out.finish(finish)  # the text held back
         if (spec := req.spec) is not None:
@@ -313,12 +318,14 @@ class Engine:
         request_id: str | None = None,
         *,
         observer: RequestObserver | None = None,
+        output: TextOutput | None = None,
     ) -> RequestStream:
         """Submit validated ids now (raising ``Overloaded``, ``EngineStopped`` or ``InvalidRequest`` at once) and
-        return the request's event stream; call from a running event loop. See ``RequestStream``."""
+        return the request's event stream; call from a running event loop. See ``RequestStream``; ``output``: as
+        ``submit``'s."""
         stream = RequestStream(lambda: self.abort(stream.request_id), observer)
         on_queued = observer.queued if observer is not None else None
-        stream.request_id = self.submit(prompt_ids, params, stream.sink, request_id, on_queued=on_queued)
+        stream.request_id = self.submit(prompt_ids, params, stream.sink, request_id, on_queued=on_queued, output=output)
         return stream
 
     async def stream(

@@ -20,5 +20,10 @@ class Overloaded(EngineError):
     """The waiting queue or the concurrency cap is full (gRPC RESOURCE_EXHAUSTED)."""
 
 
+class CallerLimit(EngineError):
+    """The caller is at one of its limits (``services.api.shares``: counted by a front door, or by the scheduler
+    for every front end of a tree); the message names the setting (gRPC RESOURCE_EXHAUSTED, HTTP 429)."""
+
+
 class EngineStopped(EngineError):
     """The engine is shutting down or has failed (gRPC UNAVAILABLE)."""

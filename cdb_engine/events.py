@@ -46,6 +46,9 @@ class TokenEvent:
 
 @dataclass(slots=True)
 class FinishEvent:
+    """A request's end. ``generated_tokens`` and ``total_loop_steps`` count the tokens this request generated (its
+    usage); a resumed stream's tokens (``RequestParams.resume_tokens``) are counted apart, in ``resumed_tokens``."""
+
     request_id: str
     finish_reason: FinishReason
     prompt_tokens: int
@@ -59,6 +62,7 @@ class FinishEvent:
     spec_drafts: int = 0
     spec_accepted: int = 0
     spec_rejected: int = 0
+    resumed_tokens: int = 0  # tokens a broken stream had delivered, sent back to resume it (not generated here)
 
 
 Event = TokenEvent | FinishEvent

@@ -7,6 +7,7 @@ requests with one; a front-end process builds one to prepare requests for an eng
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -51,6 +52,14 @@ class RequestPreparer:
             if out.push(token)[1]:
                 raise InvalidRequest("resume", "the resumed tokens already end at a stop string")
         return out
+
+    async def output_async(self, params: RequestParams) -> TextOutput:
+        """``output(params)`` for a caller on an event loop: a resumed stream's priming (a decode of every resumed
+        id, up to ``max_input_tokens`` of them) runs on a worker thread; without resumed ids, here (no thread
+        hop)."""
+        if params.resume_tokens:
+            return await asyncio.to_thread(self.output, params)
+        return self.output(params)
 
     def request(self, rid: int, prompt_ids: Sequence[int], params: RequestParams) -> Request:
         """The scheduler's record of a validated request under the engine's id ``rid``."""

@@ -28,6 +28,7 @@ from cdb_model.tokenizer import Tokenizer, use_request_error
 from cdb_scheduler.exit_policy import ExitRule
 
 MAX_LOGPROBS = REQUEST_BOUNDS.max_logprobs
+MAX_BIAS = 100.0  # a logit bias is in [-MAX_BIAS, MAX_BIAS]; -MAX_BIAS bans its token (OpenAI's meaning)
 
 use_request_error(InvalidRequest)
 
@@ -115,14 +116,16 @@ def validate(
     _check_processing(limits, params)
     _check_stops(limits, params, bounds)
     _check_depths(limits, params, kv_policy)
-    _check_resume(limits, params)
+    _check_resume(limits, params, len(ids))
     if params.speculative and limits.no_speculation:
         raise InvalidRequest("speculative", limits.no_speculation)
     return ids
 
 
-def _check_resume(limits: Limits, params: RequestParams) -> None:
-    """The resumed tokens of a broken stream: as many depths as ids, known ids, depths in range, and room left."""
+def _check_resume(limits: Limits, params: RequestParams, prompt_len: int) -> None:
+    """The resumed tokens of a broken stream, client state to check like a prompt: as many depths as ids, depths in
+    range, room left under ``max_tokens``, and a prefill of prompt and resumed ids within ``max_input_tokens`` (they
+    are prefilled again); then only ids this request could have generated (``_check_resumed_ids``)."""
     tokens, depths = params.resume_tokens, params.resume_depths
     if not tokens and not depths:
         return
@@ -132,11 +135,31 @@ def _check_resume(limits: Limits, params: RequestParams) -> None:
         raise InvalidRequest(
             "resume", f"{len(tokens)} tokens leave nothing to generate (max_tokens {params.max_tokens})"
         )
+    if prompt_len + len(tokens) > limits.max_input_tokens:
+        raise InvalidRequest(
+            "resume",
+            f"prompt ({prompt_len}) + resumed tokens ({len(tokens)}) exceed max_input_tokens {limits.max_input_tokens}"
+            " (they are prefilled again)",
+        )
+    if any(not 1 <= d <= limits.max_depth for d in depths):
+        raise InvalidRequest("resume", f"depths must be in [1, {limits.max_depth}]")
+    _check_resumed_ids(limits, params)
+
+
+def _check_resumed_ids(limits: Limits, params: RequestParams) -> None:
+    """Resumed ids in the vocabulary and none the request's ``logit_bias`` bans (-100, OpenAI's ban): it could not
+    have generated them. Its stop tokens are refused with the scheduler's record (``RequestPreparer.request``), its
+    stop strings with the text (``RequestPreparer.output``). Special tokens are not refused: a stream hands out every
+    token's id (gRPC ``Token.id``, HTTP ``cdb.token_ids``), whatever its text shows, and a model samples them (a
+    prompt may hold them too)."""
+    tokens = params.resume_tokens
     bad = [t for t in tokens if not 0 <= t < limits.vocab_size]
     if bad:
         raise InvalidRequest("resume", f"unknown token ids {bad[:5]} (vocabulary size {limits.vocab_size})")
-    if any(not 1 <= d <= limits.max_depth for d in depths):
-        raise InvalidRequest("resume", f"depths must be in [1, {limits.max_depth}]")
+    proc = params.sampling.processing
+    banned = {t for t, b in proc.logit_bias if b <= -MAX_BIAS} if proc is not None else set()
+    if hit := [t for t in tokens if t in banned]:
+        raise InvalidRequest("resume", f"token ids {hit[:5]} that logit_bias bans (-{MAX_BIAS:g})")
 
 
 def _check_sampling(params: RequestParams, bounds: RequestBounds) -> None:
@@ -185,8 +208,8 @@ def _check_processing(limits: Limits, params: RequestParams) -> None:
         raise InvalidRequest("logit_bias", f"unknown token ids {bad[:5]} (vocabulary size {limits.vocab_size})")
     if len(set(ids)) != len(ids):
         raise InvalidRequest("logit_bias", "a token id appears twice")
-    if any(not (math.isfinite(b) and -100.0 <= b <= 100.0) for _, b in proc.logit_bias):
-        raise InvalidRequest("logit_bias", "biases must be in [-100, 100]")
+    if any(not (math.isfinite(b) and -MAX_BIAS <= b <= MAX_BIAS) for _, b in proc.logit_bias):
+        raise InvalidRequest("logit_bias", f"biases must be in [-{MAX_BIAS:g}, {MAX_BIAS:g}]")
     if not 0 <= proc.min_tokens <= params.max_tokens:
         raise InvalidRequest("min_tokens", f"must be in [0, max_tokens {params.max_tokens}], got {proc.min_tokens}")
 

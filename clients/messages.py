@@ -96,7 +96,9 @@ class StreamToken:
 
 @dataclass(frozen=True, slots=True)
 class StreamFinish:
-    """The last item of a stream."""
+    """The last item of a stream. A stream the client resumed (``Client.stream``) counts its whole generation in
+    ``generated_tokens`` and ``total_loop_steps``, ``resumed_tokens`` of them delivered before its last attempt (the
+    server's ``Usage`` counts only the tokens its own attempt generated)."""
 
     request_id: str
     finish_reason: str  # stop | length | cancelled | error
@@ -105,6 +107,7 @@ class StreamFinish:
     total_loop_steps: int
     text: str = ""  # held-back text, to append
     error: str = ""
+    resumed_tokens: int = 0
     is_token: bool = field(default=False, init=False)
 
 
@@ -132,6 +135,7 @@ def finish_from_pb(request_id: str, fin: pb.Finish) -> StreamFinish:
         u.total_loop_steps,
         fin.text,
         fin.error,
+        u.resumed_tokens,
     )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 
 import grpc
 
@@ -76,8 +77,14 @@ class Resumption:
         return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
 
     def keep(self, item: StreamToken | StreamFinish) -> StreamToken | StreamFinish:
+        """``item``, recorded; the finish of a resumed attempt with the whole stream's counts (its server counted
+        only the tokens it generated after the ``resumed_tokens`` it was sent)."""
         if isinstance(item, StreamToken):
             self.received.append(item)
+        elif item.resumed_tokens:
+            earlier = self.received[: item.resumed_tokens]
+            steps = item.total_loop_steps + sum(t.depth for t in earlier)
+            item = replace(item, generated_tokens=item.generated_tokens + len(earlier), total_loop_steps=steps)
         return item
 
     def failed(self, exc: grpc.RpcError, initial_metadata: object) -> tuple[bool, float]:

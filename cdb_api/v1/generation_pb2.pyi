@@ -130,14 +130,16 @@ class TokenBatch(_message.Message):
     def __init__(self, tokens: _Optional[_Iterable[_Union[Token, _Mapping]]] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "generated_tokens", "total_loop_steps")
+    __slots__ = ("prompt_tokens", "generated_tokens", "total_loop_steps", "resumed_tokens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_LOOP_STEPS_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     generated_tokens: int
     total_loop_steps: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., total_loop_steps: _Optional[int] = ...) -> None: ...
+    resumed_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., total_loop_steps: _Optional[int] = ..., resumed_tokens: _Optional[int] = ...) -> None: ...
 
 class Finish(_message.Message):
     __slots__ = ("reason", "usage", "error", "text")

@@ -174,6 +174,7 @@ def run_point(point: Point, window: Window) -> dict[str, Any]:
     cfg = engine_config(point)
     metrics_port, http = free_port(), f"127.0.0.1:{free_port()}"
     env = {**os.environ, "CDB_HTTP_ADDR": http, "CDB_MAX_CONCURRENT_RPCS": str(4 * point.concurrency + 64)}
+    env.setdefault("CDB_MAX_REQUESTS_PER_CALLER", str(point.concurrency + 64))  # (the client is one caller)
     if point.frontends:
         env["CDB_FRONTENDS"] = point.frontends
     vocab = load_config(cfg.model).vocab_size  # (the model's config alone: no engine is built here)

@@ -142,7 +142,8 @@ class FrontDoor:
         self.draining = False
         self.not_ready: str | None = "starting"  # the readiness check's last verdict (None: ready)
         self.cut = False  # drain deadline passed: remaining requests end with UNAVAILABLE
-        self.shares = CallerShares.from_settings(settings)  # per-caller limits of both protocols
+        capacity = self.prep.config.max_num_seqs + self.prep.config.max_waiting
+        self.shares = CallerShares.from_settings(settings, capacity)  # per-caller limits of both protocols
 
     # --- the verdict ---------------------------------------------------------------------------------------------
     @property
@@ -177,7 +178,9 @@ class FrontDoor:
             if self.broken:
                 raise StageFailed(self.broken)
             try:
-                stream = await self.client.open_stream(ids, params, key, observer=observer)
+                stream = await self.client.open_stream(
+                    ids, params, key, observer=observer, caller=caller, streaming=streaming
+                )
             except InvalidRequest as exc:
                 raise _own_id(exc, shown_id or key) from None
         except asyncio.CancelledError as exc:  # the caller left while its request was being built

@@ -10,7 +10,7 @@ from typing import Any
 
 import grpc
 
-from cdb_engine.errors import EngineStopped, InvalidRequest, Overloaded
+from cdb_engine.errors import CallerLimit, EngineStopped, InvalidRequest, Overloaded
 
 log = logging.getLogger("cdb.scheduler")
 
@@ -40,10 +40,6 @@ class ServerDraining(Exception):
 
 class Unauthenticated(Exception):
     """The call carries no valid API key; the message says what is wrong (never the key)."""
-
-
-class CallerLimit(Exception):
-    """The caller is at one of its limits (``services.api.shares``); the message names the setting."""
 
 
 class UndecodableRequest(Exception):

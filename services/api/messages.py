@@ -83,7 +83,10 @@ def token_to_pb(ev: TokenEvent) -> pb.Token:
 
 def finish_to_pb(ev: FinishEvent) -> pb.Finish:
     usage = pb.Usage(
-        prompt_tokens=ev.prompt_tokens, generated_tokens=ev.generated_tokens, total_loop_steps=ev.total_loop_steps
+        prompt_tokens=ev.prompt_tokens,
+        generated_tokens=ev.generated_tokens,
+        total_loop_steps=ev.total_loop_steps,
+        resumed_tokens=ev.resumed_tokens,
     )
     return pb.Finish(
         reason=_FINISH.get(ev.finish_reason, pb.FINISH_REASON_UNSPECIFIED),

@@ -61,7 +61,7 @@ from services.frontlink.server import LinkServer
 from services.net import NO_REUSEPORT, bound_address, is_host_port, listen_on, require_loopback, write_ready_file
 from services.reflection import enable_reflection
 from services.settings import Settings, load_settings, served_names
-from services.stage_secret import load_stage_secret
+from services.stage_secret import load_link_secret
 from services.telemetry.logs import ThroughputLog
 from services.telemetry.metrics import Metrics, MetricsServer, serve_metrics
 from services.telemetry.recorder import EngineGauges, ObservedExecutor, OpRecorder
@@ -296,7 +296,7 @@ def run_scheduler(
         )
         info = EngineInfo(engine, door)
         front = FrontEnd(GenerationService(door, info, info.deployment), Readiness(door, stage_addrs, settings))
-        link_server = LinkServer(link, engine, door, info.reply, load_stage_secret(settings)) if link else None
+        link_server = LinkServer(link, engine, door, info.reply, load_link_secret(settings)) if link else None
         with event_loop_runner(settings) as runner:
             runner.run(serve(front, listen, settings, ready_file, companion=companion, link=link_server))
         if engine_failure.error is not None:

@@ -2,11 +2,14 @@
 
 - ``CallerShares``: per caller, its live generation requests (``CDB_MAX_REQUESTS_PER_CALLER``) and, among them,
   its streamed ones (``CDB_MAX_STREAMS_PER_CALLER``: gRPC ``GenerateStream``, HTTP ``stream: true``), one count
-  for both protocols. ``FrontDoor.admit`` takes a share before it builds a request (an over-limit caller costs no
-  tokenization) and gives it back if the request is refused; ``FrontDoor.release`` gives it back however an
-  admitted request ends (finished, failed, cancelled, its client gone, stalled). Over a limit:
-  ``CallerLimit`` (gRPC RESOURCE_EXHAUSTED, HTTP 429 ``rate_limit_exceeded``) naming the setting; nothing else is
-  touched, the caller's other requests go on.
+  for both protocols and for the whole tree: front-end processes count in their own (so that an over-limit
+  caller costs them no tokenization) and the scheduler's, which holds every front end's requests, decides
+  (``services.frontlink``: a caller's requests over two front ends are one caller's). By default one caller may
+  hold half of what the server admits (``max_num_seqs + max_waiting``), so that no caller holds it all.
+  ``FrontDoor.admit`` takes a share before it builds a request and gives it back if the request is refused;
+  ``FrontDoor.release`` gives it back however an admitted request ends (finished, failed, cancelled, its client
+  gone, stalled). Over a limit: ``CallerLimit`` (gRPC RESOURCE_EXHAUSTED, HTTP 429 ``rate_limit_exceeded``)
+  naming the setting; nothing else is touched, the caller's other requests go on.
 - Who the caller is (``share_scope``): its API key's scope, else its client certificate's (the scopes of request
   ids, ``CallerAuth.scope``), else its host (``peer-<address>``; an IPv6 host by its /64 network, which one
   machine usually holds whole): without keys or certificates callers are told apart by address for their shares
@@ -29,6 +32,7 @@ import asyncio
 import contextlib
 import inspect
 import ipaddress
+import threading
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -70,19 +74,26 @@ def share_scope(scope: str, host: str) -> str:
 
 
 class CallerShares:
-    """Live requests and open streams per caller scope, each bounded (the module docstring). Event-loop only."""
+    """Live requests and open streams per caller scope, each bounded (the module docstring). Thread-safe (the
+    scheduler's is taken by the front-end link's readers and given back by the engine thread)."""
 
     def __init__(self, max_requests: int, max_streams: int) -> None:
         self.max_requests = max_requests
         self.max_streams = max_streams
         self._held: dict[str, list[int]] = {}  # scope -> [requests, streams]; a scope holding nothing is removed
+        self._lock = threading.Lock()
 
     @classmethod
-    def from_settings(cls, settings: Settings) -> CallerShares:
-        return cls(settings.max_requests_per_caller, settings.max_streams_per_caller)
+    def from_settings(cls, settings: Settings, capacity: int) -> CallerShares:
+        """The limits of ``settings`` (auto: half of ``capacity``, the requests the server admits at once)."""
+        return cls(*settings.caller_limits(capacity))
 
     def take(self, scope: str, streaming: bool) -> None:
         """A place for one more request of ``scope`` (``streaming``: a streamed one); raises ``CallerLimit``."""
+        with self._lock:
+            self._take(scope, streaming)
+
+    def _take(self, scope: str, streaming: bool) -> None:
         held = self._held.get(scope)
         requests, streams = held if held is not None else (0, 0)
         if requests >= self.max_requests:
@@ -102,15 +113,17 @@ class CallerShares:
 
     def give_back(self, scope: str, streaming: bool) -> None:
         """Give back a place ``take`` gave (once per place)."""
-        held = self._held[scope]
-        held[0] -= 1
-        held[1] -= streaming
-        if held[0] == 0:
-            del self._held[scope]
+        with self._lock:
+            held = self._held[scope]
+            held[0] -= 1
+            held[1] -= streaming
+            if held[0] == 0:
+                del self._held[scope]
 
     def held(self) -> dict[str, tuple[int, int]]:
         """``{scope: (live requests, open streams)}`` of every caller holding any."""
-        return {scope: (r, s) for scope, (r, s) in list(self._held.items())}
+        with self._lock:
+            return {scope: (r, s) for scope, (r, s) in self._held.items()}
 
 
 class Gate:

@@ -28,7 +28,7 @@ from services.frontlink.messages import AskInfo
 from services.frontlink.wire import socket_path
 from services.http import serve_api
 from services.settings import Settings
-from services.stage_secret import load_stage_secret
+from services.stage_secret import load_link_secret
 from services.telemetry.metrics import Metrics
 
 log = logging.getLogger("cdb.frontend")
@@ -47,7 +47,7 @@ def run_frontend(
     """Serve the public API on ``listen`` (and HTTP on ``http``) over the scheduler behind ``link`` until
     SIGTERM/SIGINT, then drain. ``join``: another front end listens on these ports already."""
     telemetry.init_tracing("cdb-frontend")
-    client = LinkClient(socket_path(link), load_stage_secret(settings)).start()
+    client = LinkClient(socket_path(link), load_link_secret(settings), settings.link_timeout_s).start()
     relay = MetricsRelay(client)  # request metrics go to the scheduler's registry, which also answers /metrics
     try:
         security = PortSecurity.from_settings(settings)

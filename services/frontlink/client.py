@@ -62,9 +62,10 @@ class LinkClient:
     """The front end's connection to the scheduler's link: connects (and reconnects) on its own thread, reads
     frames on another. ``streams``: the live requests of this front end by engine id."""
 
-    def __init__(self, path: str, secret: str) -> None:
+    def __init__(self, path: str, secret: str, timeout_s: float = 5.0) -> None:
         self.path = path
         self._secret = secret.encode()
+        self._timeout_s = timeout_s  # a scheduler silent this long is lost (its status frames come more often)
         self.streams: dict[str, RequestStream] = {}
         self.reason: str | None = "connecting to the scheduler"  # the verdict to serve by (None: ready)
         self.stats = _down_stats(self.reason)
@@ -88,7 +89,8 @@ class LinkClient:
             raise EngineStopped(self.reason or "the scheduler link is down")
         try:
             wire.send(encode(message))
-        except OSError as exc:
+        except OSError as exc:  # (a frame may be cut: the link is lost, the reader sees it end)
+            wire.close()
             raise EngineStopped(f"the scheduler link is down ({exc})") from None
 
     def call(self, message: Asking) -> Future[Any]:
@@ -124,6 +126,7 @@ class LinkClient:
                 wire.close()
                 time.sleep(_RECONNECT_S)
                 continue
+            wire.sock.settimeout(self._timeout_s)  # (a stopped scheduler: lost, its requests failed, 503s)
             self._wire = wire
             self.connected.set()
             log.info("connected to the scheduler (unix:%s)", self.path)
@@ -131,6 +134,8 @@ class LinkClient:
             try:
                 while True:
                     self._on_frame(decode_news(wire.recv()))
+            except TimeoutError:
+                why = f"the scheduler sent nothing for {self._timeout_s:g} s (CDB_LINK_TIMEOUT_S)"
             except (OSError, LinkError, EOFError) as exc:
                 why = f"the scheduler link was lost ({exc})"
             finally:
@@ -222,19 +227,22 @@ class RemoteClient:
         request_id: str,
         *,
         observer: RequestObserver | None = None,
+        caller: str = "",
+        streaming: bool = False,
     ) -> RequestStream:
         if not request_id:
             raise InvalidRequest("request_id", "a front end submits requests under their ids")
+        text = await self._prep.output_async(params)  # (a resumed stream's: primed off the loop; before the check)
         link = self.link
         if request_id in link.streams:
             raise InvalidRequest("request_id", f"{request_id!r} is already used by a live request")
-        stream = RequestStream(lambda: self._abort_own(request_id), observer, self._prep.output(params))
+        stream = RequestStream(lambda: self._abort_own(request_id), observer, text)
         stream.request_id = request_id
         link.streams[request_id] = stream  # before the submit: events may come with the ack
         span = getattr(observer, "span", None)
         traceparent = span.traceparent if span is not None and span.recording else ""
         try:
-            await link.ask(Submit(0, request_id, list(prompt_ids), params, traceparent))
+            await link.ask(Submit(0, request_id, list(prompt_ids), params, traceparent, caller, streaming))
         except BaseException:
             if link.streams.get(request_id) is stream:
                 del link.streams[request_id]

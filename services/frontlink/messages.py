@@ -24,13 +24,16 @@ class LinkError(ConnectionError):
 
 # --- front end -> scheduler ---------------------------------------------------------------------------------------
 class Submit(msgspec.Struct, tag="submit", array_like=True):
-    """Submit a validated request under ``key``; ``traceparent``: its span's, for the stage hops (empty: none)."""
+    """Submit a validated request under ``key``; ``traceparent``: its span's, for the stage hops (empty: none);
+    ``caller``, ``streaming``: the share it takes of its caller in the scheduler's count (empty: none)."""
 
     cid: int
     key: str
     ids: list[int]
     params: RequestParams
     traceparent: str = ""
+    caller: str = ""
+    streaming: bool = False
 
 
 class Abort(msgspec.Struct, tag="abort", array_like=True):
@@ -74,7 +77,8 @@ class Events(msgspec.Struct, tag="events", array_like=True):
 
 
 class Refusal(msgspec.Struct, array_like=True):
-    """An engine error raised by a call, raised again on the front end (``InvalidRequest`` keeps its field)."""
+    """An engine error (a caller's ``CallerLimit`` too) raised by a call, raised again on the front end
+    (``InvalidRequest`` keeps its field)."""
 
     kind: str
     message: str

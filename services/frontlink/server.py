@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable
@@ -43,12 +44,25 @@ log = logging.getLogger("cdb.link")
 DEPARTURE_WAIT_S = 0.5  # how long a dead front end's link may take to show it is gone (``_release_departed``)
 
 
+class Shares(Protocol):
+    """Per-caller counts (``services.api.shares.CallerShares``); ``take`` raises ``CallerLimit``."""
+
+    def take(self, scope: str, streaming: bool) -> None: ...
+
+    def give_back(self, scope: str, streaming: bool) -> None: ...
+
+
 class Door(Protocol):
     """What the link uses of the scheduler's front door (``services.api.door.FrontDoor``)."""
 
     settings: Settings
     metrics: Metrics
     traces: telemetry.RequestTraces | None
+
+    @property
+    def shares(self) -> Shares:
+        """Every front end's requests count in it."""
+        ...
 
     def verdict(self) -> str | None: ...
 
@@ -76,7 +90,8 @@ class _Peer:
     ) -> None:
         self.wire = wire
         self.name = name
-        self.live: set[str] = set()  # engine ids of its requests that have not finished (under ``_cond``)
+        # engine ids of its requests that have not finished, with the share each holds of its caller (under ``_cond``)
+        self.live: dict[str, _Share] = {}
         self._reason, self._stats = reason, stats
         self._interval_s = interval_s
         self._status_due = 0.0
@@ -93,38 +108,49 @@ class _Peer:
         """Start writing (its first frame is the status that tells the front end it is ready)."""
         self._writer.start()
 
-    def track(self, key: str) -> bool:
-        """Count ``key`` as its live request; False once it has left."""
+    def track(self, key: str, share: _Share) -> bool:
+        """Count ``key`` as its live request, holding ``share`` (taken here; ``CallerLimit`` raised, nothing
+        counted); False once it has left."""
         with self._cond:
             if self._departed:
                 return False
-            self.live.add(key)
+            share.take()
+            self.live[key] = share
             return True
 
     def untrack(self, key: str) -> None:
         with self._cond:
-            self.live.discard(key)
+            share = self.live.pop(key, None)
+        if share is not None:
+            share.give_back()
 
     def holds(self, key: str) -> bool:
         with self._cond:
             return key in self.live
 
     def leave(self) -> list[str] | None:
-        """It is gone: its requests that have not finished, to be aborted; None if it had left already."""
+        """It is gone: its requests that have not finished, to be aborted (their shares given back now: a client
+        resuming them elsewhere is not refused for its own share); None if it had left already."""
         with self._cond:
             if self._departed:
                 return None
             self._departed = True
-            return list(self.live)
+            live, self.live = self.live, {}
+        for share in live.values():
+            share.give_back()
+        return list(live)
 
     def post(self, key: str, event: Event) -> None:
         """The engine thread: ``event`` of request ``key`` for this front end."""
+        share = None
         with self._cond:
             if isinstance(event, FinishEvent):
-                self.live.discard(key)
+                share = self.live.pop(key, None)
             self._events.append(event)  # its request_id is the engine's id, ``key``
             if len(self._events) == 1:
                 self._cond.notify()
+        if share is not None:
+            share.give_back()
 
     def reply(self, message: Reply) -> None:
         if not message.cid:
@@ -165,6 +191,27 @@ class _Peer:
             self._closed = True
             self._cond.notify()
         self.wire.close()
+
+
+class _Share:
+    """The share one submitted request holds of its caller in the scheduler's count: taken when its front end
+    tracks it, given back once (its finish, its front end's departure, or a failed submission)."""
+
+    __slots__ = ("caller", "held", "shares", "streaming")
+
+    def __init__(self, shares: Shares, caller: str, streaming: bool) -> None:
+        self.shares, self.caller, self.streaming = shares, caller, streaming
+        self.held = False
+
+    def take(self) -> None:
+        if self.caller:
+            self.shares.take(self.caller, self.streaming)  # (``CallerLimit``: refused, nothing held)
+            self.held = True
+
+    def give_back(self) -> None:
+        if self.held:
+            self.held = False
+            self.shares.give_back(self.caller, self.streaming)
 
 
 class LinkServer:
@@ -223,7 +270,11 @@ class LinkServer:
             log.warning("front-end link: refused a connection: %s", exc)
             wire.close()
             return
-        peer = _Peer(wire, name, self.reason, self.engine.stats, self.door.settings.health_interval_s)
+        settings = self.door.settings
+        # a front end that reads nothing this long (stopped, frozen) is dropped: its writer never blocks for longer
+        timeout = struct.pack("ll", int(settings.link_timeout_s), int(settings.link_timeout_s % 1 * 1e6))
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeout)
+        peer = _Peer(wire, name, self.reason, self.engine.stats, settings.health_interval_s)
         with self._lock:
             self._peers.add(peer)
         peer.start()  # (counted before it can hear it is ready)
@@ -297,6 +348,7 @@ class LinkServer:
                 operation="engine",  # no request id: the front end's span is the request's (SERVER) span
             )
         traces = self.door.traces
+        share = _Share(self.door.shares, msg.caller, msg.streaming)
 
         def queued(rid: int) -> None:
             if traces is not None and span is not None:
@@ -310,7 +362,7 @@ class LinkServer:
 
         self._release_departed(peer, key)
         with peer.admitting:
-            if not peer.track(key):
+            if not peer.track(key, share):
                 raise LinkError(f"front end {peer.name} has left")
             try:
                 self.engine.submit(msg.ids, params, sink, key, on_queued=queued, detokenize=False)  # (text: front end)

@@ -44,6 +44,7 @@ class ApiContext:
         self.generation = load_generation_defaults(prep.config.model)
         # requests the engine holds at once (resident + waiting): a body of more choices could never be admitted
         self.capacity = prep.config.max_num_seqs + prep.config.max_waiting
+        self.share = (door.shares.max_requests, door.shares.max_streams)  # one caller's, at most
 
     def authorized(self, request: Request) -> None:
         why = self.auth.refusal(request.headers.items())

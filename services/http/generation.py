@@ -90,7 +90,7 @@ class GenerationRoutes:
         ctx.check_model(body.model)
         prompts = body.prompts()
         try:
-            body.check_choices(len(prompts), ctx.capacity)
+            body.check_choices(len(prompts), ctx.capacity, ctx.share)
             response_id = f"cmpl-{base_id(request, body)}"
         except InvalidRequest as exc:
             return _refused(exc, FIELDS)
@@ -137,7 +137,7 @@ class GenerationRoutes:
         ctx.check_model(body.model)
         fields = {**CHAT_FIELDS, "max_tokens": body.max_tokens_field}
         try:
-            body.check_choices(capacity=ctx.capacity)
+            body.check_choices(capacity=ctx.capacity, share=ctx.share)
             response_id = f"chatcmpl-{base_id(request, body)}"
         except InvalidRequest as exc:
             return _refused(exc, fields)

@@ -8,6 +8,9 @@ uvicorn times only the idle time between two requests of a keep-alive connection
   the connection's start for its first request, of the first byte for a later one (a client trickling its headers,
   or connecting and sending nothing, holds a connection no longer than that);
 - its request's head is larger than ``MAX_HEAD_BYTES`` (431, as h11 refuses one);
+- its peer (the client's host: an IPv4 address, an IPv6 /64) holds ``CDB_HTTP_MAX_CONNECTIONS_PER_PEER``
+  connections already: each request on it is answered 429 and the connection closed (a configured proxy,
+  ``CDB_FORWARDED_ALLOW_IPS``, carries many clients and is not limited);
 - its client has taken nothing of the response for ``CDB_STREAM_STALL_TIMEOUT_S`` while the server had more to
   send (the transport's buffer over its high-water mark, so that writes wait: ``pause_writing`` without
   ``resume_writing``): the connection is aborted, which the app sees as the client gone (a streamed response's
@@ -18,10 +21,14 @@ The request body's own time limit is ``body_limit.BodyLimit``'s (``CDB_BODY_READ
 from __future__ import annotations
 
 import asyncio
+import ipaddress
+import json
 import logging
 from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from services.api.shares import host_key
 
 log = logging.getLogger("cdb.http")
 
@@ -38,9 +45,11 @@ class GuardedProtocol(HttpToolsProtocol):
 
     header_timeout_s: float = 10.0
     stall_timeout_s: float = 60.0
+    peers: PeerConnections  # the server's open connections per peer
 
     def __init__(self, *args: Any, **kw: Any) -> None:
         super().__init__(*args, **kw)
+        self._peer: str | None = None  # counted in ``peers`` under this key
         self._awaiting_head = True  # between requests: the next request's head is due
         self._head_bytes = 0  # read while the head was due (a head still incomplete is held by the parser)
         self._head_size = 0  # the current request's head, as parsed
@@ -50,6 +59,11 @@ class GuardedProtocol(HttpToolsProtocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._head_timer = self.loop.call_later(self.header_timeout_s, self._head_late)
+        host = self.client[0] if self.client else ""
+        if self.peers.enter(host):
+            self._peer = host
+        else:
+            self.app = self.peers.refusal  # (this connection's requests only: the server's app is untouched)
 
     def data_received(self, data: bytes) -> None:
         if self._awaiting_head:
@@ -115,6 +129,9 @@ class GuardedProtocol(HttpToolsProtocol):
             self._stall_timer = None
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self._peer is not None:
+            self.peers.leave(self._peer)
+            self._peer = None
         self._cancel_head_timer()
         if self._stall_timer is not None:
             self._stall_timer.cancel()
@@ -143,7 +160,71 @@ class GuardedProtocol(HttpToolsProtocol):
             self.transport.abort()
 
 
-def guarded_protocol(header_timeout_s: float, stall_timeout_s: float) -> type[GuardedProtocol]:
-    """The protocol class to give ``uvicorn.Config(http=...)`` for these timeouts."""
-    attrs = {"header_timeout_s": header_timeout_s, "stall_timeout_s": stall_timeout_s}
+class PeerConnections:
+    """Open connections per peer host, each peer's bounded by ``limit`` (``trusted``: proxies, not bounded)."""
+
+    def __init__(self, limit: int, trusted: str = "") -> None:
+        self.limit = limit
+        self._any = trusted.strip() == "*"
+        self._trusted = [ipaddress.ip_network(t.strip(), strict=False) for t in trusted.split(",") if t.strip()]
+        self.open: dict[str, int] = {}  # host key -> its open connections (a host with none is removed)
+        body = {
+            "error": {
+                "message": f"this client holds {limit} open connections, the limit per client "
+                "(CDB_HTTP_MAX_CONNECTIONS_PER_PEER): reuse them (keep-alive) or close some",
+                "type": "rate_limit_exceeded",
+                "param": None,
+                "code": "rate_limit_exceeded",
+            }
+        }
+        self._body = json.dumps(body).encode()
+
+    def _key(self, host: str) -> tuple[str, bool]:
+        """The key ``host``'s connections count under, and whether they are bounded (a trusted proxy's are not)."""
+        key = host_key(host)
+        if self._any:
+            return key, False
+        try:
+            ip = ipaddress.ip_address(host)
+        except ValueError:  # a unix socket's peer: the local host
+            return key, True
+        return key, not any(ip in net for net in self._trusted)
+
+    def enter(self, host: str) -> bool:
+        """Count one more connection of ``host``; False (nothing counted) when it holds ``limit`` already."""
+        key, bounded = self._key(host)
+        held = self.open.get(key, 0)
+        if bounded and held >= self.limit:
+            return False
+        self.open[key] = held + 1
+        return True
+
+    def leave(self, host: str) -> None:
+        key, _ = self._key(host)
+        held = self.open[key] - 1
+        if held:
+            self.open[key] = held
+        else:
+            del self.open[key]
+
+    async def refusal(self, scope: Any, receive: Any, send: Any) -> None:
+        """The ASGI app of a connection past its peer's limit: 429 in the OpenAI error format, then closed."""
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(self._body)).encode()),
+            (b"connection", b"close"),
+        ]
+        await send({"type": "http.response.start", "status": 429, "headers": headers})
+        await send({"type": "http.response.body", "body": self._body, "more_body": False})
+
+
+def guarded_protocol(
+    header_timeout_s: float, stall_timeout_s: float, peers: PeerConnections | None = None
+) -> type[GuardedProtocol]:
+    """The protocol class to give ``uvicorn.Config(http=...)`` for these timeouts and peer limits (one server's)."""
+    attrs = {
+        "header_timeout_s": header_timeout_s,
+        "stall_timeout_s": stall_timeout_s,
+        "peers": peers or PeerConnections(1 << 30),
+    }
     return type("GuardedProtocol", (GuardedProtocol,), attrs)

@@ -164,16 +164,25 @@ class _Common(BaseModel):
         """``n``: samples per prompt."""
         return 1 if self.n is None else self.n
 
-    def check_choices(self, prompts: int = 1, capacity: int = MAX_CHOICES) -> None:
-        """``InvalidRequest`` for an ``n`` out of range or more choices than ``MAX_CHOICES`` or the server's
-        ``capacity`` (the requests it holds at once: a body beyond it could never be admitted whole; before any
-        work)."""
+    def check_choices(
+        self, prompts: int = 1, capacity: int = MAX_CHOICES, share: tuple[int, int] | None = None
+    ) -> None:
+        """``InvalidRequest`` for an ``n`` out of range or more choices than ``MAX_CHOICES``, the server's
+        ``capacity`` (the requests it holds at once) or the caller's ``share`` (its live requests and streams, at
+        most): a body beyond them could never be admitted whole; checked before any work."""
         if self.samples < 1:
             raise InvalidRequest("n", f"must be >= 1, got {self.n}")
-        limit = min(MAX_CHOICES, capacity)
+        requests, streams = share or (capacity, capacity)
+        limits = [
+            (MAX_CHOICES, "choices per request"),
+            (capacity, "requests this server holds at once"),
+            (requests, "live requests of one caller (CDB_MAX_REQUESTS_PER_CALLER)"),
+        ]
+        if self.stream:
+            limits.append((streams, "open streams of one caller (CDB_MAX_STREAMS_PER_CALLER)"))
+        limit, held = min(limits, key=lambda item: item[0])
         if prompts * self.samples > limit:
             field = "n" if self.samples > 1 else "prompt"
-            held = "choices per request" if limit == MAX_CHOICES else "requests this server holds at once"
             raise InvalidRequest(field, f"{prompts} prompts x n {self.samples} exceed the {limit} {held}")
         if self.resume is not None and prompts * self.samples > 1:
             raise InvalidRequest("resume", "continues one broken stream: send one prompt and n = 1")

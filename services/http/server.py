@@ -15,7 +15,7 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI
 
-from services.http.protocol import guarded_protocol
+from services.http.protocol import PeerConnections, guarded_protocol
 from services.settings import Settings
 
 log = logging.getLogger("cdb.http")
@@ -73,7 +73,11 @@ class HttpServer:
             log_config=None,
             access_log=False,
             ws="none",
-            http=guarded_protocol(limits.header_read_timeout_s, limits.stream_stall_timeout_s),
+            http=guarded_protocol(
+                limits.header_read_timeout_s,
+                limits.stream_stall_timeout_s,
+                PeerConnections(limits.http_max_connections_per_peer, limits.forwarded_allow_ips),
+            ),
             timeout_keep_alive=limits.http_keep_alive_s,  # type: ignore[arg-type]  # a float works (call_later)
             limit_concurrency=limits.http_max_connections,
             # the client's address names its caller (its share): a forwarded one only from a configured proxy

@@ -33,7 +33,9 @@ document in the private work dir (mode 0600), and every child gets ``--resolved-
 of its own place in the tree (role, addresses, ready file): no setting is re-serialised into a child's argv or
 environment, and the child reads neither its ``CDB_*`` variables nor a config file. The stage plane's secret:
 unless the settings name one (``CDB_STAGE_SECRET_FILE`` / ``CDB_STAGE_SECRET``), the tree makes its own in the work
-dir (mode 0600) and the document names it.
+dir (mode 0600) and the document names it. Front ends get a document of their own that names the front-end link's
+secret instead (``link.secret``, derived from the stage secret), and an environment without the stage secret's
+variables: a front end faces the public, and one taken over must not reach the stages.
 
 Readiness: each child writes its bound address to a ready file (``services.net.write_ready_file``) once it
 serves (the scheduler: once its health is SERVING); the launcher waits for those files and fails fast if a

@@ -24,7 +24,7 @@ from services.net import wait_ready_file
 from services.settings.knobs import Settings
 from services.settings.resolved import Resolved
 from services.settings.source import load_settings
-from services.stage_secret import create_secret_file
+from services.stage_secret import create_secret_file, link_secret, load_stage_secret, write_secret_file
 from services.transport.segments import sweep_stale_segments
 
 
@@ -75,10 +75,11 @@ def _start_tree(
     settings = dataclasses.replace(settings, frontends=fronts)  # (the children read the count, not auto)
     document = os.path.join(workdir, "config.json")
     Resolved(settings, config).write(document)  # what every child runs with (package docstring)
+    fronts_document = _front_end_document(workdir, settings, config) if fronts else document
     handle = ServeHandle(workdir, settings)
     try:
-        _start_children(handle, listen, fronts, document, env)
-        _wait_until_ready(handle, fronts, document, env)
+        _start_children(handle, listen, fronts, document, fronts_document, env)
+        _wait_until_ready(handle, fronts, fronts_document, env)
         handle.supervise()
     except BaseException as exc:
         logs = _failed_logs(handle, ("scheduler", *Stage.roles(), *(f"{FRONTEND_PREFIX}{i}" for i in range(fronts))))
@@ -87,6 +88,20 @@ def _start_tree(
             raise RuntimeError(f"{exc}\n{logs}") from exc
         raise
     return handle
+
+
+_STAGE_SECRET_VARIABLES = frozenset({"CDB_STAGE_SECRET", "CDB_STAGE_SECRET_FILE"})  # not in a front end's environment
+
+
+def _front_end_document(workdir: str, settings: Settings, config: EngineConfig) -> str:
+    """What the front ends run with: the tree's configuration with the front-end link's secret in place of the stage
+    secret (``services.stage_secret``: a front end taken over controls no stage)."""
+    secret = os.path.join(workdir, "link.secret")
+    write_secret_file(secret, link_secret(load_stage_secret(settings)))
+    document = os.path.join(workdir, "frontend-config.json")
+    own = dataclasses.replace(settings, stage_secret="", stage_secret_file="", link_secret_file=secret)
+    Resolved(own, config).write(document)
+    return document
 
 
 def _failed_logs(handle: ServeHandle, names: tuple[str, ...], lines: int = 20) -> str:
@@ -107,7 +122,12 @@ def _link(handle: ServeHandle) -> str:
 
 
 def _start_children(
-    handle: ServeHandle, listen: str | None, fronts: int, document: str, env: Mapping[str, str] | None
+    handle: ServeHandle,
+    listen: str | None,
+    fronts: int,
+    document: str,
+    fronts_document: str,
+    env: Mapping[str, str] | None,
 ) -> None:
     """Start the stages (and their standbys), then, with a ``listen`` address, the scheduler and the first of
     ``fronts`` front ends; wait for none of them."""
@@ -131,7 +151,7 @@ def _start_children(
         argv.append(f"--link={_link(handle)}")
     handle.start_child("scheduler", argv, env, sched_ready)
     if fronts:  # the first front end starts beside the scheduler (it connects once the link listens)
-        _spawn_frontend(handle, 0, listen, _link(handle), document, env, join=False)
+        _spawn_frontend(handle, 0, listen, _link(handle), fronts_document, env, join=False)
 
 
 def _wait_until_ready(handle: ServeHandle, fronts: int, document: str, env: Mapping[str, str] | None) -> None:
@@ -160,7 +180,8 @@ def _spawn_frontend(
 ) -> Process:
     ready = _frontend_ready(handle, i)
     argv = frontend_command(listen, ready, link, document, join)
-    return handle.start_child(f"{FRONTEND_PREFIX}{i}", argv, env, ready)
+    own = {k: v for k, v in (os.environ if env is None else env).items() if k not in _STAGE_SECRET_VARIABLES}
+    return handle.start_child(f"{FRONTEND_PREFIX}{i}", argv, own, ready)
 
 
 def _start_frontends(handle: ServeHandle, count: int, link: str, document: str, env: Mapping[str, str] | None) -> str:

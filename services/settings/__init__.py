@@ -35,6 +35,8 @@ launcher's document), ``resolved`` (``Resolved``, the record a tree hands its ch
 | ``CDB_CPUS`` | (unset) | pin the processes to CPUs, e.g. ``loop:1,head:0,prelude:0,scheduler:0`` (``+``: several) |
 | ``CDB_STAGE_SECRET`` | (unset) | the stage plane's shared secret (prefer ``CDB_STAGE_SECRET_FILE``) |
 | ``CDB_STAGE_SECRET_FILE`` | (unset) | file (mode 0600) holding the stage plane's secret; ``cdb serve`` makes one |
+| ``CDB_LINK_SECRET_FILE`` | (unset) | front ends: 0600 file of the link's secret, in place of the stage one's |
+| ``CDB_LINK_TIMEOUT_S`` | 5 | a scheduler silent (a front end not reading) this long: its link is lost, 503s |
 | ``CDB_STAGE_DOWN_LIMIT_S`` | 60 | a stage missing this long: requests fail ``UNAVAILABLE``, the scheduler exits 1 |
 | ``CDB_RECONNECT_BACKOFF_S`` | 0.05 | first delay between reconnect attempts to a lost stage (doubles up to 0.5 s) |
 | ``CDB_STAGE_HANG_FLOOR_S`` | 30 | no stage op is judged hung before it has run this long |
@@ -52,13 +54,14 @@ launcher's document), ``resolved`` (``Resolved``, the record a tree hands its ch
 | ``CDB_API_KEYS_FILE`` | (unset) | file with one API key per line (``#`` comments), merged with ``CDB_API_KEYS`` |
 | ``CDB_MAX_STREAMS_PER_CONNECTION`` | 256 | HTTP/2 max concurrent streams per client connection of the public port |
 | ``CDB_KEEPALIVE_MIN_TIME_S`` | 10 | clients may ping no more often than this (more often: GOAWAY) |
-| ``CDB_MAX_REQUESTS_PER_CALLER`` | 256 | live generation requests of one caller (API key, else host), both APIs |
-| ``CDB_MAX_STREAMS_PER_CALLER`` | 256 | streamed generations of one caller open at once (gRPC streams, SSE) |
+| ``CDB_MAX_REQUESTS_PER_CALLER`` | auto | one caller's live requests (by API key, else host); auto: half the capacity |
+| ``CDB_MAX_STREAMS_PER_CALLER`` | auto | open streams of one caller (gRPC, SSE); auto: as max_requests_per_caller |
 | ``CDB_MAX_HEALTH_WATCHES`` | 256 | open health Watch streams of all callers (apart from the RPC cap) |
 | ``CDB_STREAM_STALL_TIMEOUT_S`` | 60 | a stream whose client takes no message this long is cut, its request aborted |
 | ``CDB_IDLE_CONNECTION_TIMEOUT_S`` | 300 | gRPC: a connection without calls this long is closed (GOAWAY) |
 | ``CDB_HTTP_KEEP_ALIVE_S`` | 5 | HTTP: an idle keep-alive connection is closed after this long |
 | ``CDB_HTTP_MAX_CONNECTIONS`` | 2048 | HTTP: open connections and requests past this get 503 at once |
+| ``CDB_HTTP_MAX_CONNECTIONS_PER_PEER`` | 256 | HTTP: a client host's connections past this get 429 (proxies: none) |
 | ``CDB_FORWARDED_ALLOW_IPS`` | (unset) | HTTP: proxies (IPs, CIDRs; * any) whose X-Forwarded-For names the client |
 | ``CDB_HEADER_READ_TIMEOUT_S`` | 10 | time for a new connection's handshake (gRPC), for a request's headers (HTTP) |
 | ``CDB_BODY_READ_TIMEOUT_S`` | 30 | HTTP: time for a request's whole body once its headers are in (else 408) |

@@ -62,6 +62,8 @@ class Settings:
     # --- the stage plane and the tree's shape: the secret, lost and hung stages, front ends, standbys, rings
     stage_secret: str = _help("the stage plane's shared secret (prefer ``CDB_STAGE_SECRET_FILE``)", "", repr=False)
     stage_secret_file: str = _help("file (mode 0600) holding the stage plane's secret; ``cdb serve`` makes one", "")
+    link_secret_file: str = _help("front ends: 0600 file of the link's secret, in place of the stage one's", "")
+    link_timeout_s: float = _help("a scheduler silent (a front end not reading) this long: its link is lost, 503s", 5.0)
     stage_down_limit_s: float = _help(
         "a stage missing this long: requests fail ``UNAVAILABLE``, the scheduler exits 1", 60.0
     )
@@ -100,8 +102,12 @@ class Settings:
         "HTTP/2 max concurrent streams per client connection of the public port", 256
     )
     keepalive_min_time_s: float = _help("clients may ping no more often than this (more often: GOAWAY)", 10.0)
-    max_requests_per_caller: int = _help("live generation requests of one caller (API key, else host), both APIs", 256)
-    max_streams_per_caller: int = _help("streamed generations of one caller open at once (gRPC streams, SSE)", 256)
+    max_requests_per_caller: int | None = _help(
+        "one caller's live requests (by API key, else host); auto: half the capacity", None
+    )
+    max_streams_per_caller: int | None = _help(
+        "open streams of one caller (gRPC, SSE); auto: as max_requests_per_caller", None
+    )
     max_health_watches: int = _help("open health Watch streams of all callers (apart from the RPC cap)", 256)
     stream_stall_timeout_s: float = _help(
         "a stream whose client takes no message this long is cut, its request aborted", 60.0
@@ -109,6 +115,9 @@ class Settings:
     idle_connection_timeout_s: float = _help("gRPC: a connection without calls this long is closed (GOAWAY)", 300.0)
     http_keep_alive_s: float = _help("HTTP: an idle keep-alive connection is closed after this long", 5.0)
     http_max_connections: int = _help("HTTP: open connections and requests past this get 503 at once", 2048)
+    http_max_connections_per_peer: int = _help(
+        "HTTP: a client host's connections past this get 429 (proxies: none)", 256
+    )
     forwarded_allow_ips: str = _help(
         "HTTP: proxies (IPs, CIDRs; * any) whose X-Forwarded-For names the client",
         "",
@@ -155,6 +164,11 @@ class Settings:
                 raise SettingsError(f"{env_name(f.name)}={value!r}: {problem}")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise SettingsError("CDB_TLS_CERT and CDB_TLS_KEY go together: set both or neither")
+        if self.link_timeout_s <= 2 * self.health_interval_s:
+            raise SettingsError(
+                f"CDB_LINK_TIMEOUT_S={self.link_timeout_s} must exceed twice CDB_HEALTH_INTERVAL_S "
+                f"({self.health_interval_s}): the scheduler's status frames keep the link alive"
+            )
         if self.tls_client_ca and not self.tls_cert:
             raise SettingsError("CDB_TLS_CLIENT_CA needs CDB_TLS_CERT and CDB_TLS_KEY (mTLS is TLS first)")
 
@@ -164,6 +178,14 @@ class Settings:
         if self.fence_spin_s is not None:
             return self.fence_spin_s
         return _SPIN_S if usable_cpus() >= SPIN_MIN_CPUS else 0.0
+
+    def caller_limits(self, capacity: int) -> tuple[int, int]:
+        """``(max_requests_per_caller, max_streams_per_caller)`` for a server admitting ``capacity`` requests at once
+        (``max_num_seqs + max_waiting``; auto: half of it, so that one caller cannot hold the server)."""
+        auto = max(1, capacity // 2)
+        requests = self.max_requests_per_caller if self.max_requests_per_caller is not None else auto
+        streams = self.max_streams_per_caller if self.max_streams_per_caller is not None else requests
+        return requests, streams
 
     def front_ends(self, stages_on_device: bool = False) -> int:
         """``frontends`` resolved on this host (auto: where the stages compute on a device, their processes mostly

@@ -57,6 +57,8 @@ def test_a_free_port_can_be_bound_and_the_rpc_cap_only_grows() -> None:
     assert free_address().startswith("127.0.0.1:")
     assert with_rpc_cap({"CDB_MAX_CONCURRENT_RPCS": "4096", "X": "1"}, 100) == {
         "CDB_MAX_CONCURRENT_RPCS": "4096",
+        "CDB_MAX_REQUESTS_PER_CALLER": "164",  # (the benchmark's client is one caller)
         "X": "1",
     }
     assert with_rpc_cap({}, 2000)["CDB_MAX_CONCURRENT_RPCS"] == "2064"
+    assert with_rpc_cap({"CDB_MAX_REQUESTS_PER_CALLER": "7"}, 2000)["CDB_MAX_REQUESTS_PER_CALLER"] == "7", "as set"

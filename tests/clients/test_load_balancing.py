@@ -114,7 +114,9 @@ class FakeReplica(generation_pb2_grpc.GenerationServicer):
             yield pb.GenerateStreamResponse(request_id=request.request_id, token=pb.Token(id=7, text="x", depth=2))
             if self.cut_after_token:
                 context.abort(grpc.StatusCode.UNAVAILABLE, "replica lost mid-stream")
-        finish = pb.Finish(reason=pb.FINISH_REASON_LENGTH, usage=pb.Usage(generated_tokens=1, total_loop_steps=2))
+        resumed = len(request.resume.token_ids)  # (the server's usage counts them apart)
+        usage = pb.Usage(generated_tokens=1 - resumed, total_loop_steps=2 - 2 * resumed, resumed_tokens=resumed)
+        finish = pb.Finish(reason=pb.FINISH_REASON_LENGTH, usage=usage)
         yield pb.GenerateStreamResponse(request_id=request.request_id, finish=finish)
 
     def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> pb.GenerateResponse:
@@ -202,6 +204,8 @@ def test_a_stream_that_delivered_a_token_is_resumed_elsewhere_with_it(fakes: lis
         assert run.done.wait(15) and run.error is None, run.error
         assert [t.id for t in run.tokens] == [7]  # the token once: the resumed stream continued after it
         assert run.finish is not None and run.finish.finish_reason == "length"
+        # the stream's whole counts, though the resumed attempt's server counted only its own tokens
+        assert (run.finish.generated_tokens, run.finish.total_loop_steps, run.finish.resumed_tokens) == (1, 2, 1)
         assert sum(r.calls for r in fakes) == 2
         assert sorted(x for r in fakes for x in r.resumes) == [[], [7]]  # sent again with what it had delivered
     for r in fakes:
@@ -354,5 +358,5 @@ def test_a_dead_replica_loses_no_stream_its_streams_resume_on_the_others(replica
     for run in runs:  # the victim's streams too: resumed on the others, whole, under their own ids, nothing twice
         assert run.error is None, (run.code, len(run.tokens))
         assert run.finish is not None and run.finish.finish_reason == "length"
-        assert run.finish.generated_tokens == len(run.tokens) == long["max_tokens"]
+        assert run.finish.generated_tokens == len(run.tokens) == long["max_tokens"]  # (resumed ones added back)
         assert {t.request_id for t in run.tokens} == {run.finish.request_id}

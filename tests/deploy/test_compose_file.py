@@ -134,8 +134,16 @@ def test_front_ends_run_the_schedulers_config_and_reach_it_through_the_link_volu
     assert flag_values(sched_argv, "--listen")[0].startswith(f"unix:{LINK_DIR}/"), "the scheduler's port: a socket"
     assert sched["healthcheck"]["test"][4] == flag_values(sched_argv, "--listen")[0]
     for svc in (sched, front):
-        assert f"link:{LINK_DIR}" in svc["volumes"] and f"stage-secret:{SECRET_DIR}:ro" in svc["volumes"]
+        assert f"link:{LINK_DIR}" in svc["volumes"]
         assert svc["network_mode"] == "service:pod" and svc["ipc"] == "service:pod"
+    # the front ends hold the link's secret, written by the one-shot writer beside the stage secret, and not that
+    assert f"stage-secret:{SECRET_DIR}:ro" in sched["volumes"]
+    assert not any(v.startswith("stage-secret:") for v in front["volumes"]), "a front end reaches no stage"
+    link_secret = front["environment"]["CDB_LINK_SECRET_FILE"]
+    assert front["environment"]["CDB_STAGE_SECRET_FILE"] == ""
+    assert f"link-secret:{link_secret.rsplit('/', 1)[0]}:ro" in front["volumes"]
+    writer = command_argv(services[SECRET_SERVICE])
+    assert flag_values(writer, "--out") == [SECRET_FILE] and flag_values(writer, "--link-out") == [link_secret]
     assert "link" in merged["volumes"]
     assert flag_values(front_argv, "--listen") == ["0.0.0.0:50051"] and "--join" in front_argv, "shared ports"
     assert front["environment"]["CDB_HTTP_ADDR"] == "0.0.0.0:8000" and "ports" not in front

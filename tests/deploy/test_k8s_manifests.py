@@ -501,17 +501,21 @@ class PodTree(ProcessTree):
         pod = _pod(objects)
         (workdir / "tmp").mkdir()
         (workdir / "secret").mkdir()
+        (workdir / "link-secret").mkdir()
         (workdir / "link").mkdir(mode=0o700)
         mounts = {m["name"]: m["mountPath"] for c in _containers(pod).values() for m in c["volumeMounts"]}
         paths = {"/tmp": workdir / "tmp", "/models": ROOT / "models", mounts["stage-secret"]: workdir / "secret"}
-        if "link" in mounts:
-            paths[mounts["link"]] = workdir / "link"
+        for volume in ("link", "link-secret"):
+            if volume in mounts:
+                paths[mounts[volume]] = workdir / volume
         self.remap = Remap.free((50051, 50061, 50062, 50063, 8000, 9464), paths)
-        # The Secret's content, made as docs/deployment.md says: cdb secret --out FILE.
-        secret_file = workdir / "secret" / "stage-secret"
-        made = run_once(["python", "-m", "cdb", "secret", "--out", str(secret_file)], os.environ)
+        # The Secret's content, made as docs/deployment.md says: cdb secret --out FILE --link-out FILE.
+        secret_file, link_file = workdir / "secret" / "stage-secret", workdir / "link-secret" / "link-secret"
+        made = run_once(
+            ["python", "-m", "cdb", "secret", "--out", str(secret_file), "--link-out", str(link_file)], os.environ
+        )
         assert made.returncode == 0, made.stderr
-        assert stat.S_IMODE(secret_file.stat().st_mode) == 0o600
+        assert stat.S_IMODE(secret_file.stat().st_mode) == stat.S_IMODE(link_file.stat().st_mode) == 0o600
         specs = []
         self.public = ""  # the container serving the public port (the one probed over gRPC)
         for name, container in _containers(pod).items():
@@ -600,6 +604,10 @@ def test_with_a_front_end_the_scheduler_is_the_last_sidecar_and_runs_the_compose
     for name in ("scheduler", FRONTEND_SERVICE):
         mounts = {m["mountPath"]: m["name"] for m in containers[name]["volumeMounts"]}
         assert mounts[LINK_DIR] == "link" and mounts["/models"] == "models", name
+    front_mounts = {m["name"]: m["mountPath"] for m in containers[FRONTEND_SERVICE]["volumeMounts"]}
+    front_env = _env(front_objects, containers[FRONTEND_SERVICE])
+    assert "stage-secret" not in front_mounts and front_env["CDB_STAGE_SECRET_FILE"] == "", "it reaches no stage"
+    assert front_env["CDB_LINK_SECRET_FILE"] == front_mounts["link-secret"] + "/link-secret"
     engine = {n: effective(_argv(front_objects, c), _env(front_objects, c)).engine for n, c in containers.items()}
     assert len(set(map(repr, engine.values()))) == 1, "the five processes run one engine config"
 

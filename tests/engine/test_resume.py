@@ -1,6 +1,7 @@
 """Resuming a broken stream (``RequestParams.resume_tokens`` / ``GenerateRequest.resume``): a request sent again
 with the tokens and depths it had delivered continues exactly where it stopped: the same tokens at the same
-depths, the same text, the same usage, nothing delivered twice; across KV policies, sampling and stop strings."""
+depths, the same text, nothing delivered twice, and a usage of its own tokens (the resumed ones counted apart);
+across KV policies, sampling and stop strings."""
 
 from __future__ import annotations
 
@@ -73,10 +74,12 @@ def test_a_resumed_stream_continues_exactly_where_it_stopped(model: str, kv_poli
                     (t.index, t.token_id, t.depth) for t in tokens[cut:]
                 ]
                 assert [t.text for t in got] == [t.text for t in tokens[cut:]] and end.text == finish.text
-                assert (end.finish_reason, end.generated_tokens, end.total_loop_steps) == (
+                # the usage is this request's: the tokens after the resumed ones, those counted apart
+                assert (end.finish_reason, end.generated_tokens, end.total_loop_steps, end.resumed_tokens) == (
                     finish.finish_reason,
-                    finish.generated_tokens,
-                    finish.total_loop_steps,
+                    finish.generated_tokens - cut,
+                    finish.total_loop_steps - sum(t.depth for t in tokens[:cut]),
+                    cut,
                 )
 
 

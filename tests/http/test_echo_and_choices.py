@@ -13,7 +13,7 @@ import pytest
 from cdb_engine.config import RequestParams, Speculative
 from cdb_scheduler.sampling import SamplingParams
 from services.http.schemas import sample_seed
-from tests.http.harness import TINY, Served, served, wait_until
+from tests.http.harness import SETTINGS, TINY, Served, served, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -191,10 +191,16 @@ def test_a_refused_choice_refuses_the_request_and_ends_the_choices_admitted_befo
     assert api.engine.stats().used_kv_blocks == 0
 
 
-def test_more_choices_than_the_server_holds_is_a_400_naming_n_not_an_overload() -> None:
-    with served(replace(TINY, max_waiting=8)) as api:  # holds 4 resident + 8 waiting requests at once
-        body = {"model": "ouro-tiny", "prompt": "hi", "max_tokens": 1, "n": 13}
+def test_more_choices_than_the_server_or_one_caller_holds_is_a_400_naming_n_not_an_overload() -> None:
+    body = {"model": "ouro-tiny", "prompt": "hi", "max_tokens": 1, "n": 7}
+    with served(replace(TINY, max_waiting=8)) as api:  # holds 4 resident + 8 waiting requests, a caller half
         status, _, raw = api.request("POST", "/v1/completions", body)
+        error = json.loads(raw)["error"]
+        assert status == 400 and error["param"] == "n" and "CDB_MAX_REQUESTS_PER_CALLER" in error["message"]
+        status, _, raw = api.request("POST", "/v1/completions", {**body, "n": 6, "stream": False})
+        assert status == 200 and len(json.loads(raw)["choices"]) == 6
+    with served(replace(TINY, max_waiting=8), settings=replace(SETTINGS, max_requests_per_caller=100)) as api:
+        status, _, raw = api.request("POST", "/v1/completions", {**body, "n": 13})
         error = json.loads(raw)["error"]
         assert status == 400 and error["param"] == "n" and "12 requests this server holds" in error["message"]
         status, _, raw = api.request("POST", "/v1/completions", {**body, "n": 12})

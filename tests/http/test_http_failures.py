@@ -70,7 +70,8 @@ def test_api_keys_from_the_settings_are_required_except_for_health_and_metrics(t
 
 
 def test_overload_is_429_at_once_and_admitted_requests_still_finish() -> None:
-    with served(replace(TINY, max_num_seqs=1, max_waiting=1), gated=True) as s:
+    one_caller_may_overload = replace(SETTINGS, max_requests_per_caller=8)  # (by default: half the server)
+    with served(replace(TINY, max_num_seqs=1, max_waiting=1), gated=True, settings=one_caller_may_overload) as s:
         client = s.client()
         assert s.gate is not None
         held = [

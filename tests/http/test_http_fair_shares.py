@@ -1,6 +1,7 @@
 """Fair shares and connection timeouts of the HTTP API: a caller at its limit gets 429 naming the setting while a
 caller with another key is served, and its share comes back; a client that stops reading a stream is cut and its
-request aborted; request headers and bodies that do not arrive in time, and idle keep-alive connections, end."""
+request aborted; request headers and bodies that do not arrive in time, and idle keep-alive connections, end; one
+client host's connections are bounded (429), a configured proxy's are not."""
 
 from __future__ import annotations
 
@@ -103,6 +104,26 @@ def test_connections_past_the_cap_get_503_at_once() -> None:
             for sock in idle:
                 sock.close()
         wait_until(lambda: s.request("GET", "/health")[0] == 200, "serving again once they closed")
+
+
+def test_a_peers_connections_past_its_limit_get_429_and_a_configured_proxys_do_not() -> None:
+    for proxies in ("", "127.0.0.1"):
+        with served(settings=replace(SETTINGS, http_max_connections_per_peer=2, forwarded_allow_ips=proxies)) as s:
+            host, port = s.address.rsplit(":", 1)
+            idle = [socket.create_connection((host, int(port))) for _ in range(2)]  # (accepted in order)
+            try:
+                status, _, body = s.request("GET", "/health")
+                if proxies:  # a proxy carries many clients: its connections are not bounded per peer
+                    assert status == 200
+                    continue
+                assert status == 429
+                error = json.loads(body)["error"]
+                assert error["code"] == "rate_limit_exceeded"
+                assert "CDB_HTTP_MAX_CONNECTIONS_PER_PEER" in error["message"]
+            finally:
+                for sock in idle:
+                    sock.close()
+            wait_until(lambda: s.request("GET", "/health")[0] == 200, "serving it again once it closed some")
 
 
 @pytest.fixture

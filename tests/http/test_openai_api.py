@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from cdb_engine.config import RequestParams
-from tests.http.harness import TINY, Served, served
+from tests.http.harness import TINY, Served, served, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -143,9 +143,32 @@ def test_a_broken_stream_resumed_with_its_token_ids_and_depths_continues_exactly
     ]
     assert [c["text"] for c in tokens[:cut]] + [c["text"] for c in rest] == [c["text"] for c in whole]
     assert [c.get("depths") for c in rest] == [c.get("depths") for c in whole[cut:]]
-    assert rest[-1]["total_loop_steps"] == whole[-1]["total_loop_steps"]
+    assert rest[-1]["total_loop_steps"] == whole[-1]["total_loop_steps"] - sum(resume["depths"])  # (its own)
     with pytest.raises(openai.BadRequestError, match="resume"):
         client.completions.create(**args, extra_body={"resume": {"token_ids": [1, 2], "depths": [4]}})
+
+
+def test_a_resumed_streams_usage_counts_its_new_tokens_and_the_resumed_apart(api: Served) -> None:
+    """The resumed tokens were generated, and billed, by the broken stream: the resumed request's usage counts only
+    the tokens it generates (``completion_tokens``), the resumed ones apart (``resumed_tokens``, only when there
+    are any), streamed or not; so do the server's token metrics."""
+    plain = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0}
+    streamed = plain | {"stream": True, "stream_options": {"include_usage": True}}
+    chunks = [json.loads(e) for e in sse_events(api.request("POST", "/v1/completions", streamed)[2])[:-1]]
+    tokens = [c["choices"][0]["cdb"] for c in chunks if c["choices"] and c["choices"][0]["cdb"].get("token_ids")]
+    prompt = chunks[-1]["usage"]["prompt_tokens"]
+    assert len(tokens) == 8
+    assert chunks[-1]["usage"] == {"prompt_tokens": prompt, "completion_tokens": 8, "total_tokens": prompt + 8}
+    resume = {"token_ids": [t["token_ids"][0] for t in tokens[:3]], "depths": [t["depths"][0] for t in tokens[:3]]}
+    want = {"prompt_tokens": prompt, "completion_tokens": 5, "total_tokens": prompt + 5, "resumed_tokens": 3}
+    metrics = api.door.metrics
+    before = metrics.generated_tokens.value(), metrics.request_generation_tokens.sum()
+    status, _, raw = api.request("POST", "/v1/completions", streamed | {"resume": resume})
+    assert status == 200 and json.loads(sse_events(raw)[-2])["usage"] == want
+    counted = (before[0] + 5, before[1] + 5)  # (token metrics are tallied once per event-loop pass)
+    wait_until(lambda: (metrics.generated_tokens.value(), metrics.request_generation_tokens.sum()) == counted, "tally")
+    status, _, reply = api.request("POST", "/v1/completions", plain | {"resume": resume})
+    assert status == 200 and json.loads(reply)["usage"] == want
 
 
 def test_completion_logprobs_name_tokens_and_alternatives(client: openai.OpenAI) -> None:

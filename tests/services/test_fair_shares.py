@@ -12,9 +12,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cdb_api.v1 import generation_pb2 as pb
 from cdb_api.v1 import generation_pb2_grpc
+from cdb_engine.client import InProcessClient
 from cdb_engine.engine import Engine
 from clients.messages import StreamFinish, StreamToken
 from clients.sync_client import Client
+from services.api.door import FrontDoor
+from services.api.errors import CallerLimit
 from services.api.shares import grpc_peer_host, host_key, share_scope
 from services.settings import Settings
 from tests.http.harness import wait_until
@@ -60,6 +63,20 @@ def test_the_share_scope_is_the_key_else_the_host() -> None:
     assert host_key("127.0.0.1") == "127.0.0.1" and host_key("testclient") == "testclient"
     assert share_scope("anon", "10.0.0.5") == "peer-10.0.0.5"
     assert share_scope("key-0123456789ab", "10.0.0.5") == "key-0123456789ab"
+
+
+def test_by_default_one_caller_holds_at_most_half_of_what_the_server_admits(engine: Engine) -> None:
+    assert Settings().caller_limits(32 + 256) == (144, 144)
+    assert Settings(max_requests_per_caller=300).caller_limits(288) == (300, 300), "set: as set, streams too"
+    assert Settings(max_streams_per_caller=5).caller_limits(288) == (144, 5)
+    assert Settings().caller_limits(1) == (1, 1)
+    door = FrontDoor(InProcessClient(engine), Settings())
+    capacity = engine.config.max_num_seqs + engine.config.max_waiting
+    assert (door.shares.max_requests, door.shares.max_streams) == (capacity // 2, capacity // 2)
+    for _ in range(capacity // 2):
+        door.shares.take("peer-198.51.100.7", True)
+    with pytest.raises(CallerLimit, match="CDB_MAX_REQUESTS_PER_CALLER"):
+        door.shares.take("peer-198.51.100.7", False)
 
 
 def test_a_caller_at_its_limit_is_refused_and_another_key_is_served(engine: Engine) -> None:

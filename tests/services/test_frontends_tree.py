@@ -1,17 +1,22 @@
 """The process tree with two front-end processes (``CDB_FRONTENDS=2``) sharing the public ports: results equal the
 in-process engine over gRPC and HTTP, request metrics reach the scheduler's endpoint, and a front end killed
 mid-stream is restarted while its streams resume on the other one and nothing stays held; a request's trace runs
-from the front end's span through the scheduler's engine span to the stage hops."""
+from the front end's span through the scheduler's engine span to the stage hops. Hardening: a caller's share counts
+once over both front ends; a stopped scheduler is answered 503 within seconds and served again once it resumes;
+the front ends hold the link's secret, never the stage secret."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import random
 import signal
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -20,13 +25,19 @@ from cdb_engine.engine import Engine
 from cdb_scheduler.sampling import SamplingParams
 from clients.messages import GenerateOptions
 from clients.sync_client import Client
+from services.frontlink.messages import LinkError
+from services.frontlink.wire import Wire, client_handshake, connect_unix, socket_path
 from services.launcher.commands import FRONTEND_PREFIX
 from services.launcher.supervisor import ServeHandle
 from services.launcher.tree import serve_all
+from services.stage_secret import link_secret, load_stage_secret
 from services.telemetry.otlp_receiver import CollectedSpan, OtlpReceiver, children, descendants, one
 from tests.services.tree import IDLE, SHARED_CONFIG, TEST_ENV, StreamRun, free_port, wait_idle
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+SHARE = 8  # live requests of one caller (every test's client is the one host)
+LINK_TIMEOUT_S = 1.0
 
 
 class Tree:
@@ -44,6 +55,7 @@ def tree() -> Iterator[Tree]:
     with OtlpReceiver() as receiver:
         env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
         env.update(TEST_ENV, CDB_FRONTENDS="2", CDB_HTTP_ADDR=http)
+        env.update(CDB_MAX_REQUESTS_PER_CALLER=str(SHARE), CDB_LINK_TIMEOUT_S=str(LINK_TIMEOUT_S))
         env.update(
             OTEL_TRACES_EXPORTER="otlp", OTEL_EXPORTER_OTLP_ENDPOINT=receiver.endpoint, OTEL_BSP_SCHEDULE_DELAY="100"
         )
@@ -164,3 +176,75 @@ def test_a_killed_front_end_is_restarted_and_its_streams_resume(tree: Tree) -> N
             c.close()
     with Client(tree.handle.address, timeout=60) as fresh:
         assert fresh.generate("after", max_tokens=3).finish.generated_tokens == 3
+
+
+def test_a_callers_share_counts_once_over_two_front_ends(tree: Tree) -> None:
+    """Twice its share of HTTP streams from one caller, a connection each (the kernel spreads them over both front
+    ends, each of which would admit a whole share on its own): exactly a share admitted, the rest refused 429."""
+    host, port = tree.http.rsplit(":", 1)
+    body = {"model": "ouro-tiny", "prompt": "a", "max_tokens": 300, "ignore_eos": True, "stream": True}
+    conns = [http.client.HTTPConnection(host, int(port), timeout=60) for _ in range(2 * SHARE)]
+    try:
+        replies = []
+        for conn in conns:  # each stays live (300 tokens) until all are answered
+            conn.request("POST", "/v1/completions", json.dumps(body), {"content-type": "application/json"})
+            replies.append(conn.getresponse())
+        assert sorted(r.status for r in replies) == [200] * SHARE + [429] * SHARE
+        for reply in replies:
+            if reply.status == 429:
+                assert "CDB_MAX_REQUESTS_PER_CALLER" in json.loads(reply.read())["error"]["message"]
+    finally:
+        for conn in conns:
+            conn.close()
+    with Client(tree.handle.address, timeout=60) as fresh:
+        assert wait_idle(fresh) == IDLE
+        assert fresh.generate("after", max_tokens=3).finish.generated_tokens == 3, "the shares came back"
+
+
+def _health(tree: Tree) -> int:
+    try:
+        with urllib.request.urlopen(f"http://{tree.http}/health", timeout=10) as reply:
+            return int(reply.status)
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+def test_a_stopped_scheduler_is_answered_503_within_seconds_and_served_again(tree: Tree) -> None:
+    scheduler = tree.handle.scheduler
+    assert scheduler is not None
+    os.kill(scheduler.pid, signal.SIGSTOP)
+    try:
+        stopped = time.monotonic()
+        _poll(lambda: _health(tree) == 503, "the front ends' health to say 503", timeout=LINK_TIMEOUT_S + 5)
+        assert time.monotonic() - stopped < LINK_TIMEOUT_S + 3
+        body = json.dumps({"model": "ouro-tiny", "prompt": "x", "max_tokens": 2}).encode()
+        call = urllib.request.Request(
+            f"http://{tree.http}/v1/completions", data=body, headers={"content-type": "application/json"}
+        )
+        asked = time.monotonic()
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(call, timeout=30)
+        assert err.value.code == 503 and time.monotonic() - asked < LINK_TIMEOUT_S + 2
+    finally:
+        os.kill(scheduler.pid, signal.SIGCONT)
+    _poll(lambda: _health(tree) == 200, "the front ends to be ready again", timeout=30)
+    with Client(tree.handle.address, timeout=60) as client:
+        assert client.generate("again", max_tokens=3).finish.generated_tokens == 3
+
+
+def test_the_front_ends_hold_the_links_secret_not_the_stage_secret(tree: Tree) -> None:
+    stage_secret = load_stage_secret(tree.handle.settings)
+    for proc in tree.handle.frontends:
+        argv = Path(f"/proc/{proc.pid}/cmdline").read_text().split("\0")
+        document = json.loads(Path(argv[argv.index("--resolved-config") + 1]).read_text())["settings"]
+        assert document["stage_secret"] == document["stage_secret_file"] == ""
+        assert Path(document["link_secret_file"]).read_text().strip() == link_secret(stage_secret)
+        environ = Path(f"/proc/{proc.pid}/environ").read_bytes().decode(errors="replace")
+        assert "CDB_STAGE_SECRET" not in environ and stage_secret not in environ
+    link = socket_path(f"unix:{tree.handle.workdir}/link.sock")
+    wire = Wire(connect_unix(link))
+    try:
+        with pytest.raises((LinkError, OSError)):  # the stage secret is not the link's
+            client_handshake(wire, stage_secret.encode())
+    finally:
+        wire.close()

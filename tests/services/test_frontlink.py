@@ -223,6 +223,18 @@ def test_a_stream_resumed_before_the_dead_front_ends_link_end_is_read_is_admitte
     _wait(lambda: link.engine.stats().running == 0 and link.engine.stats().used_kv_blocks == 0, "released")
 
 
+def test_a_resumed_streams_usage_counts_the_resumed_tokens_apart_across_the_link(link: Link) -> None:
+    """A resumed stream through a front end: the tokens after the resumed ones, and a finish (made in the scheduler
+    process) whose usage counts only them, the resumed ones apart in ``resumed_tokens``."""
+    a = _ready(link.front_end())
+    params = RequestParams(max_tokens=8, ignore_eos=True)
+    whole = link.engine.generate([[4, 5, 6]], params)[0]
+    again = replace(params, resume_tokens=tuple(whole.token_ids[:3]), resume_depths=tuple(whole.depths[:3]))
+    tokens, finish = asyncio.run(_collect(a, [4, 5, 6], again, "x/resumed-usage"))
+    assert [t.token_id for t in tokens] == whole.token_ids[3:]
+    assert (finish.generated_tokens, finish.total_loop_steps, finish.resumed_tokens) == (5, sum(whole.depths[3:]), 3)
+
+
 def test_request_metrics_reach_the_scheduler_registry(link: Link) -> None:
     a = _ready(link.front_end())
     relay = MetricsRelay(a.link)

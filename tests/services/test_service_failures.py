@@ -23,7 +23,8 @@ LONG = GenerateOptions(max_tokens=3000, ignore_eos=True)
 
 def test_overload_is_resource_exhausted_at_once() -> None:
     config = EngineConfig(model="ouro-tiny", max_num_seqs=2, max_waiting=2, num_kv_blocks=512)
-    with process_tree(config) as tree, Client(tree.address, timeout=60) as client:
+    # one caller may hold the whole server here (by default: half of it)
+    with process_tree(config, CDB_MAX_REQUESTS_PER_CALLER="8") as tree, Client(tree.address, timeout=60) as client:
         runs = [StreamRun(client, "busy", GenerateOptions(LONG, request_id=f"r{i}")).start() for i in range(4)]
         wait_for_counters(client, lambda c: c["running"] + c["waiting"] >= 4, "all four admitted or queued", 30)
         t0 = time.monotonic()

@@ -27,6 +27,9 @@ TEST_ENV = {
     "CDB_STAGE_KEEPALIVE_S": "2",
     "CDB_STAGE_PROBE_TIMEOUT_S": "1",
     "CDB_HTTP_ADDR": "",
+    # every test's client is the one host, and some fill the server from it (the default, half of the server per
+    # caller, is tested in tests/services/test_fair_shares.py and over two front ends in test_frontends_tree.py)
+    "CDB_MAX_REQUESTS_PER_CALLER": "1024",
 }
 
 # The tree shared by every test that neither kills, stops nor reconfigures it (``ouro_tiny_tree`` in
