@@ -13,7 +13,7 @@ from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from cdb_api.v1 import generation_pb2 as pb
 from cdb_engine.engine import Engine
 from clients.sync_client import Client
-from services.api.decoding import Undecodable, describe_undecodable, tolerant_deserializer
+from services.api.decoding import MAX_WALKED_FIELDS, Undecodable, describe_undecodable, tolerant_deserializer
 from tests.services.public_port import PublicServer, assert_no_errors_logged, public_server, tiny_engine
 
 pytestmark = pytest.mark.timeout(60)
@@ -139,3 +139,16 @@ def test_nested_fields_are_named_by_their_path() -> None:
     # a string inside a nested message gets a dotted path (Token.text inside GenerateResponse.tokens[1])
     response = _field(3, _field(2, b"fine")) + _field(3, _field(2, BAD_UTF8))
     assert describe_undecodable(response, pb.GenerateResponse.DESCRIPTOR) == "tokens[1].text: not valid UTF-8"
+
+
+def test_the_walk_of_an_undecodable_request_is_bounded() -> None:
+    """The walk runs where gRPC deserializes (the serving event loop): a request of more fields than
+    ``MAX_WALKED_FIELDS`` before its bad one gets the message's name without the field, after that many reads; one
+    within the budget still names it, unknown groups' fields included in the count."""
+    filler = _varint(99 << 3 | 0) + b"\x01"  # an unknown varint field: two bytes each
+    many = filler * MAX_WALKED_FIELDS + _field(1, BAD_UTF8)
+    assert describe_undecodable(many, pb.GenerateRequest.DESCRIPTOR) == "request: not a valid cdb.v1.GenerateRequest"
+    few = filler * (MAX_WALKED_FIELDS - 1) + _field(1, BAD_UTF8)
+    assert describe_undecodable(few, pb.GenerateRequest.DESCRIPTOR) == "request_id: not valid UTF-8"
+    group = _varint(98 << 3 | 3) + filler * MAX_WALKED_FIELDS + _varint(98 << 3 | 4)  # an unknown group
+    assert describe_undecodable(group + _field(1, BAD_UTF8), pb.GenerateRequest.DESCRIPTOR).startswith("request:")
