@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
+
+import msgspec
 
 from cdb_engine.events import FinishEvent
 from cdb_model.tokenizer import Tokenizer
@@ -117,8 +119,8 @@ class TextOutput(Detokenizer):
         """The engine's finish as the stream reports it (the class docstring)."""
         if not self.dropped:
             tail = self.flush() if event.finish_reason is not FinishReason.STOP else ""
-            return replace(event, text=tail) if tail else event
-        return replace(
+            return msgspec.structs.replace(event, text=tail) if tail else event
+        return msgspec.structs.replace(
             event,
             finish_reason=FinishReason.STOP,
             generated_tokens=event.generated_tokens - self.dropped,

@@ -16,7 +16,9 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
+
+import msgspec
 
 from cdb_engine.config import EngineConfig, RequestParams
 from cdb_engine.detokenizer import TextOutput
@@ -275,7 +277,7 @@ class Engine:
         stopped = out is not None and out.stopped
         token = TokenEvent(live.request_id, ev.index, ev.token_id, text, ev.depth, ev.logprobs, now)
         if ev.index == 0 and live.req.score_prompt:
-            token = replace(token, prompt_logprobs=tuple(live.req.prompt_logprobs))
+            token = msgspec.structs.replace(token, prompt_logprobs=tuple(live.req.prompt_logprobs))
         ok = self._emit(live, token)
         if stopped or not ok:
             reason = FinishReason.STOP if stopped else FinishReason.CANCELLED
@@ -297,7 +299,7 @@ class Engine:
         if (spec := req.spec) is not None:
             finish.spec_drafts, finish.spec_accepted, finish.spec_rejected = spec.drafts, spec.accepted, spec.rejected
         if req.score_prompt and ev.generated == 0:  # no token carried the prompt's logprobs
-            finish = replace(finish, prompt_logprobs=tuple(req.prompt_logprobs))
+            finish = msgspec.structs.replace(finish, prompt_logprobs=tuple(req.prompt_logprobs))
         self._emit(live, finish)
 
     @staticmethod

@@ -10,12 +10,16 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import msgspec
+
 from cdb_scheduler.request import FinishReason
 from cdb_scheduler.sampling import TokenLogprobs
 
 
-@dataclass(slots=True)
-class TokenEvent:
+class TokenEvent(msgspec.Struct, array_like=True, gc=False):
+    """One generated token of a request. A msgspec struct: built in C (one per token, on the engine thread), and
+    carried over the front-end link as a MessagePack array of its fields (no field names in the frame)."""
+
     request_id: str
     index: int
     token_id: int
@@ -26,26 +30,8 @@ class TokenEvent:
     # token 0 of a request with ``prompt_logprobs``: those of prompt tokens 1.. (at full depth; token 0 has none)
     prompt_logprobs: tuple[TokenLogprobs, ...] = ()
 
-    def __reduce__(self) -> tuple[type[TokenEvent], tuple[object, ...]]:
-        # pickled by its fields in one call (a front-end link frame carries dozens per stage result); the default
-        # for a slotted dataclass runs a Python function per event
-        return (
-            TokenEvent,
-            (
-                self.request_id,
-                self.index,
-                self.token_id,
-                self.text,
-                self.depth,
-                self.logprobs,
-                self.time_ns,
-                self.prompt_logprobs,
-            ),
-        )
 
-
-@dataclass(slots=True)
-class FinishEvent:
+class FinishEvent(msgspec.Struct, array_like=True, gc=False):
     """A request's end. ``generated_tokens`` and ``total_loop_steps`` count the tokens this request generated (its
     usage); a resumed stream's tokens (``RequestParams.resume_tokens``) are counted apart, in ``resumed_tokens``."""
 

@@ -49,6 +49,11 @@ class ExitState:
     next_hazard: float | None = None  # Ouro lookahead: predicted hazard of the next step
     target_depth: int = 0  # fixed / replayed depth (0: not used)
 
+    def __init__(self, target_depth: int = 0) -> None:  # (native: one per token in the loop)
+        self.observed, self.cdf, self.survival, self.last_signal = 0, 0.0, 1.0, 1.0
+        self.next_hazard = None
+        self.target_depth = target_depth
+
 
 class ExitPolicy(ABC):
     """A per-token stopping rule with a maximum and minimum served depth.

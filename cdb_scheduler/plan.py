@@ -83,6 +83,9 @@ class KVCopy:
     position: int
     from_slot: int
 
+    def __init__(self, rid: int, position: int, from_slot: int) -> None:  # (native: one per exited token)
+        self.rid, self.position, self.from_slot = rid, position, from_slot
+
 
 @dataclass(frozen=True, slots=True)
 class OpBase:

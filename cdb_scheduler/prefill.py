@@ -70,8 +70,9 @@ def pick_chunks(
         picked.append((req, start, end))
     if partial:
         return picked, False
-    admit = rows.num_free >= cfg.admit_min_free_rows or not running
-    while admit and waiting and rows.num_free > 0:
+    if rows.num_free < cfg.admit_min_free_rows and running:
+        return picked, False
+    while waiting and rows.num_free > 0:
         req = waiting[0]
         end = min(cfg.prefill_chunk_size, req.prompt_len)
         if end > budget:

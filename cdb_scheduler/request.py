@@ -121,6 +121,20 @@ class Item:
     held: bool = False  # a fallback that exited before the verdict: sampled only if kept
     copy: KVCopy | None = None  # its copy-on-exit, once decided
 
+    # One per generated token: written out, so that the compiled scheduler builds it natively (the dataclass's own
+    # ``__init__`` is a Python function even in a compiled class: ≈ 0.7 µs a token on the engine thread).
+    def __init__(
+        self, req: Request, epoch: int, index: int, position: int, input_token: int, exit_state: ExitState
+    ) -> None:
+        self.req, self.epoch, self.index, self.position = req, epoch, index, position
+        self.input_token, self.exit_state = input_token, exit_state
+        self.next_step = self.depth = self.forced_depth = self.exited_at = self.gate_loop = 0
+        self.exited = self.embedded = self.gate_head = self.held = False
+        self.pending_since = self.row = self.gate_seq = self.draft = -1
+        self.pred = self.succ = self.fallback = None
+        self.sampled = None
+        self.copy = None
+
     @property
     def live(self) -> bool:
         req = self.req  # (Request.alive inlined: this runs for every queued item on every scheduling round)
@@ -157,6 +171,10 @@ class TokenOut:
     token_id: int
     depth: int
     logprobs: TokenLogprobs | None
+
+    def __init__(self, rid: int, index: int, token_id: int, depth: int, logprobs: TokenLogprobs | None) -> None:
+        self.rid, self.index, self.token_id = rid, index, token_id  # (native: one per reported token)
+        self.depth, self.logprobs = depth, logprobs
 
 
 @dataclass(slots=True)
