@@ -64,7 +64,7 @@ class EvalArgs:
     min_agreement: float = 0.6
 
 
-QUICK = {"windows": 2, "window": 128, "prompts": 2, "new_tokens": 16, "thresholds": (0.5, 1.0)}
+QUICK = {"windows": 2, "window": 104, "prompts": 2, "new_tokens": 16, "thresholds": (0.5, 1.0)}
 
 
 def exit_policy(kv: KVPolicy, q: float, max_depth: int) -> OuroHazard:
@@ -260,7 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--min-agreement", type=float, default=d.min_agreement, help="knee: greedy agreement with full depth at least"
     )
-    p.add_argument("--quick", action="store_true", help="CI: the shipped sample, 2 x 128 tokens, q in {0.5, 1.0}")
+    p.add_argument("--quick", action="store_true", help="CI: the shipped sample, 2 x 104 tokens, q in {0.5, 1.0}")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--out", type=Path, default=None, help="write eval.json and quality_vs_depth.png here")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")

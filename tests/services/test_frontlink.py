@@ -257,11 +257,15 @@ def test_a_wrong_secret_is_refused(link: Link) -> None:
     assert not wrong.link.connected.wait(1.0)
     assert wrong.link.reason is not None and link.server.peers == peers
     a, b = socket.socketpair()
-    with pytest.raises(LinkError):  # and the scheduler side of the same handshake
-        t = threading.Thread(target=lambda: _quiet(client_handshake, Wire(b), b"another-secret-entirely"))
-        t.start()
-        server_handshake(Wire(a), SECRET.encode())
+    t = threading.Thread(target=lambda: _quiet(client_handshake, Wire(b), b"another-secret-entirely"))
+    t.start()
+    try:
+        with pytest.raises(LinkError):  # and the scheduler side of the same handshake
+            server_handshake(Wire(a), SECRET.encode())
+    finally:
+        a.close()  # (the client's wait for our proof ends with the connection)
     t.join()
+    b.close()
 
 
 def _quiet(fn: object, *args: object) -> None:
