@@ -237,6 +237,7 @@ class RequestParams:
     speculative: bool | None = None  # self-speculative decoding for this request (None: the server's choice)
     skip_special_tokens: bool = True  # the output text leaves special tokens out
     include_stop_str: bool = False  # the output text ends with the stop string it hit (else just before it)
+    priority: int = 0  # lower first (vLLM's meaning): the order of the waiting queue, and preempted last
 
 
 def logits_processing(

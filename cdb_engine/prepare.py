@@ -80,6 +80,7 @@ class RequestPreparer:
             score_prompt=params.prompt_logprobs,
             speculate=params.speculative,
             arrival=time.monotonic(),
+            priority=params.priority,
         )
         if params.resume_tokens:  # recomputed at their depths and not reported again, as after a preemption
             req.output, req.depths = list(params.resume_tokens), list(params.resume_depths)

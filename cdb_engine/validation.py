@@ -28,6 +28,7 @@ from cdb_model.tokenizer import Tokenizer, use_request_error
 from cdb_scheduler.exit_policy import ExitRule
 
 MAX_LOGPROBS = REQUEST_BOUNDS.max_logprobs
+MAX_PRIORITY = 2**31 - 1  # a request's priority is an int32 on both APIs
 MAX_BIAS = 100.0  # a logit bias is in [-MAX_BIAS, MAX_BIAS]; -MAX_BIAS bans its token (OpenAI's meaning)
 
 use_request_error(InvalidRequest)
@@ -117,6 +118,8 @@ def validate(
     _check_stops(limits, params, bounds)
     _check_depths(limits, params, kv_policy)
     _check_resume(limits, params, len(ids))
+    if not -MAX_PRIORITY <= params.priority <= MAX_PRIORITY:
+        raise InvalidRequest("priority", f"must be in [-{MAX_PRIORITY}, {MAX_PRIORITY}], got {params.priority}")
     if params.speculative and limits.no_speculation:
         raise InvalidRequest("speculative", limits.no_speculation)
     return ids

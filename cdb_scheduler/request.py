@@ -70,6 +70,7 @@ class Request:
     speculate: bool | None = None  # the request's own choice (None: the server's)
     spec: SpecState | None = None  # set at admission when the request may speculate
     spec_rows: list[int] = field(default_factory=list)  # rows of its speculative items (``row`` is the oldest's)
+    priority: int = 0  # lower first (vLLM's meaning): the waiting queue's order, and preempted last
 
     @property
     def prompt_len(self) -> int:

@@ -63,16 +63,30 @@ class Residency:
             if req.alive:
                 events.append(self.finish(req, FinishReason.ERROR, error))
 
+    def enqueue(self, req: Request, ahead: bool = False) -> None:
+        """Queue ``req`` in priority order (lower value first): behind every waiting request of its priority or a
+        more urgent one; ``ahead``: before those of its own priority (a recomputation, older than them)."""
+        waiting, p = self.waiting, req.priority
+        last = waiting[-1].priority if waiting else p - 1
+        if last < p or (last == p and not ahead):
+            waiting.append(req)  # (every request of one priority: always here unless ``ahead``)
+            return
+        i = len(waiting)
+        while i > 0 and (waiting[i - 1].priority > p or (ahead and waiting[i - 1].priority == p)):
+            i -= 1
+        waiting.insert(i, req)
+
     def preempt_one(self) -> bool:
-        """Nothing can run and a token waits for KV: recompute the request with the fewest computed tokens (it
-        goes back to the head of the waiting queue and replays its tokens at their recorded depths)."""
+        """Nothing can run and a token waits for KV: recompute a request of the least urgent priority, among them
+        the one with the fewest computed tokens (it goes back to the waiting queue ahead of its priority and
+        replays its tokens at their recorded depths)."""
         victims = [r for r in self.running.values() if r.alive]
         if not victims:
             return False
-        victim = min(victims, key=lambda r: (r.computed_tokens, -r.rid))
+        victim = min(victims, key=lambda r: (-r.priority, r.computed_tokens, -r.rid))
         self.requeue(victim)
         self._stats.preemptions += 1
-        self.waiting.appendleft(victim)
+        self.enqueue(victim, ahead=True)
         return True
 
     def requeue(self, req: Request) -> None:
@@ -85,9 +99,15 @@ class Residency:
         req.num_preemptions += 1
 
     def requeue_all(self) -> int:
-        """Every running request becomes a recomputation, ahead of the waiting ones, in arrival order."""
+        """Every running request becomes a recomputation, ahead of the waiting ones of its priority, in arrival
+        order."""
         victims = sorted((r for r in self.running.values() if r.alive), key=lambda r: r.rid)
         for req in victims:
             self.requeue(req)
-        self.waiting.extendleft(reversed(victims))
+        waiting = self.waiting
+        waiting.extendleft(reversed(victims))
+        if any(r.priority for r in waiting):  # (a stable sort: each priority's recomputations stay first)
+            ordered = sorted(waiting, key=lambda r: r.priority)
+            waiting.clear()
+            waiting.extend(ordered)
         return len(victims)

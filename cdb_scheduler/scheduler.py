@@ -84,7 +84,7 @@ class Scheduler:
             req.replay_depths = None
         self.speculation.admit(req)
         req.status = Status.WAITING
-        self.waiting.append(req)
+        self.residency.enqueue(req)  # (in priority order)
 
     def abort(self, rid: int, reason: FinishReason = FinishReason.CANCELLED) -> list[Event]:
         """End a request now; its row and blocks are free at once (ops already issued stay ordered by fences

@@ -62,7 +62,7 @@ class SamplingParameters(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., return_logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., min_tokens: _Optional[int] = ..., min_p: _Optional[float] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "max_tokens", "sampling", "stop_token_ids", "stop_strings", "exit_threshold", "ignore_eos", "replay_depths", "batch_tokens", "resume", "speculative")
+    __slots__ = ("request_id", "text", "token_ids", "max_tokens", "sampling", "stop_token_ids", "stop_strings", "exit_threshold", "ignore_eos", "replay_depths", "batch_tokens", "resume", "speculative", "priority")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -76,6 +76,7 @@ class GenerateRequest(_message.Message):
     BATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RESUME_FIELD_NUMBER: _ClassVar[int]
     SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: TokenIds
@@ -89,7 +90,8 @@ class GenerateRequest(_message.Message):
     batch_tokens: bool
     resume: ResumeState
     speculative: bool
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParameters, _Mapping]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop_strings: _Optional[_Iterable[str]] = ..., exit_threshold: _Optional[float] = ..., ignore_eos: _Optional[bool] = ..., replay_depths: _Optional[_Iterable[int]] = ..., batch_tokens: _Optional[bool] = ..., resume: _Optional[_Union[ResumeState, _Mapping]] = ..., speculative: _Optional[bool] = ...) -> None: ...
+    priority: int
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParameters, _Mapping]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop_strings: _Optional[_Iterable[str]] = ..., exit_threshold: _Optional[float] = ..., ignore_eos: _Optional[bool] = ..., replay_depths: _Optional[_Iterable[int]] = ..., batch_tokens: _Optional[bool] = ..., resume: _Optional[_Union[ResumeState, _Mapping]] = ..., speculative: _Optional[bool] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class ResumeState(_message.Message):
     __slots__ = ("token_ids", "depths")

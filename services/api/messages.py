@@ -66,6 +66,7 @@ def request_to_engine(req: pb.GenerateRequest) -> tuple[str | list[int], Request
         resume_tokens=tuple(req.resume.token_ids),
         resume_depths=tuple(req.resume.depths),
         speculative=req.speculative if req.HasField("speculative") else None,
+        priority=req.priority,
     )
     return prompt, params
 

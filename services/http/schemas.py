@@ -89,6 +89,7 @@ class _Common(BaseModel):
     request_id: str | None = None  # the request's id (as the X-Request-Id header), in the response's id and logs
     cache_salt: str | None = None  # no KV is shared between requests here: every request is isolated already
     prompt_logprobs: StrictInt | None = None  # each prompt token's logprob and this many alternatives (full depth)
+    priority: StrictInt = 0  # lower first: the waiting queue's order, and preempted last
     # cdb extensions (OpenAI clients pass them with ``extra_body``)
     exit_threshold: float | None = None  # per-request exit threshold of the loop (lower: shallower, faster)
     speculative: StrictBool | None = None  # self-speculative decoding for this request (None: the server's choice)
@@ -208,6 +209,7 @@ class _Common(BaseModel):
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str=self.include_stop_str_in_output,
             prompt_logprobs=self.prompt_logprobs is not None,
+            priority=self.priority,
         )
 
     @property

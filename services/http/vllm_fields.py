@@ -67,7 +67,6 @@ REFUSED: Mapping[str, tuple[tuple[Any, ...], str]] = {
     "documents": ((), "not supported"),
     "chat_template": ((), "a per-request chat template is not accepted (the server's --chat-template)"),
     "mm_processor_kwargs": ((), "multimodal input is not supported"),
-    "priority": ((0,), "request priorities are not supported yet: only 0"),
     "echo": ((False,), "a chat does not echo its messages (only false)"),
     "best_of": ((1,), "only best_of=1 is supported"),
     "add_special_tokens": ((), "the tokenizer's own configuration decides (omit it)"),

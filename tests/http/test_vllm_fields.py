@@ -49,7 +49,6 @@ ASKING: dict[str, Any] = {
     "documents": [{"title": "t", "text": "x"}],
     "chat_template": "{{ messages }}",
     "mm_processor_kwargs": {"a": 1},
-    "priority": 5,
     "echo": True,
     "best_of": 2,
     "add_special_tokens": True,
@@ -199,3 +198,16 @@ def test_prompt_logprobs_score_the_prompt_as_echo_does_in_vllms_shape(api: Serve
     assert status == 200 and len(carrying) == 1 and carrying[0]["choices"][0]["prompt_logprobs"] == entries
     status, _, body = completion(api, prompt_logprobs=2, logprobs=3)
     assert status == 400 and body["error"]["param"] == "prompt_logprobs"
+
+
+def test_priority_is_honoured_on_both_endpoints_and_bounded(api: Served) -> None:
+    """vLLM's ``priority`` (lower first) orders the waiting queue (tests/scheduler/test_priority.py); here: taken by
+    both endpoints, the tokens unchanged by it, an int32 at most."""
+    _, _, plain = completion(api)
+    status, _, urgent = completion(api, priority=-3)
+    assert status == 200 and urgent["choices"][0]["text"] == plain["choices"][0]["text"]
+    assert chat(api, priority=7)[0] == 200
+    status, _, body = completion(api, priority=2**31)
+    assert status == 400 and body["error"]["param"] == "priority"
+    status, _, body = completion(api, priority="high")
+    assert status == 400 and "priority" in json.dumps(body["error"])

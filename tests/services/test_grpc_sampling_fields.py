@@ -29,3 +29,12 @@ def test_min_p_out_of_range_names_its_request_path() -> None:
     with Engine(EngineConfig(model="ouro-tiny", num_threads=1)) as engine, pytest.raises(InvalidRequest) as err:
         engine.validate("hi", params)
     assert "sampling.min_p" in status_for(err.value)[1]
+
+
+def test_priority_reaches_the_engine_request() -> None:
+    """``GenerateRequest.priority`` (lower first) is the scheduler's record's (tests/scheduler/test_priority.py)."""
+    _, params = request_to_engine(pb.GenerateRequest(text="hi", max_tokens=2, priority=-4))
+    assert params.priority == -4
+    assert request_to_engine(pb.GenerateRequest(text="hi", max_tokens=2))[1].priority == 0
+    with Engine(EngineConfig(model="ouro-tiny", num_threads=1)) as engine:
+        assert engine.prep.request(1, [5, 6], params).priority == -4
