@@ -154,6 +154,9 @@ def test_a_resumed_streams_usage_counts_its_new_tokens_and_the_resumed_apart(api
     are any), streamed or not; so do the server's token metrics."""
     plain = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0}
     streamed = plain | {"stream": True, "stream_options": {"include_usage": True}}
+    metrics = api.door.metrics
+    # (token metrics are tallied once per event-loop pass: read before this test's first request, not between two)
+    before = metrics.generated_tokens.value(), metrics.request_generation_tokens.sum()
     chunks = [json.loads(e) for e in sse_events(api.request("POST", "/v1/completions", streamed)[2])[:-1]]
     tokens = [c["choices"][0]["cdb"] for c in chunks if c["choices"] and c["choices"][0]["cdb"].get("token_ids")]
     prompt = chunks[-1]["usage"]["prompt_tokens"]
@@ -161,11 +164,9 @@ def test_a_resumed_streams_usage_counts_its_new_tokens_and_the_resumed_apart(api
     assert chunks[-1]["usage"] == {"prompt_tokens": prompt, "completion_tokens": 8, "total_tokens": prompt + 8}
     resume = {"token_ids": [t["token_ids"][0] for t in tokens[:3]], "depths": [t["depths"][0] for t in tokens[:3]]}
     want = {"prompt_tokens": prompt, "completion_tokens": 5, "total_tokens": prompt + 5, "resumed_tokens": 3}
-    metrics = api.door.metrics
-    before = metrics.generated_tokens.value(), metrics.request_generation_tokens.sum()
     status, _, raw = api.request("POST", "/v1/completions", streamed | {"resume": resume})
     assert status == 200 and json.loads(sse_events(raw)[-2])["usage"] == want
-    counted = (before[0] + 5, before[1] + 5)  # (token metrics are tallied once per event-loop pass)
+    counted = (before[0] + 8 + 5, before[1] + 8 + 5)  # the first request's 8, the resumed one's 5 new
     wait_until(lambda: (metrics.generated_tokens.value(), metrics.request_generation_tokens.sum()) == counted, "tally")
     status, _, reply = api.request("POST", "/v1/completions", plain | {"resume": resume})
     assert status == 200 and json.loads(reply)["usage"] == want
