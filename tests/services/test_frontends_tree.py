@@ -182,11 +182,11 @@ def test_a_callers_share_counts_once_over_two_front_ends(tree: Tree) -> None:
     """Twice its share of HTTP streams from one caller, a connection each (the kernel spreads them over both front
     ends, each of which would admit a whole share on its own): exactly a share admitted, the rest refused 429."""
     host, port = tree.http.rsplit(":", 1)
-    body = {"model": "ouro-tiny", "prompt": "a", "max_tokens": 300, "ignore_eos": True, "stream": True}
+    body = {"model": "ouro-tiny", "prompt": "a", "max_tokens": 390, "ignore_eos": True, "stream": True}
     conns = [http.client.HTTPConnection(host, int(port), timeout=60) for _ in range(2 * SHARE)]
     try:
         replies = []
-        for conn in conns:  # each stays live (300 tokens) until all are answered
+        for conn in conns:  # each stays live (390 tokens, seconds here) until all are answered
             conn.request("POST", "/v1/completions", json.dumps(body), {"content-type": "application/json"})
             replies.append(conn.getresponse())
         assert sorted(r.status for r in replies) == [200] * SHARE + [429] * SHARE
