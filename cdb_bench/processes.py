@@ -29,7 +29,7 @@ def free_address(host: str = LOOPBACK) -> str:
     return f"{host}:{free_port(host)}"
 
 
-def with_rpc_cap(env: Mapping[str, str], max_live: int) -> dict[str, str]:
+def with_public_caps(env: Mapping[str, str], max_live: int) -> dict[str, str]:
     """``env`` with the public server's RPC cap (``CDB_MAX_CONCURRENT_RPCS``) and the caller's share
     (``CDB_MAX_REQUESTS_PER_CALLER``: a benchmark client is one caller) raised to hold ``max_live`` requests and a
     margin: an overloaded tree shows latency, not refusals."""

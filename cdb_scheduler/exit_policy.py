@@ -42,14 +42,14 @@ class ExitRule(enum.StrEnum):
 class ExitState:
     """Per-token exit bookkeeping (one per token in the loop)."""
 
-    observed: int = 0  # number of step signals observed so far
-    cdf: float = 0.0  # Ouro: cumulative exit probability through the last observed step
-    survival: float = 1.0  # Ouro: prod(1 - lambda) through the last observed step
-    last_signal: float = 1.0
-    next_hazard: float | None = None  # Ouro lookahead: predicted hazard of the next step
-    target_depth: int = 0  # fixed / replayed depth (0: not used)
+    observed: int  # number of step signals observed so far
+    cdf: float  # Ouro: cumulative exit probability through the last observed step
+    survival: float  # Ouro: prod(1 - lambda) through the last observed step
+    last_signal: float
+    next_hazard: float | None  # Ouro lookahead: predicted hazard of the next step
+    target_depth: int  # fixed / replayed depth (0: not used)
 
-    def __init__(self, target_depth: int = 0) -> None:  # (native: one per token in the loop)
+    def __init__(self, target_depth: int = 0) -> None:  # (native: one per token in the loop; the starting values)
         self.observed, self.cdf, self.survival, self.last_signal = 0, 0.0, 1.0, 1.0
         self.next_hazard = None
         self.target_depth = target_depth

@@ -96,34 +96,35 @@ class Item:
     position: int  # position of its input token (= prompt_len + index - 1)
     input_token: int  # token id at ``position``; -1: sampled by the head into the token bank, not yet known
     exit_state: ExitState
-    next_step: int = 0  # next loop step to issue
-    depth: int = 0  # served depth, set when the exit is decided
-    exited: bool = False
-    forced_depth: int = 0  # replay after preemption: the depth recorded the first time
-    pending_since: int = -1  # loop seq of an issued step whose fate is not yet decided
-    exited_at: int = 0  # loop ops issued when it joined the head queue
-    embedded: bool = False  # its input's embedding is already in its row (written by the head op that sampled it)
-    row: int = -1  # the bank row it runs in (its request's ``row``, or one of its ``spec_rows``)
+    next_step: int  # next loop step to issue
+    depth: int  # served depth, set when the exit is decided
+    exited: bool
+    forced_depth: int  # replay after preemption: the depth recorded the first time
+    pending_since: int  # loop seq of an issued step whose fate is not yet decided
+    exited_at: int  # loop ops issued when it joined the head queue
+    embedded: bool  # its input's embedding is already in its row (written by the head op that sampled it)
+    row: int  # the bank row it runs in (its request's ``row``, or one of its ``spec_rows``)
     # The op that writes its input into its row: a prelude op (``gate_head`` False) or the head op that samples and
     # embeds it (True); -1: none (known written, or written by the loop op that takes it); and the first loop op that
     # takes it before that op is known complete. See ``Scheduler.stage_progress``.
-    gate_seq: int = -1
-    gate_head: bool = False
-    gate_loop: int = 0
+    gate_seq: int
+    gate_head: bool
+    gate_loop: int
     # Speculation: ``pred`` is the unverified predecessor whose sample is this item's input: its draft (``draft``,
     # -1 until the drafting op returns) or, ``FOLLOWS_REAL``, its real sample (the predecessor is unverified itself);
     # ``succ`` the item that follows this one that way; ``sampled``: its own real token and logprobs, sampled before
     # it was verified, reported once it is.
-    pred: Item | None = None
-    succ: Item | None = None
-    draft: int = -1
-    sampled: tuple[int, TokenLogprobs | None] | None = None
-    fallback: Item | None = None  # its real successor while ``succ`` runs from a draft (kept if the draft is wrong)
-    held: bool = False  # a fallback that exited before the verdict: sampled only if kept
-    copy: KVCopy | None = None  # its copy-on-exit, once decided
+    pred: Item | None
+    succ: Item | None
+    draft: int
+    sampled: tuple[int, TokenLogprobs | None] | None
+    fallback: Item | None  # its real successor while ``succ`` runs from a draft (kept if the draft is wrong)
+    held: bool  # a fallback that exited before the verdict: sampled only if kept
+    copy: KVCopy | None  # its copy-on-exit, once decided
 
     # One per generated token: written out, so that the compiled scheduler builds it natively (the dataclass's own
-    # ``__init__`` is a Python function even in a compiled class: ≈ 0.7 µs a token on the engine thread).
+    # ``__init__`` is a Python function even in a compiled class: ≈ 0.7 µs a token on the engine thread). The
+    # fields' starting values are here, not on the fields.
     def __init__(
         self, req: Request, epoch: int, index: int, position: int, input_token: int, exit_state: ExitState
     ) -> None:

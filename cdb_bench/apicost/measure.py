@@ -18,7 +18,7 @@ from typing import Any
 
 from cdb_bench.apicost import activities
 from cdb_bench.hostpath.measure import scrape
-from cdb_bench.processes import cpu_seconds, free_port
+from cdb_bench.processes import cpu_seconds, free_port, with_public_caps
 from cdb_engine.config import EngineConfig, Speculative
 from cdb_model.loader import load_config
 from cdb_scheduler.config import Mode
@@ -173,8 +173,7 @@ def run_point(point: Point, window: Window) -> dict[str, Any]:
     token per activity, when sampled)."""
     cfg = engine_config(point)
     metrics_port, http = free_port(), f"127.0.0.1:{free_port()}"
-    env = {**os.environ, "CDB_HTTP_ADDR": http, "CDB_MAX_CONCURRENT_RPCS": str(4 * point.concurrency + 64)}
-    env.setdefault("CDB_MAX_REQUESTS_PER_CALLER", str(point.concurrency + 64))  # (the client is one caller)
+    env = with_public_caps({**os.environ, "CDB_HTTP_ADDR": http}, 4 * point.concurrency)
     if point.frontends:
         env["CDB_FRONTENDS"] = point.frontends
     vocab = load_config(cfg.model).vocab_size  # (the model's config alone: no engine is built here)

@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from cdb_bench.processes import free_address, trees, with_rpc_cap
+from cdb_bench.processes import free_address, trees, with_public_caps
 from cdb_bench.routing.policies import Policy
 from cdb_bench.routing.workload import RoutedRequest
 from cdb_bench.serve.driver import drive
@@ -36,7 +36,7 @@ SLO = Slo(ttft_s=1.0, tpot_s=0.1)  # recorded by summarize_run; the study reads 
 @contextmanager
 def local_replicas(cfg: EngineConfig, replicas: int, max_live: int) -> Iterator[list[str]]:
     """Start ``replicas`` trees of ``cfg`` at once on fixed loopback ports; yield their addresses; stop them."""
-    env = with_rpc_cap(dict(os.environ, CDB_HTTP_ADDR="", CDB_METRICS_ADDR=""), max_live)  # no shared ports
+    env = with_public_caps(dict(os.environ, CDB_HTTP_ADDR="", CDB_METRICS_ADDR=""), max_live)  # no shared ports
     with trees(cfg, [free_address() for _ in range(replicas)], env, drain_timeout=2.0) as started:
         yield [t.address for t in started]
 

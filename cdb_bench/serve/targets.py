@@ -25,7 +25,7 @@ from typing import Protocol
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from cdb_bench.processes import free_address, with_rpc_cap
+from cdb_bench.processes import free_address, with_public_caps
 from cdb_bench.serve.driver import Connection
 from cdb_bench.serve.metrics import OpCounters
 from cdb_bench.serve.requests import ServeRequest
@@ -180,7 +180,7 @@ def open_target(
         return
     if kind != "deployment":
         raise ValueError(f"target must be one of {', '.join(TARGETS)}; got {kind!r}")
-    env = with_rpc_cap(os.environ, max_live)
+    env = with_public_caps(os.environ, max_live)
     metrics = free_address()
     with serve_all(cfg, "127.0.0.1:0", env=env, metrics_listen=metrics) as tree:
         yield DeploymentTarget(tree.address, timeout, metrics)

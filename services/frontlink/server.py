@@ -118,11 +118,12 @@ class _Peer:
             self.live[key] = share
             return True
 
-    def untrack(self, key: str) -> None:
+    def untrack(self, key: str, share: _Share) -> None:
+        """A submission under ``key`` failed: it holds nothing."""
         with self._cond:
-            share = self.live.pop(key, None)
-        if share is not None:
-            share.give_back()
+            if self.live.get(key) is share:
+                del self.live[key]
+        share.give_back()
 
     def holds(self, key: str) -> bool:
         with self._cond:
@@ -140,16 +141,17 @@ class _Peer:
             share.give_back()
         return list(live)
 
-    def post(self, key: str, event: Event) -> None:
-        """The engine thread: ``event`` of request ``key`` for this front end."""
-        share = None
+    def post(self, key: str, event: Event, share: _Share) -> None:
+        """The engine thread: ``event`` of request ``key`` (holding ``share``) for this front end; its finish gives
+        the share back (that request's own: an id reused after an abort is another request's)."""
+        finished = isinstance(event, FinishEvent)
         with self._cond:
-            if isinstance(event, FinishEvent):
-                share = self.live.pop(key, None)
+            if finished and self.live.get(key) is share:
+                del self.live[key]
             self._events.append(event)  # its request_id is the engine's id, ``key``
             if len(self._events) == 1:
                 self._cond.notify()
-        if share is not None:
+        if finished:
             share.give_back()
 
     def reply(self, message: Reply) -> None:
@@ -195,13 +197,15 @@ class _Peer:
 
 class _Share:
     """The share one submitted request holds of its caller in the scheduler's count: taken when its front end
-    tracks it, given back once (its finish, its front end's departure, or a failed submission)."""
+    tracks it, given back once, by whichever comes first: its finish, its front end's departure (at once: a client
+    resuming it elsewhere is not refused for its own share), or a failed submission."""
 
-    __slots__ = ("caller", "held", "shares", "streaming")
+    __slots__ = ("_lock", "caller", "held", "shares", "streaming")
 
     def __init__(self, shares: Shares, caller: str, streaming: bool) -> None:
         self.shares, self.caller, self.streaming = shares, caller, streaming
         self.held = False
+        self._lock = threading.Lock()  # (the engine thread's finish and a reader's departure may race)
 
     def take(self) -> None:
         if self.caller:
@@ -209,8 +213,9 @@ class _Share:
             self.held = True
 
     def give_back(self) -> None:
-        if self.held:
-            self.held = False
+        with self._lock:
+            held, self.held = self.held, False
+        if held:
             self.shares.give_back(self.caller, self.streaming)
 
 
@@ -356,7 +361,7 @@ class LinkServer:
                 span.enqueued()
 
         def sink(event: Event) -> None:
-            peer.post(key, event)
+            peer.post(key, event, share)
             if span is not None and isinstance(event, FinishEvent):
                 span.finish(event.finish_reason, event.generated_tokens, (), event.total_loop_steps)
 
@@ -367,7 +372,7 @@ class LinkServer:
             try:
                 self.engine.submit(msg.ids, params, sink, key, on_queued=queued, detokenize=False)  # (text: front end)
             except BaseException:
-                peer.untrack(key)
+                peer.untrack(key, share)
                 if span is not None:
                     span.finish("error", 0)
                 raise

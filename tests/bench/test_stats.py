@@ -8,7 +8,7 @@ import socket
 
 import pytest
 
-from cdb_bench.processes import free_address, free_port, with_rpc_cap
+from cdb_bench.processes import free_address, free_port, with_public_caps
 from cdb_bench.stats import error_bars, median, median_min_max, median_range, middle, order_statistic, percentile
 
 pytestmark = pytest.mark.timeout(30)
@@ -51,14 +51,14 @@ def test_the_middle_run_is_the_upper_of_two_and_error_bars_reach_the_extremes() 
     assert error_bars([[1.0, 2.0, 4.0], [5.0]]) == [[1.0, 0.0], [2.0, 0.0]]
 
 
-def test_a_free_port_can_be_bound_and_the_rpc_cap_only_grows() -> None:
+def test_a_free_port_can_be_bound_and_the_public_caps_only_grow() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", free_port()))
     assert free_address().startswith("127.0.0.1:")
-    assert with_rpc_cap({"CDB_MAX_CONCURRENT_RPCS": "4096", "X": "1"}, 100) == {
+    assert with_public_caps({"CDB_MAX_CONCURRENT_RPCS": "4096", "X": "1"}, 100) == {
         "CDB_MAX_CONCURRENT_RPCS": "4096",
         "CDB_MAX_REQUESTS_PER_CALLER": "164",  # (the benchmark's client is one caller)
         "X": "1",
     }
-    assert with_rpc_cap({}, 2000)["CDB_MAX_CONCURRENT_RPCS"] == "2064"
-    assert with_rpc_cap({"CDB_MAX_REQUESTS_PER_CALLER": "7"}, 2000)["CDB_MAX_REQUESTS_PER_CALLER"] == "7", "as set"
+    assert with_public_caps({}, 2000)["CDB_MAX_CONCURRENT_RPCS"] == "2064"
+    assert with_public_caps({"CDB_MAX_REQUESTS_PER_CALLER": "7"}, 2000)["CDB_MAX_REQUESTS_PER_CALLER"] == "7", "as set"
