@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
-import json
 import logging
 from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from services.api.shares import host_key
+from services.http.errors import ApiError
 
 log = logging.getLogger("cdb.http")
 
@@ -168,16 +168,14 @@ class PeerConnections:
         self._any = trusted.strip() == "*"
         self._trusted = [ipaddress.ip_network(t.strip(), strict=False) for t in trusted.split(",") if t.strip()]
         self.open: dict[str, int] = {}  # host key -> its open connections (a host with none is removed)
-        body = {
-            "error": {
-                "message": f"this client holds {limit} open connections, the limit per client "
-                "(CDB_HTTP_MAX_CONNECTIONS_PER_PEER): reuse them (keep-alive) or close some",
-                "type": "rate_limit_exceeded",
-                "param": None,
-                "code": "rate_limit_exceeded",
-            }
-        }
-        self._body = json.dumps(body).encode()
+        self._error = ApiError(  # (CallerLimit's reply: the same type and code)
+            429,
+            f"this client holds {limit} open connections, the limit per client "
+            "(CDB_HTTP_MAX_CONNECTIONS_PER_PEER): reuse them (keep-alive) or close some",
+            "rate_limit_error",
+            None,
+            "rate_limit_exceeded",
+        )
 
     def _key(self, host: str) -> tuple[str, bool]:
         """The key ``host``'s connections count under, and whether they are bounded (a trusted proxy's are not)."""
@@ -209,13 +207,9 @@ class PeerConnections:
 
     async def refusal(self, scope: Any, receive: Any, send: Any) -> None:
         """The ASGI app of a connection past its peer's limit: 429 in the OpenAI error format, then closed."""
-        headers = [
-            (b"content-type", b"application/json"),
-            (b"content-length", str(len(self._body)).encode()),
-            (b"connection", b"close"),
-        ]
-        await send({"type": "http.response.start", "status": 429, "headers": headers})
-        await send({"type": "http.response.body", "body": self._body, "more_body": False})
+        response = self._error.response()
+        response.headers["connection"] = "close"
+        await response(scope, receive, send)
 
 
 def guarded_protocol(
