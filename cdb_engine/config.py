@@ -155,6 +155,10 @@ class EngineConfig:
         default=True,
         metadata=_help("Ouro: loop ops sample the exited tokens and run their successors (no head op)"),
     )
+    forced_skip: bool = field(
+        default=True,
+        metadata=_help("structured output: forced tokens are not sampled, and their positions exit at min depth"),
+    )
     speculative: Speculative = field(
         default=Speculative.AUTO,
         metadata=_help("self-speculative decoding: auto (where drafts pay at the measured op cost), on, off"),
@@ -217,6 +221,27 @@ class EngineConfig:
             raise ValueError(f"speculative_max_occupancy must be in (0, 1], got {self.speculative_max_occupancy}")
 
 
+class StructureKind(enum.StrEnum):
+    """What a ``Structure``'s ``spec`` is (vLLM's ``structured_outputs`` keys)."""
+
+    JSON = "json"  # a JSON schema, as JSON text
+    JSON_OBJECT = "json_object"  # any JSON object (``spec`` empty)
+    REGEX = "regex"  # a regular expression the whole output matches
+    CHOICE = "choice"  # one of the strings of a JSON array
+    GRAMMAR = "grammar"  # a context-free grammar: Lark syntax, or GBNF (llama.cpp's)
+
+
+@dataclass(frozen=True, slots=True)
+class Structure:
+    """A request's structured output: the text it generates is a sentence of this (``cdb_engine.grammar`` compiles
+    it; the engine refuses what it cannot compile, naming ``field``). Compiled grammars are cached by
+    ``(kind, spec)``."""
+
+    kind: StructureKind
+    spec: str
+    field: str = "structured_outputs"  # the API field it came from (an error names it)
+
+
 @dataclass(frozen=True, slots=True)
 class RequestParams:
     """What a caller may set per request."""
@@ -238,6 +263,7 @@ class RequestParams:
     skip_special_tokens: bool = True  # the output text leaves special tokens out
     include_stop_str: bool = False  # the output text ends with the stop string it hit (else just before it)
     priority: int = 0  # lower first (vLLM's meaning): the order of the waiting queue, and preempted last
+    structure: Structure | None = None  # structured output: the grammar the generated text follows
 
 
 def logits_processing(

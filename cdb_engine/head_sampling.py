@@ -71,6 +71,7 @@ def sample_with_history(
         history.count(rows[index], tokens[index])
     if top_n < 0:
         return tokens, None
+    base = processing.masked(logits) if processing is not None else logits  # a grammar's mask bans in logprobs too
     if lp_rows is not None:
-        return tokens, logprob_columns(logits[lp_rows], tokens[lp_rows], top_n)
-    return tokens, logprob_columns(logits, tokens, top_n)
+        return tokens, logprob_columns(base[lp_rows], tokens[lp_rows], top_n)
+    return tokens, logprob_columns(base, tokens, top_n)

@@ -15,9 +15,11 @@ from dataclasses import dataclass, replace
 from cdb_engine.config import EngineConfig, RequestParams
 from cdb_engine.detokenizer import TextOutput
 from cdb_engine.errors import InvalidRequest
+from cdb_engine.grammar import Grammars
 from cdb_engine.limits import Limits, build_policy, resolve_limits
 from cdb_engine.validation import validate
 from cdb_model.config import ModelConfig
+from cdb_model.kv_layout import KVPolicy
 from cdb_model.loader import load_config, load_tokenizer
 from cdb_model.tokenizer import Tokenizer
 from cdb_scheduler.request import Request
@@ -32,16 +34,25 @@ class RequestPreparer:
     model_config: ModelConfig
     tokenizer: Tokenizer
     limits: Limits
+    grammars: Grammars
 
     @classmethod
     def of(cls, config: EngineConfig) -> RequestPreparer:
         model_config = load_config(config.model)
         tokenizer = load_tokenizer(config.model, config.tokenizer)
-        return cls(config, model_config, tokenizer, resolve_limits(config, model_config))
+        stops = model_config.stop_token_ids
+        # (a forced token's position exits early: not under a KV policy that needs every token at full depth)
+        skip = config.forced_skip and config.kv_policy is not KVPolicy.DEPTH_INDEXED
+        grammars = Grammars(tokenizer, model_config.vocab_size, stops, skip)
+        return cls(config, model_config, tokenizer, resolve_limits(config, model_config), grammars)
 
     def validate(self, prompt: str | list[int], params: RequestParams) -> list[int]:
-        """The prompt's token ids, or ``InvalidRequest`` naming the field and the limit."""
-        return validate(self.limits, self.tokenizer, prompt, params, self.config.kv_policy)
+        """The prompt's token ids, or ``InvalidRequest`` naming the field and the limit (a structure that does not
+        compile too: compiled here once, cached for the request's guide)."""
+        ids = validate(self.limits, self.tokenizer, prompt, params, self.config.kv_policy)
+        if params.structure is not None:
+            self.grammars.check(params.structure)
+        return ids
 
     def output(self, params: RequestParams) -> TextOutput:
         """The request's output text; a resumed stream's is primed with the tokens it had delivered, so that the
@@ -82,6 +93,10 @@ class RequestPreparer:
             arrival=time.monotonic(),
             priority=params.priority,
         )
+        if params.structure is not None:
+            req.guide = guide = self.grammars.guide(params.structure)
+            if not guide.accept_all(params.resume_tokens):
+                raise InvalidRequest("resume", f"the resumed tokens do not follow the structure: {guide.error}")
         if params.resume_tokens:  # recomputed at their depths and not reported again, as after a preemption
             req.output, req.depths = list(params.resume_tokens), list(params.resume_depths)
             req.loop_steps = sum(params.resume_depths)

@@ -17,8 +17,10 @@ error.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from cdb_engine.config import RequestParams
 from cdb_engine.errors import InvalidRequest
@@ -122,7 +124,21 @@ def validate(
         raise InvalidRequest("priority", f"must be in [-{MAX_PRIORITY}, {MAX_PRIORITY}], got {params.priority}")
     if params.speculative and limits.no_speculation:
         raise InvalidRequest("speculative", limits.no_speculation)
+    if params.structure is not None:
+        _check_structured(params)
     return ids
+
+
+def _check_structured(params: RequestParams) -> None:
+    """What structured output cannot be combined with: its grammar decides where the output ends, and its walk
+    follows only the tokens a request keeps."""
+    proc = params.sampling.processing
+    if params.ignore_eos:
+        raise InvalidRequest("ignore_eos", "cannot be combined with structured output (its grammar ends the output)")
+    if proc is not None and proc.min_tokens:
+        raise InvalidRequest("min_tokens", "cannot be combined with structured output (its grammar ends the output)")
+    if params.speculative:
+        raise InvalidRequest("speculative", "a structured-output request does not draft (its grammar walks each token)")
 
 
 def _check_resume(limits: Limits, params: RequestParams, prompt_len: int) -> None:
@@ -257,3 +273,18 @@ def _check_depths(limits: Limits, params: RequestParams, kv_policy: KVPolicy) ->
             raise InvalidRequest("replay_depths", f"more than max_total_tokens ({limits.max_total_tokens}) values")
         if any(not 1 <= d <= limits.max_depth for d in params.replay_depths):
             raise InvalidRequest("replay_depths", f"depths must be in [1, {limits.max_depth}]")
+
+
+def schema_spec(value: Any, field: str) -> str:
+    """The JSON text of a JSON schema given as an object or a boolean, or as the JSON text of one."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise InvalidRequest(field, f"is not valid JSON ({e.msg}, at character {e.pos})") from None
+    if not isinstance(value, dict | bool):
+        raise InvalidRequest(field, "must be a JSON schema: an object (or true / false), or its JSON text")
+    try:
+        return json.dumps(value, ensure_ascii=False, allow_nan=False)
+    except ValueError:
+        raise InvalidRequest(field, "must be a JSON schema without NaN or infinite numbers") from None

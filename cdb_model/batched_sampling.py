@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from operator import attrgetter
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -86,6 +87,8 @@ class Processing:
     penalties: Tensor | None  # [3, N] float32
     penalized_rows: tuple[int, ...]
     penalized_index: Tensor  # the same, on the device
+    mask_rows: Tensor | None = None  # structured output: the rows with a mask, and their allowed tokens [M, V']
+    allowed: Tensor | None = None  # bool, V' >= V (the masks' bytes, unpacked)
 
     @staticmethod
     def build(params: Sequence[SamplingParams], token_index: Sequence[int], device: torch.device) -> Processing:
@@ -94,10 +97,13 @@ class Processing:
         values: list[float] = []
         penalties = [(0.0, 0.0, 1.0)] * len(params)
         penalized: list[int] = []
+        masked: list[int] = []
         for j, (p, index) in enumerate(zip(params, token_index)):
             proc = p.processing
             if proc is None:
                 continue
+            if proc.allowed:
+                masked.append(j)
             for token, bias in proc.logit_bias:
                 rows.append(j)
                 tokens.append(token)
@@ -117,6 +123,7 @@ class Processing:
             penalties=torch.tensor(penalties, dtype=torch.float32).T.contiguous().to(device) if penalized else None,
             penalized_rows=tuple(penalized),
             penalized_index=torch.tensor(penalized, dtype=torch.long).to(device, non_blocking=True),
+            **(_masks(params, masked, device) if masked else {}),
         )
 
     def apply(self, logits: Tensor, counts: Tensor | None, seen: Tensor | None) -> Tensor:
@@ -124,7 +131,7 @@ class Processing:
         output so far; ``seen [N, V]``: whether it is in the prompt or the output (needed with penalties)."""
         x = logits.index_put((self.add_rows, self.add_tokens), self.add_values, accumulate=True)
         if self.penalties is None:
-            return x
+            return self._ban(x)
         assert counts is not None and seen is not None
         presence, frequency, repetition = (
             self.penalties[0, :, None],
@@ -133,7 +140,26 @@ class Processing:
         )
         c = counts.to(x.dtype)
         x = torch.where(seen, torch.where(x > 0, x / repetition, x * repetition), x)
-        return x - frequency * c - presence * (c > 0).to(x.dtype)
+        return self._ban(x - frequency * c - presence * (c > 0).to(x.dtype))
+
+    def _ban(self, x: Tensor) -> Tensor:
+        """``x`` (owned) with every token a masked row's grammar leaves out at -inf."""
+        if self.mask_rows is None or self.allowed is None:
+            return x
+        allowed = self.allowed[:, : x.shape[-1]]
+        return x.index_put_((self.mask_rows,), x.index_select(0, self.mask_rows).masked_fill(~allowed, float("-inf")))
+
+    def masked(self, logits: Tensor) -> Tensor:
+        """``logits`` with only the masks applied (what logprobs are computed from); ``logits`` itself without."""
+        return logits if self.mask_rows is None else self._ban(logits.clone())
+
+
+def _masks(params: Sequence[SamplingParams], rows: list[int], device: torch.device) -> dict[str, Tensor]:
+    """``Processing.mask_rows`` and ``allowed`` of the ``rows`` whose settings carry a mask (one length each)."""
+    masks = [params[j].processing.allowed for j in rows]  # type: ignore[union-attr]
+    packed = np.frombuffer(b"".join(masks), dtype=np.uint8).reshape(len(rows), len(masks[0]))
+    bits = torch.from_numpy(np.unpackbits(packed, axis=1, bitorder="little")).to(device=device, dtype=torch.bool)
+    return {"mask_rows": torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True), "allowed": bits}
 
 
 def sample_rows(logits: Tensor, table: Tensor | None, any_sampled: bool) -> Tensor:

@@ -29,7 +29,7 @@ from cdb_model.kv import KVLayout
 from cdb_model.sampling import sample
 from cdb_scheduler.exit_policy import ExitPolicy, Horizon, ReplayDepth
 from cdb_scheduler.plan import derive_seed
-from cdb_scheduler.sampling import SamplingParams
+from cdb_scheduler.sampling import Guide, SamplingParams
 
 
 @dataclass
@@ -83,8 +83,19 @@ def reference_generate(
     prefill_chunk_size: int | None = None,
     init_seed: int = -1,
     replay_depths: Sequence[int] | None = None,
+    guide: Guide | None = None,
 ) -> ReferenceOutput:
-    """Generate up to ``max_new_tokens`` tokens for one prompt, sequentially (see the module docstring)."""
+    """Generate up to ``max_new_tokens`` tokens for one prompt, sequentially (see the module docstring). ``guide``:
+    structured output, each token sampled under its mask (a guide without forced skips)."""
+
+    def settings(index: int) -> SamplingParams:
+        return sampling if guide is None else guide.sampling(index, sampling)
+
+    def taken(index: int, token: int) -> int:
+        if guide is not None and not guide.accept(index, token):
+            raise ValueError(f"the guide refused token {index}: {guide.error}")
+        return token
+
     if not prompt_ids:
         raise ValueError("empty prompt")
     if policy.max_depth > kv_layout.max_depth:
@@ -103,7 +114,7 @@ def reference_generate(
             for s in range(policy.max_depth):
                 rows, _, _ = req.step(rows, positions, s)
             hidden = req.coda(rows, positions)
-        token = req.sample_last(hidden, sampling, 0, prompt_ids, ())  # the last prompt position, full depth
+        token = taken(0, req.sample_last(hidden, settings(0), 0, prompt_ids, ()))  # the last prompt position
         out.tokens.append(token)
         out.depths.append(policy.max_depth)
 
@@ -125,7 +136,7 @@ def reference_generate(
                 s += 1
             if kv_layout.copies_on_exit and s + 1 < kv_layout.n_slots:
                 req.loop_kv.copy_position(position, kv_layout.slot(s), range(s + 1, kv_layout.n_slots))
-            token = req.sample_last(req.coda(rows, [position]), sampling, i, prompt_ids, out.tokens)
+            token = taken(i, req.sample_last(req.coda(rows, [position]), settings(i), i, prompt_ids, out.tokens))
             out.tokens.append(token)
             out.depths.append(s + 1)
     return out

@@ -62,7 +62,7 @@ def processed(
     if index < proc.min_tokens:
         x[list(proc.stop_ids)] = float("-inf")
     if not proc.penalized:
-        return x
+        return banned(x, proc)
     counts = torch.bincount(torch.tensor(list(output), dtype=torch.long), minlength=x.shape[0]).to(x.dtype)  # [V]
     seen = counts > 0
     if proc.repetition_penalty != 1.0:
@@ -70,7 +70,15 @@ def processed(
         seen_any[list(prompt)] = True
         r = proc.repetition_penalty
         x = torch.where(seen_any, torch.where(x > 0, x / r, x * r), x)
-    return x - proc.frequency_penalty * counts - proc.presence_penalty * seen.to(x.dtype)
+    return banned(x - proc.frequency_penalty * counts - proc.presence_penalty * seen.to(x.dtype), proc)
+
+
+def banned(x: Tensor, proc: LogitsProcessing | None) -> Tensor:
+    """``x [V]`` with the tokens ``proc.allowed`` leaves out at -inf (a new tensor); ``x`` itself without a mask."""
+    if proc is None or not proc.allowed:
+        return x
+    bits = [(proc.allowed[i >> 3] >> (i & 7)) & 1 if i >> 3 < len(proc.allowed) else 0 for i in range(x.shape[0])]
+    return x.masked_fill(torch.tensor(bits, dtype=torch.bool).logical_not(), float("-inf"))
 
 
 def sample(
@@ -102,7 +110,7 @@ def sample(
             tok = int(ids[draw(probs, derive_seed(p.seed, index))])
         tokens.append(tok)
         if p.return_logprob or p.logprobs > 0:
-            lp = torch.log_softmax(cpu[i].double(), dim=-1)  # [V]
+            lp = torch.log_softmax(banned(cpu[i], p.processing).double(), dim=-1)  # [V]
             top = torch.topk(lp, min(p.logprobs, lp.shape[0])) if p.logprobs > 0 else None
             logprobs.append(
                 TokenLogprobs(

@@ -14,6 +14,7 @@ error map); without it, ``TokenizerInputError``. Both name the field and say wha
 
 from __future__ import annotations
 
+import copy
 import re
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -209,6 +210,14 @@ class HFTokenizer:
         self.vocab_size = vocab_size or size
         self.stop_token_ids = stop_token_ids
         self.eos_token_id: int | None = eos if eos is not None else (stop_token_ids[0] if stop_token_ids else None)
+
+    def backend_json(self) -> str:
+        """The fast backend's whole definition (``tokenizer.json``'s form, without padding or truncation): what a
+        grammar library reads the vocabulary's bytes from."""
+        backend = copy.copy(self._backend if self._backend is not None else self._hf.backend_tokenizer)
+        backend.no_padding()
+        backend.no_truncation()
+        return str(backend.to_str())
 
     @property
     def chat_template(self) -> str | None:

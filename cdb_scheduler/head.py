@@ -9,8 +9,10 @@ also reads the drafts (``cdb_scheduler.speculation``).
 
 from __future__ import annotations
 
+from collections import deque
+
 from cdb_scheduler.config import SchedulerConfig
-from cdb_scheduler.ops import OpBuilder
+from cdb_scheduler.ops import OpBuilder, guided
 from cdb_scheduler.plan import LoopHead, Stage, StageOp, StageResult
 from cdb_scheduler.request import Event, Item, Status
 from cdb_scheduler.residency import Residency
@@ -56,6 +58,9 @@ class HeadPlanner:
         need = 1 if flush or waited >= self.cfg.max_head_wait_steps else self.cfg.min_head_batch_size
         while len(queue) >= need and len(self.flights) < self.cfg.max_head_in_flight:
             items = [queue.popleft() for _ in range(min(len(queue), self.cfg.max_num_seqs))]
+            items = held_back(items, queue)
+            if not items:
+                break
             reqs = [it.req for it in items]
             # Successors start now. Their input is the id this op samples: the head embeds it into the row when
             # the model allows (fused refill), else their prelude reads it from the token bank. A recomputed
@@ -95,6 +100,7 @@ class HeadPlanner:
         queue = self.work.head_queue
         items = [it for it in queue if it.req.epoch == it.epoch and it.req.status is not _FINISHED]
         queue.clear()
+        items = held_back(items, queue)
         embed_ids: list[int] = []
         work, speculation = self.work, self.speculation
         for it in items:
@@ -114,7 +120,7 @@ class HeadPlanner:
         rows = [it.row for it in items]
         token_index = [it.index for it in items]
         history = self.ops.history(Stage.LOOP, reqs, rows, token_index)
-        sampling = [r.sampling for r in reqs]
+        sampling = [r.sampling if r.guide is None else guided(r, i) for r, i in zip(reqs, token_index)]
         positions = [it.position for it in items]
         targets: tuple[int, ...] = ()
         if drafts:
@@ -153,3 +159,18 @@ class HeadPlanner:
                 work.accept(req, it.index, token_ids[i], it.depth, lp, events, replay=it.forced_depth > 0)
                 if it.succ is not None:
                     speculation.verify(it, token_ids[i], events)
+
+
+def held_back(items: list[Item], queue: deque[Item]) -> list[Item]:
+    """``items`` but those of structured-output requests whose mask is not known yet (the token before theirs has
+    not come back to the scheduler): those go back to ``queue``, for a later head."""
+    if all(it.req.guide is None for it in items):
+        return items
+    due: list[Item] = []
+    for it in items:
+        guide = it.req.guide
+        if guide is None or it.index < len(it.req.output) or guide.ready(it.index):
+            due.append(it)
+        else:
+            queue.append(it)
+    return due

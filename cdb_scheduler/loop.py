@@ -118,7 +118,12 @@ class LoopPlanner:
             step = it.next_step
             it.next_step = step + 1
             forced = it.forced_depth
-            decision = step + 1 >= forced if forced else it.req.policy.decision(it.exit_state, step)
+            if forced:
+                decision: bool | None = step + 1 >= forced
+            elif it.skip_cap and forced_now(it, step):
+                decision = True  # its token is forced: only its KV is needed
+            else:
+                decision = it.req.policy.decision(it.exit_state, step)
             if decision is None:
                 it.pending_since = seq
             elif decision:
@@ -149,6 +154,8 @@ class LoopPlanner:
                     if req.epoch == it.epoch and req.status is not _FINISHED:
                         step = it.next_step - 1
                         decision = req.policy.decision(it.exit_state, step)  # (forced depths never wait)
+                        if it.skip_cap and forced_now(it, step):
+                            decision = True
                         if decision is not None:
                             it.pending_since = -1
                             if decision:
@@ -156,3 +163,9 @@ class LoopPlanner:
                             else:
                                 cont.append(it)
         work.ready.extendleft(reversed(cont))
+
+
+def forced_now(it: Item, step: int) -> bool:
+    """Whether a structured-output token exits after ``step``: at or past its ``skip_cap`` and known forced."""
+    guide = it.req.guide
+    return step + 1 >= it.skip_cap and guide is not None and guide.forced(it.index) >= 0

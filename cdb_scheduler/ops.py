@@ -179,7 +179,9 @@ class OpBuilder:
         score_ids: Sequence[int] = (),
     ) -> HeadOp:
         seq, fences, updates, released = self._common(Stage.HEAD, rows, reqs)
-        sampling: tuple[SamplingParams, ...] = tuple(r.sampling for r in reqs)
+        sampling: tuple[SamplingParams, ...] = tuple(
+            guided(r, i) if s else r.sampling for r, s, i in zip(reqs, sample, token_index)
+        )
         picked = [j for j, s in enumerate(sample) if s]
         history = self.history(
             Stage.HEAD, [reqs[j] for j in picked], [rows[j] for j in picked], [token_index[j] for j in picked]
@@ -199,3 +201,12 @@ class OpBuilder:
             tuple(score_ids) if any(t >= 0 for t in score_ids) else (),
             history,
         )
+
+
+def guided(req: Request, index: int) -> SamplingParams:
+    """The sampling settings of token ``index`` of ``req``: with structured output, with the token's mask (a
+    recomputed token's sample is not used: its settings stay plain)."""
+    guide = req.guide
+    if guide is None or index < len(req.output):
+        return req.sampling
+    return guide.sampling(index, req.sampling)

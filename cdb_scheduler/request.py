@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from cdb_scheduler.exit_policy import ExitPolicy, ExitState
 from cdb_scheduler.plan import KVCopy
-from cdb_scheduler.sampling import SamplingParams, TokenLogprobs
+from cdb_scheduler.sampling import Guide, SamplingParams, TokenLogprobs
 
 
 class Status(enum.Enum):
@@ -71,6 +71,7 @@ class Request:
     spec: SpecState | None = None  # set at admission when the request may speculate
     spec_rows: list[int] = field(default_factory=list)  # rows of its speculative items (``row`` is the oldest's)
     priority: int = 0  # lower first (vLLM's meaning): the waiting queue's order, and preempted last
+    guide: Guide | None = None  # structured output: its grammar's walk (masks, forced tokens)
 
     @property
     def prompt_len(self) -> int:
@@ -121,6 +122,9 @@ class Item:
     fallback: Item | None  # its real successor while ``succ`` runs from a draft (kept if the draft is wrong)
     held: bool  # a fallback that exited before the verdict: sampled only if kept
     copy: KVCopy | None  # its copy-on-exit, once decided
+    # Structured output: the depth from which it exits as soon as its token is known forced (0: never; see
+    # ``WorkQueues.skip_cap``)
+    skip_cap: int
 
     # One per generated token: written out, so that the compiled scheduler builds it natively (the dataclass's own
     # ``__init__`` is a Python function even in a compiled class: ≈ 0.7 µs a token on the engine thread). The
@@ -130,7 +134,7 @@ class Item:
     ) -> None:
         self.req, self.epoch, self.index, self.position = req, epoch, index, position
         self.input_token, self.exit_state = input_token, exit_state
-        self.next_step = self.depth = self.forced_depth = self.exited_at = self.gate_loop = 0
+        self.next_step = self.depth = self.forced_depth = self.exited_at = self.gate_loop = self.skip_cap = 0
         self.exited = self.embedded = self.gate_head = self.held = False
         self.pending_since = self.row = self.gate_seq = self.draft = -1
         self.pred = self.succ = self.fallback = None

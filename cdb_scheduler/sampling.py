@@ -8,6 +8,7 @@ typed messages, whose codec (msgspec) reads their annotations, and a compiled cl
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,10 +33,12 @@ class SamplingParams:
 @dataclass(frozen=True, slots=True)
 class LogitsProcessing:
     """What is done to a request's logits before temperature and filters, in this order (vLLM's): ``logit_bias``
-    added; while the token index is below ``min_tokens`` the ``stop_ids`` (end-of-sequence and stop ids) banned;
-    the repetition penalty on every token of the prompt or the output so far (a positive logit divided by it, a
-    negative one multiplied); the frequency penalty times each token's count in the output so far, and the
-    presence penalty once for each token in it, subtracted. Logprobs stay those of the unprocessed logits."""
+        added; while the token index is below ``min_tokens`` the ``stop_ids`` (end-of-sequence and stop ids) banned;
+        the repetition penalty on every token of the prompt or the output so far (a positive logit divided by it, a
+        negative one multiplied); the frequency penalty times each token's count in the output so far, and the
+        presence penalty once for each token in it, subtracted; then every token ``allowed`` leaves out banned (structured
+    output). Logprobs are those of the logits before processing, with the tokens ``allowed`` leaves out banned: a
+    token the grammar forces has logprob 0."""
 
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -43,11 +46,29 @@ class LogitsProcessing:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
     min_tokens: int = 0
     stop_ids: tuple[int, ...] = ()  # banned while the token index < min_tokens
+    allowed: bytes = b""  # structured output: the tokens the grammar allows (bit i % 8 of byte i // 8); b"": all
 
     @property
     def penalized(self) -> bool:
         """Whether sampling needs the request's history (prompt and output so far)."""
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+
+class Guide(Protocol):
+    """A structured-output request's grammar walk (``cdb_engine.grammar.Guide``), as the scheduler drives it: the
+    sampling settings of each token it samples carry the token's mask; a forced token is known before it is
+    sampled (its position exits at the minimum depth); every sampled token is accepted in order."""
+
+    error: str  # why the walk failed ("" while it has not)
+    consumed: int  # tokens the walk has taken: the accepted ones, then any forced ones ahead of them
+
+    def ready(self, index: int) -> bool: ...
+
+    def sampling(self, index: int, base: SamplingParams) -> SamplingParams: ...
+
+    def forced(self, index: int) -> int: ...
+
+    def accept(self, index: int, token: int) -> bool: ...
 
 
 @dataclass(slots=True)

@@ -143,7 +143,8 @@ class Speculation:
         wants = cfg.speculate if req.speculate is None else req.speculate
         proc = req.sampling.processing
         # (penalized sampling counts each sampled token on the stage: a draft must not be counted)
-        if wants and cfg.spec_supported and not (proc is not None and proc.penalized):
+        # (a structured-output request does not draft: its grammar walks only the tokens it keeps)
+        if wants and cfg.spec_supported and not (proc is not None and proc.penalized) and req.guide is None:
             req.spec = SpecState(cfg.spec_depth, asked=req.speculate is True)
 
     def draft(self, items: list[Item], width: int) -> list[Item]:

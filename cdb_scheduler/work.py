@@ -52,7 +52,23 @@ class WorkQueues:
             it.forced_depth = req.depths[index]  # recomputing after preemption: the recorded depth
         elif req.replay_depths is not None:
             it.exit_state.target_depth = req.replay_depths[min(index - 1, len(req.replay_depths) - 1)]
+        elif req.guide is not None:
+            it.skip_cap = self.skip_cap(req, index)
         return it
+
+    def skip_cap(self, req: Request, index: int) -> int:
+        """The depth from which item ``index`` of a structured-output request exits once its token is known to be
+        forced, a function of the grammar alone (batching must not change a depth). When every token before it is
+        known at its spawn (the one before it forced too, or sampled and back), it is known now: the minimum depth
+        if forced, else never. Otherwise the token before it is being sampled in the fused head of the loop op that
+        runs its step 0, and is back before its step ``loop_pipeline_depth`` is issued: from there on (no head op
+        path: never)."""
+        guide = req.guide
+        assert guide is not None
+        guide.forced(index - 1)  # consumed at once if the grammar forces it
+        if guide.consumed >= index:
+            return req.policy.min_depth if guide.forced(index) >= 0 else 0
+        return max(req.policy.min_depth, self.cfg.loop_pipeline_depth + 1) if self.cfg.fuse_loop_head else 0
 
     def spawn(self, req: Request, index: int, input_token: int, *, embedded: bool = False, row: int = -1) -> Item:
         """Queue the item of generated token ``index`` (``new_item``)."""
@@ -119,6 +135,9 @@ class WorkQueues:
         if replay:
             token = req.output[index]  # recomputed after preemption: keep what was reported
         else:
+            if req.guide is not None and not req.guide.accept(index, token):
+                self.residency.fail([req], f"structured output: {req.guide.error}", events)
+                return
             req.output.append(token)
             req.depths.append(depth)
             req.loop_steps += depth

@@ -246,7 +246,7 @@ class HeadBatch(_message.Message):
     def __init__(self, rids: _Optional[_Iterable[int]] = ..., positions: _Optional[_Iterable[int]] = ..., rows: _Optional[_Iterable[int]] = ..., sample: _Optional[_Iterable[bool]] = ..., token_index: _Optional[_Iterable[int]] = ..., temperature: _Optional[_Iterable[float]] = ..., top_k: _Optional[_Iterable[int]] = ..., top_p: _Optional[_Iterable[float]] = ..., seed: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[int]] = ..., return_logprob: _Optional[_Iterable[bool]] = ..., embed: _Optional[_Iterable[bool]] = ..., embed_ids: _Optional[_Iterable[int]] = ..., score_ids: _Optional[_Iterable[int]] = ..., processing: _Optional[_Iterable[_Union[LogitsProcessing, _Mapping]]] = ..., history: _Optional[_Iterable[_Union[HistorySeed, _Mapping]]] = ..., embed_rows: _Optional[_Iterable[int]] = ..., columns: _Optional[bytes] = ...) -> None: ...
 
 class LogitsProcessing(_message.Message):
-    __slots__ = ("index", "presence_penalty", "frequency_penalty", "repetition_penalty", "bias_ids", "bias_values", "min_tokens", "stop_ids")
+    __slots__ = ("index", "presence_penalty", "frequency_penalty", "repetition_penalty", "bias_ids", "bias_values", "min_tokens", "stop_ids", "allowed")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
     FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
@@ -255,6 +255,7 @@ class LogitsProcessing(_message.Message):
     BIAS_VALUES_FIELD_NUMBER: _ClassVar[int]
     MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STOP_IDS_FIELD_NUMBER: _ClassVar[int]
+    ALLOWED_FIELD_NUMBER: _ClassVar[int]
     index: int
     presence_penalty: float
     frequency_penalty: float
@@ -263,7 +264,8 @@ class LogitsProcessing(_message.Message):
     bias_values: _containers.RepeatedScalarFieldContainer[float]
     min_tokens: int
     stop_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, index: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., bias_ids: _Optional[_Iterable[int]] = ..., bias_values: _Optional[_Iterable[float]] = ..., min_tokens: _Optional[int] = ..., stop_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    allowed: bytes
+    def __init__(self, index: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., bias_ids: _Optional[_Iterable[int]] = ..., bias_values: _Optional[_Iterable[float]] = ..., min_tokens: _Optional[int] = ..., stop_ids: _Optional[_Iterable[int]] = ..., allowed: _Optional[bytes] = ...) -> None: ...
 
 class HistorySeed(_message.Message):
     __slots__ = ("index", "prompt_ids", "output_ids")

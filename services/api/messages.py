@@ -5,14 +5,16 @@ The engine sees ``RequestParams`` and emits ``TokenEvent`` / ``FinishEvent``; th
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Any
 
 from cdb_api.v1 import generation_pb2 as pb
-from cdb_engine.config import RequestParams, logits_processing
+from cdb_engine.config import RequestParams, Structure, StructureKind, logits_processing
 from cdb_engine.engine import Engine, FinishEvent, TokenEvent
 from cdb_engine.errors import InvalidRequest
 from cdb_engine.limits import describe
+from cdb_engine.validation import schema_spec
 from cdb_scheduler.request import FinishReason
 from cdb_scheduler.sampling import SamplingParams, TokenLogprobs
 from services.transport.executor import GrpcExecutor
@@ -67,8 +69,31 @@ def request_to_engine(req: pb.GenerateRequest) -> tuple[str | list[int], Request
         resume_depths=tuple(req.resume.depths),
         speculative=req.speculative if req.HasField("speculative") else None,
         priority=req.priority,
+        structure=structure_of(req),
     )
     return prompt, params
+
+
+def structure_of(req: pb.GenerateRequest) -> Structure | None:
+    """``GenerateRequest.structured_output`` as the engine's ``Structure`` (None: free text), its shape checked;
+    ``field`` is its request path (``structured_output.json_schema``, ...), which the engine's refusals name."""
+    so = req.structured_output
+    kind = so.WhichOneof("kind") if req.HasField("structured_output") else None
+    if kind is None or (kind == "json_object" and not so.json_object):
+        return None
+    field = f"structured_output.{kind}"
+    if kind == "json_object":
+        return Structure(StructureKind.JSON_OBJECT, "", field)
+    if kind == "choice":
+        if not so.choice.choices:
+            raise InvalidRequest(field, "must hold at least one string")
+        return Structure(StructureKind.CHOICE, json.dumps(list(so.choice.choices), ensure_ascii=False), field)
+    text: str = getattr(so, kind)
+    if not text:
+        raise InvalidRequest(field, "must not be empty")
+    if kind == "json_schema":
+        return Structure(StructureKind.JSON, schema_spec(text, field), field)
+    return Structure(StructureKind.REGEX if kind == "regex" else StructureKind.GRAMMAR, text, field)
 
 
 def _logprobs_pb(lp: TokenLogprobs) -> pb.TokenLogprobs:

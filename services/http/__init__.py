@@ -11,6 +11,8 @@ API keys and TLS are the public port's (``services.api.security``: ``Authorizati
 | ``server`` | ``HttpServer`` / ``serve_http``: uvicorn on the running loop, without its signal handlers |
 | ``schemas`` | request bodies (pydantic) -> the engine's ``RequestParams`` |
 | ``responses`` | engine events -> completion / chat objects and SSE chunks, with the served-depth extension |
+| ``structured`` | structured output (``response_format``, ``structured_outputs``, ``guided_*``) -> ``Structure`` |
+| ``tools`` | chat tool calls: ``tools`` / ``tool_choice`` -> a ``Structure``; the generated text -> ``tool_calls`` |
 | ``streaming`` | the SSE body of a streamed response, the wait of a non-streamed one (a client gone aborts) |
 | ``calls`` | one choice, admitted at the front door with its metrics and trace (the drain covers it) |
 | ``chat_template`` | the chat template the API renders with: the tokenizer's, or ``--chat-template`` |

@@ -1,9 +1,10 @@
 """The chat template of the HTTP API: the tokenizer's own, or the one the server was given (``--chat-template``,
 ``CDB_CHAT_TEMPLATE``: a Jinja file's path or the template itself), which overrides it.
 
-The override renders ``/v1/chat/completions`` and ``/tokenize``'s ``messages``, and ``/tokenizer_info`` reports
-it as the ``chat_template`` (a remote tokenizer renders what the server renders). It is checked (read and
-compiled) once, at start: a missing file or a template that does not compile fails the server at once.
+The override renders ``/v1/chat/completions`` and ``/tokenize``'s ``messages`` (a chat's ``tools`` are the
+template's ``tools``), and ``/tokenizer_info`` reports it as the ``chat_template`` (a remote tokenizer renders what
+the server renders). It is checked (read and compiled) once, at start: a missing file or a template that does not
+compile fails the server at once.
 """
 
 from __future__ import annotations
@@ -63,17 +64,21 @@ class ChatTemplate:
 
     def apply(
         self,
-        messages: list[dict[str, str]],
+        messages: list[dict[str, Any]],
         *,
         add_generation_prompt: bool = True,
         template_kwargs: Mapping[str, Any] | None = None,
+        tools: list[Any] | None = None,
     ) -> list[int]:
         """Token ids of the rendered chat (the request error naming ``messages`` for a chat it cannot render);
         ``template_kwargs``: more variables of the template (a request's ``chat_template_kwargs``; none may be
-        one the renderer sets: ``InvalidRequest`` naming the field)."""
+        one the renderer sets: ``InvalidRequest`` naming the field); ``tools``: the request's tools (OpenAI's
+        shape), the template's ``tools`` (unset when there are none)."""
         taken = sorted(RESERVED & set(template_kwargs or ()))
         if taken:
             raise InvalidRequest("chat_template_kwargs", f"{', '.join(taken)}: set by the server, not by a request")
+        if tools:
+            template_kwargs = {**(template_kwargs or {}), "tools": tools}
         return self.tokenizer.apply_chat_template(
             messages,
             add_generation_prompt=add_generation_prompt,

@@ -4,9 +4,11 @@
 from __future__ import annotations
 
 import functools
+import json
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -23,6 +25,7 @@ from services.http.errors import api_error
 from services.http.responses import ChatRender, CompletionRender, merged_response
 from services.http.schemas import CHAT_FIELDS, FIELDS, ChatCompletionRequest, CompletionRequest
 from services.http.streaming import EventStream, sse_body, until_done_or_gone
+from services.http.tools import ToolCallRender
 
 
 class GenerationRoutes:
@@ -139,24 +142,29 @@ class GenerationRoutes:
         try:
             body.check_choices(capacity=ctx.capacity, share=ctx.share)
             response_id = f"chatcmpl-{base_id(request, body)}"
+            tool = body.tool_call()
         except InvalidRequest as exc:
             return _refused(exc, fields)
 
         def prepare(sample: int) -> tuple[str | list[int], RequestParams]:  # on a worker thread (admit)
             body.refuse_unsupported()
             chat = body.chat_messages()
-            check_messages_size(chat)  # before the template renders them
+            check_messages_size([{k: _text(v) for k, v in m.items()} for m in chat])  # before the template renders
             ids = templates.apply(
-                chat, add_generation_prompt=body.add_generation_prompt, template_kwargs=body.chat_template_kwargs
+                chat,
+                add_generation_prompt=body.add_generation_prompt,
+                template_kwargs=body.chat_template_kwargs,
+                tools=body.tools,
             )
             requested = body.requested_max_tokens()
             if requested is None:  # the checkpoint's max_new_tokens, else up to the context limit
                 requested = generation.max_new_tokens or max(1, prep.limits.max_total_tokens - len(ids))
             return ids, body.to_params(requested, generation, sample)
 
+        render = functools.partial(ToolCallRender, tool=tool) if tool is not None else ChatRender
         choices = [
             Choice(
-                ChatRender(
+                render(
                     response_id,
                     served,
                     prep.tokenizer,
@@ -190,3 +198,8 @@ def base_id(request: Request, body: CompletionRequest | ChatCompletionRequest) -
 
 def _refused(exc: InvalidRequest, fields: Mapping[str, str]) -> JSONResponse:
     return api_error(exc, fields).response()
+
+
+def _text(value: Any) -> str:
+    """A message's value as the text its size is bounded by (an assistant's ``tool_calls``: their JSON)."""
+    return value if isinstance(value, str) else json.dumps(value)

@@ -3,8 +3,10 @@
 Types are checked here (a wrong type is a 400 naming the field); values are checked by the engine
 (``Engine.validate``), whose ``InvalidRequest.field`` names are translated back to this API's field names by
 ``FIELDS`` / ``CHAT_FIELDS``. Fields OpenAI and vLLM clients send that the engine cannot honour are refused when
-set to anything but their neutral value (tools, ``suffix``, vLLM's ``guided_*``, ...: ``services.http.vllm_fields``);
-keys that are neither OpenAI's nor vLLM's are ignored, as OpenAI-compatible servers do.
+set to anything but their neutral value (``suffix``, ``guided_whitespace_pattern``, ...:
+``services.http.vllm_fields``); keys that are neither OpenAI's nor vLLM's are ignored, as OpenAI-compatible servers
+do. Structured output (``response_format``, ``structured_outputs``, ``guided_*``) and forced tool calls are
+``services.http.structured`` and ``services.http.tools``.
 
 One body may ask for several choices: a completion's list of prompts, and ``n`` samples of each. Each choice is
 its own engine request (``choices()``: prompt ``i``'s sample ``j`` is choice ``i * n + j``); sample ``j`` draws
@@ -19,11 +21,13 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
 
-from cdb_engine.config import RequestParams, logits_processing
+from cdb_engine.config import RequestParams, Structure, logits_processing
 from cdb_engine.errors import InvalidRequest
 from cdb_model.generation import GenerationDefaults
 from cdb_scheduler.plan import derive_seed
 from cdb_scheduler.sampling import LogitsProcessing, SamplingParams
+from services.http.structured import one_of, request_structure
+from services.http.tools import ToolCall, tool_call
 from services.http.vllm_fields import refuse_unhonoured
 
 # The engine's field names -> this API's (a value the engine refuses is reported under the name the caller sent).
@@ -82,7 +86,12 @@ class _Common(BaseModel):
     repetition_penalty: float | None = None  # vLLM's extension: > 1 discourages tokens of the prompt and output
     min_tokens: StrictInt | None = None  # vLLM's extension: no stop id before this many tokens
     user: str | None = None  # accepted and ignored
-    response_format: dict[str, Any] | None = None  # only {"type": "text"}
+    response_format: dict[str, Any] | None = None  # text, json_object, json_schema: one structure at most, of these
+    structured_outputs: Any = None  # vLLM's: {json | regex | choice | grammar | json_object}
+    guided_json: Any = None  # vLLM's older fields
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
     # vLLM's extensions
     include_stop_str_in_output: StrictBool = False  # the text ends with the stop string it hit
     skip_special_tokens: StrictBool = True  # false: special tokens' text is part of the output
@@ -116,8 +125,10 @@ class _Common(BaseModel):
                 raise InvalidRequest(
                     "prompt_logprobs", f"must equal the output's alternatives ({asked}) when both are asked for"
                 )
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise InvalidRequest("response_format", "only {'type': 'text'} is supported")
+
+    def structure(self) -> Structure | None:
+        """The structured output the request asks for (``InvalidRequest`` naming a malformed or second one)."""
+        return one_of(request_structure(self))
 
     def output_logprobs(self) -> int | None:
         """The alternatives asked for each output token (None: no logprobs)."""
@@ -210,6 +221,7 @@ class _Common(BaseModel):
             include_stop_str=self.include_stop_str_in_output,
             prompt_logprobs=self.prompt_logprobs is not None,
             priority=self.priority,
+            structure=self.structure(),
         )
 
     @property
@@ -307,9 +319,9 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: StrictInt | None = None
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    parallel_tool_calls: StrictBool | None = None  # (no tool calls are made: nothing to parallelize)
+    tools: list[Any] | None = None  # OpenAI's function tools: given to the chat template (``services.http.tools``)
+    tool_choice: Any = None  # none, required or a named function forces a call; auto (with tools) is refused
+    parallel_tool_calls: StrictBool | None = None  # false: a required call is one call
     add_generation_prompt: StrictBool = True  # the template opens the assistant's turn
     chat_template_kwargs: dict[str, Any] | None = None  # more variables of the chat template (vLLM's)
 
@@ -317,10 +329,6 @@ class ChatCompletionRequest(_Common):
         super().refuse_unsupported()
         if not self.messages:
             raise InvalidRequest("messages", "must not be empty")
-        if self.tools:
-            raise InvalidRequest("tools", "tool calls are not supported (omit tools)")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise InvalidRequest("tool_choice", "tool calls are not supported (none or auto, with no tools)")
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequest("top_logprobs", "needs logprobs: true")
         if self.top_logprobs is not None and self.top_logprobs < 0:
@@ -340,8 +348,24 @@ class ChatCompletionRequest(_Common):
         """``max_completion_tokens`` (or the deprecated ``max_tokens``); None: up to the context limit."""
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
-    def chat_messages(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.content or ""} for m in self.messages]
+    def tool_call(self) -> ToolCall | None:
+        """The tool call ``tool_choice`` forces (None: none), or ``InvalidRequest`` naming the field."""
+        return tool_call(self.tools, self.tool_choice, self.parallel_tool_calls)
+
+    def structure(self) -> Structure | None:
+        """As a completion's, and a forced tool call's (``tool_choice``), the last in order."""
+        call = self.tool_call()
+        return one_of([*request_structure(self), ("tool_choice", lambda: call.structure if call else None)])
+
+    def chat_messages(self) -> list[dict[str, Any]]:
+        """The messages as the chat template takes them: role and content (null: empty), with an assistant's
+        ``tool_calls`` and a tool's ``tool_call_id`` when given."""
+        keys = ("tool_calls", "tool_call_id")
+        return [
+            {"role": m.role, "content": m.content or ""}
+            | {k: v for k, v in (m.model_extra or {}).items() if k in keys and v is not None}
+            for m in self.messages
+        ]
 
     def to_params(self, max_tokens: int, defaults: GenerationDefaults | None = None, sample: int = 0) -> RequestParams:
         """The engine's parameters of sample ``sample`` (after ``refuse_unsupported``)."""

@@ -4,9 +4,10 @@
 (``vllm/entrypoints/openai/protocol.py``), those of its current release and those its earlier ones took
 (``guided_*``, ``best_of``, ``structural_tag``). A field this server's request models declare
 (``services.http.schemas``) is honoured; every other one is in ``REFUSED`` with the values that ask for nothing
-(vLLM's defaults, and null): any other value is refused 400 naming the field and saying why
-(``refuse_unhonoured``). ``tests/http/test_vllm_fields.py`` enumerates both lists against the models and the
-server. A key that is no vLLM field either is ignored, as OpenAI-compatible servers do.
+(vLLM's defaults, and null; for ``guided_decoding_backend``, the names of this server's backend): any other value is
+refused 400 naming the field and saying why (``refuse_unhonoured``). ``tests/http/test_vllm_fields.py`` enumerates
+both lists against the models and the server. A key that is no vLLM field either is ignored, as OpenAI-compatible
+servers do.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from cdb_engine.errors import InvalidRequest
+from services.http.structured import BACKENDS
 
 _OPENAI_COMMON = (
     "model", "frequency_penalty", "logit_bias", "max_tokens", "n", "presence_penalty", "seed", "stop", "stream",
@@ -39,7 +41,6 @@ CHAT = (
     "mm_processor_kwargs", "structural_tag", *_EXTRA,
 )  # fmt: skip
 
-_STRUCTURED = "structured output is not supported yet (omit it)"
 REFUSED: Mapping[str, tuple[tuple[Any, ...], str]] = {
     "use_beam_search": ((False,), "beam search is not supported"),
     "length_penalty": ((1, 1.0), "beam search's length penalty is not supported"),
@@ -48,14 +49,9 @@ REFUSED: Mapping[str, tuple[tuple[Any, ...], str]] = {
     "bad_words": (([],), "not supported (logit_bias can ban tokens)"),
     "spaces_between_special_tokens": ((True,), "special tokens decode as the tokenizer does: only true"),
     "prompt_embeds": ((), "prompts are text or token ids"),
-    "structured_outputs": ((), _STRUCTURED),
-    "guided_json": ((), _STRUCTURED),
-    "guided_regex": ((), _STRUCTURED),
-    "guided_choice": ((), _STRUCTURED),
-    "guided_grammar": ((), _STRUCTURED),
-    "structural_tag": ((), _STRUCTURED),
-    "guided_decoding_backend": ((), _STRUCTURED),
-    "guided_whitespace_pattern": ((), _STRUCTURED),
+    "structural_tag": ((), "not supported (response_format, structured_outputs or guided_* constrain the output)"),
+    "guided_decoding_backend": (BACKENDS, "only 'auto' or 'guidance' (llguidance, this server's)"),
+    "guided_whitespace_pattern": ((), "not supported: JSON whitespace is the grammar's default"),
     "logits_processors": ((), "custom logits processors are not supported"),
     "return_tokens_as_token_ids": ((False,), "not supported: streamed chunks carry cdb.token_ids"),
     "return_token_ids": ((False,), "not supported: streamed chunks carry cdb.token_ids"),

@@ -155,6 +155,7 @@ def _head_to_pb(head: pb.HeadBatch, op: HeadOp | LoopHead, repeated: Sequence[st
                     bias_values=[b for _, b in proc.logit_bias],
                     min_tokens=proc.min_tokens,
                     stop_ids=proc.stop_ids,
+                    allowed=proc.allowed,
                 )
     for seed in op.history:
         head.history.add(index=seed.index, prompt_ids=seed.prompt_ids, output_ids=seed.output_ids)
@@ -191,6 +192,7 @@ def _sampling_of(h: pb.HeadBatch, settings: Sequence[Sequence[Any]]) -> tuple[Sa
                 logit_bias=tuple(zip(proc.bias_ids, proc.bias_values, strict=True)),
                 min_tokens=proc.min_tokens,
                 stop_ids=tuple(proc.stop_ids),
+                allowed=proc.allowed,
             ),
         )
     return tuple(params)

@@ -21,7 +21,7 @@ from dataclasses import replace
 import pytest
 
 from cdb_engine.client import InProcessClient
-from cdb_engine.config import RequestParams
+from cdb_engine.config import RequestParams, Structure, StructureKind
 from cdb_engine.engine import Engine
 from cdb_engine.errors import InvalidRequest
 from cdb_engine.events import FinishEvent, TokenEvent
@@ -281,7 +281,8 @@ class _Evil:
 def test_frames_carry_typed_data_not_code() -> None:
     processing = LogitsProcessing(presence_penalty=0.5, logit_bias=((3, 1.0),), min_tokens=2, stop_ids=(0,))
     sampling = SamplingParams(temperature=0.5, top_k=4, top_p=0.9, seed=1, logprobs=2, processing=processing)
-    params = RequestParams(max_tokens=3, sampling=sampling, stop_strings=("a",))
+    structure = Structure(StructureKind.REGEX, "[a-z]+", "structured_outputs.regex")
+    params = RequestParams(max_tokens=3, sampling=sampling, stop_strings=("a",), structure=structure)
     event = FinishEvent("k", FinishReason.STOP, 1, 2, 3)
     assert decode_call(encode(Submit(1, "k", [1, 2], params, ""))) == Submit(1, "k", [1, 2], params, "")
     token = TokenEvent("k", 0, 5, "a", 3, TokenLogprobs(-0.5, (5, 6), (-0.5, -1.5)), 7)

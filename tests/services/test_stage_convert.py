@@ -113,7 +113,7 @@ OPS: list[StageOp] = [
                     stop_ids=(0, 2),
                 ),
             ),
-            SamplingParams(processing=LogitsProcessing(logit_bias=((5, 1.0),))),
+            SamplingParams(processing=LogitsProcessing(logit_bias=((5, 1.0),), allowed=b"\x00\x21\xff")),
         ),
         token_index=(1, 0),
         history=(HistorySeed(0, (5, 6, 7), (9,)),),
