@@ -42,6 +42,11 @@ class GenerateOptions(TypedDict, total=False):
     logit_bias: Mapping[int, float]  # token id -> bias
     min_tokens: int
     speculative: bool  # self-speculative decoding for this request (unset: the server's choice)
+    json_schema: str  # structured output (one at most): the text follows this JSON schema (its JSON text),
+    json_object: bool  # is a JSON object,
+    regex: str  # matches this regular expression,
+    choice: Sequence[str]  # is one of these strings,
+    grammar: str  # or is a sentence of this grammar (Lark or GBNF)
 
 
 def build_request(prompt: str | Sequence[int], options: GenerateOptions) -> pb.GenerateRequest:
@@ -76,6 +81,12 @@ def build_request(prompt: str | Sequence[int], options: GenerateOptions) -> pb.G
     if "speculative" in options:
         req.speculative = options["speculative"]
     req.replay_depths.extend(options.get("replay_depths", ()))
+    so = req.structured_output
+    for key in ("json_schema", "json_object", "regex", "grammar"):
+        if key in options:
+            setattr(so, key, options[key])  # type: ignore[literal-required]
+    if "choice" in options:
+        so.choice.choices.extend(options["choice"])
     return req
 
 

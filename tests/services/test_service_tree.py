@@ -4,6 +4,7 @@ aborts, and 50 concurrent streams with cancels and deadlines that leave nothing 
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import random
 from collections.abc import Iterator
@@ -14,7 +15,7 @@ import grpc
 import pytest
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
-from cdb_engine.config import RequestParams, logits_processing
+from cdb_engine.config import RequestParams, Structure, StructureKind, logits_processing
 from cdb_engine.engine import Engine
 from cdb_scheduler.sampling import SamplingParams
 from clients.async_client import AsyncClient
@@ -169,6 +170,20 @@ def test_penalties_logit_bias_and_min_tokens_travel_through_grpc(client: Client)
         )
     assert plain.token_ids != penalized.token_ids, "the penalties should change this greedy output"
     assert client.generate("In the beginning", **options).token_ids == penalized.token_ids
+
+
+def test_structured_output_travels_through_the_tree_as_in_process(client: Client) -> None:
+    """A schema through gRPC, the scheduler's guide and the stages' masks (op messages): the output validates, and
+    its tokens and depths are the in-process engine's."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}}}
+    schema |= {"required": ["n"], "additionalProperties": False}
+    got = client.generate("In the beginning", max_tokens=32, temperature=0.8, seed=3, json_schema=json.dumps(schema))
+    assert json.loads(got.text)["n"] in range(100) and got.finish.finish_reason == "stop"
+    structure = Structure(StructureKind.JSON, json.dumps(schema))
+    params = RequestParams(max_tokens=32, sampling=SamplingParams(temperature=0.8, seed=3), structure=structure)
+    with Engine(CONFIG) as local:
+        (want,) = local.generate(["In the beginning"], params)
+    assert (got.token_ids, got.depths) == (want.token_ids, want.depths)
 
 
 def test_duplicate_request_id_and_abort(client: Client) -> None:
