@@ -9,11 +9,12 @@ Bounds: a spec is at most ``MAX_SPEC_BYTES``; its compile is bounded in work by 
 grammar size) and in time by ``COMPILE_DEADLINE_S`` (past it the request is refused, naming the field); a structure
 that fails either way is refused again from the cache without a second compile.
 
-A guide's masks: token ``index``'s allowed set is the grammar's after the tokens before it, one bit per token id (bit
-``i % 8`` of byte ``i // 8``), and rides the token's sampling settings (``LogitsProcessing.allowed``) to the stage
-that samples. With ``forced_skip``, a token the grammar forces (its fast-forward token: the only way on that the
-tokenizer would spell; or the only allowed token) is known before it is sampled: its mask is that one token, the
-guide consumes it at once, and the position that predicts it needs no deep exit (``forced``).
+A guide's masks (``cdb_engine.guide``): token ``index``'s allowed set is the grammar's after the tokens before it,
+one bit per token id (bit ``i % 8`` of byte ``i // 8``), and rides the token's sampling settings
+(``LogitsProcessing.allowed``) to the stage that samples. With ``forced_skip``, a token the grammar forces (its
+fast-forward token: the one spelling of forced text the tokenizer would choose; the only allowed token; the end,
+once the grammar is complete) is known before it is sampled: its mask is that one token, and the position that
+predicts it needs no deep exit.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ import json
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import replace
 from typing import Any
 
 import llguidance
@@ -31,8 +31,8 @@ from llguidance import LLMatcher, LLParserLimits, LLTokenizer
 
 from cdb_engine.config import Structure, StructureKind
 from cdb_engine.errors import InvalidRequest
+from cdb_engine.guide import Guide, GuideWorker
 from cdb_model.tokenizer import BYTE_OFFSET, SPECIAL_TOKENS, ByteTokenizer, HFTokenizer, Tokenizer
-from cdb_scheduler.sampling import LogitsProcessing, SamplingParams
 
 MAX_SPEC_BYTES = 64 * 1024  # a schema, regex, choice list or grammar
 COMPILE_DEADLINE_S = 5.0  # a compile past it refuses the request (the parser limits end it soon after)
@@ -124,6 +124,7 @@ class Grammars:
         self._cache: OrderedDict[tuple[str, str], LLMatcher | str] = OrderedDict()
         self._lock = threading.Lock()
         self._pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="cdb-grammar")
+        self._worker = GuideWorker()
 
     def _vocabulary(self) -> LLTokenizer:
         with self._lock:
@@ -168,8 +169,8 @@ class Grammars:
 
     def guide(self, structure: Structure) -> Guide:
         """A fresh walk of ``structure``'s grammar for one request."""
-        stops = self._source[2]
-        return Guide(self.compiled(structure).deep_copy(), (self.vocab_size + 7) // 8, stops, self.forced_skip)
+        matcher = self.compiled(structure).deep_copy()
+        return Guide(matcher, (self.vocab_size + 7) // 8, self._source[2], self.forced_skip, self._worker)
 
 
 def _build(vocab: LLTokenizer, grammar: str) -> LLMatcher | str:
@@ -180,87 +181,3 @@ def _build(vocab: LLTokenizer, grammar: str) -> LLMatcher | str:
     if matcher.is_error():
         return _short(matcher.get_error())
     return matcher
-
-
-class Guide:
-    """One request's walk of its grammar (the scheduler's ``cdb_scheduler.sampling.Guide``): the mask of each token
-    it samples, the tokens the grammar forces, and the tokens it accepts, in order.
-
-    ``consumed`` tokens are in the matcher: the accepted ones, then (``forced_skip``) the forced ones not yet
-    accepted (``_forced``). The mask of token ``consumed`` is computed on demand and kept until that token is
-    accepted."""
-
-    def __init__(self, matcher: LLMatcher, mask_bytes: int, stop_ids: Sequence[int], forced_skip: bool) -> None:
-        self._matcher = matcher
-        self._mask_bytes = mask_bytes
-        self._stops = sum(1 << t for t in stop_ids)  # the model's stop ids, as mask bits
-        self._eos = stop_ids[0] if stop_ids else -1
-        self.forced_skip = forced_skip
-        self.consumed = 0
-        self._masks: dict[int, bytes] = {}
-        self._forced: dict[int, int] = {}  # index -> forced token, consumed before it was accepted
-        self.error = ""
-
-    def _mask(self, index: int) -> bytes:
-        mask = self._masks.get(index)
-        if mask is None:
-            if index != self.consumed:
-                raise RuntimeError(f"mask of token {index} asked with {self.consumed} tokens consumed")
-            mask = self._masks[index] = self._matcher.compute_bitmask()[: self._mask_bytes]
-        return mask
-
-    def ready(self, index: int) -> bool:
-        """Whether token ``index``'s mask can be known now (every token before it is consumed)."""
-        return index in self._masks or index == self.consumed
-
-    def sampling(self, index: int, base: SamplingParams) -> SamplingParams:
-        """``base`` with token ``index``'s mask (``ready(index)`` must hold)."""
-        proc = base.processing if base.processing is not None else LogitsProcessing()
-        return replace(base, processing=replace(proc, allowed=self._mask(index)))
-
-    def forced(self, index: int) -> int:
-        """The token ``index`` must be (-1: it is sampled, or not yet known). With ``forced_skip`` only: a forced
-        token is consumed at once, so the one after it can be known too."""
-        if not self.forced_skip:
-            return -1
-        token = self._forced.get(index, -1)
-        if token >= 0 or index != self.consumed or self.error:
-            return token
-        ff = self._matcher.compute_ff_tokens()
-        if ff:
-            token = ff[0]
-        else:
-            bits = int.from_bytes(self._mask(index), "little")
-            token = bits.bit_length() - 1 if bits and not bits & (bits - 1) else -1
-            if token < 0 and bits and not bits & ~self._stops:  # the grammar is complete: the output ends
-                token = self._eos
-            if token < 0:
-                return -1
-        if not self._matcher.consume_token(token):
-            self.error = _short(self._matcher.get_error())
-            return -1
-        self._masks[index] = (1 << token).to_bytes(self._mask_bytes, "little")
-        self._forced[index] = token
-        self.consumed = index + 1
-        return token
-
-    def accept(self, index: int, token: int) -> bool:
-        """Token ``index`` was sampled as ``token``; False (``error`` says why) when the grammar does not allow it."""
-        self._masks.pop(index, None)
-        forced = self._forced.pop(index, -1)
-        if forced >= 0:
-            if forced != token:
-                self.error = f"token {index} is {token}, the grammar forced {forced}"
-            return forced == token
-        if index != self.consumed:
-            self.error = f"token {index} accepted with {self.consumed} tokens consumed"
-            return False
-        self.consumed += 1
-        if not self._matcher.consume_token(token):
-            self.error = _short(self._matcher.get_error())
-            return False
-        return True
-
-    def accept_all(self, tokens: Sequence[int]) -> bool:
-        """A resumed stream's tokens, from the start."""
-        return all(self.accept(i, t) for i, t in enumerate(tokens))

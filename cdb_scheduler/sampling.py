@@ -33,12 +33,12 @@ class SamplingParams:
 @dataclass(frozen=True, slots=True)
 class LogitsProcessing:
     """What is done to a request's logits before temperature and filters, in this order (vLLM's): ``logit_bias``
-        added; while the token index is below ``min_tokens`` the ``stop_ids`` (end-of-sequence and stop ids) banned;
-        the repetition penalty on every token of the prompt or the output so far (a positive logit divided by it, a
-        negative one multiplied); the frequency penalty times each token's count in the output so far, and the
-        presence penalty once for each token in it, subtracted; then every token ``allowed`` leaves out banned (structured
-    output). Logprobs are those of the logits before processing, with the tokens ``allowed`` leaves out banned: a
-    token the grammar forces has logprob 0."""
+    added; while the token index is below ``min_tokens`` the ``stop_ids`` (end-of-sequence and stop ids) banned; the
+    repetition penalty on every token of the prompt or the output so far (a positive logit divided by it, a negative
+    one multiplied); the frequency penalty times each token's count in the output so far, and the presence penalty
+    once for each token in it, subtracted; then every token ``allowed`` leaves out banned (structured output).
+    Logprobs are those of the logits before processing, with the tokens ``allowed`` leaves out banned: a token the
+    grammar forces has logprob 0."""
 
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -60,9 +60,10 @@ class Guide(Protocol):
     sampled (its position exits at the minimum depth); every sampled token is accepted in order."""
 
     error: str  # why the walk failed ("" while it has not)
-    consumed: int  # tokens the walk has taken: the accepted ones, then any forced ones ahead of them
 
     def ready(self, index: int) -> bool: ...
+
+    def known(self, index: int) -> bool: ...
 
     def sampling(self, index: int, base: SamplingParams) -> SamplingParams: ...
 

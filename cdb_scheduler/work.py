@@ -65,8 +65,7 @@ class WorkQueues:
         path: never)."""
         guide = req.guide
         assert guide is not None
-        guide.forced(index - 1)  # consumed at once if the grammar forces it
-        if guide.consumed >= index:
+        if guide.known(index):
             return req.policy.min_depth if guide.forced(index) >= 0 else 0
         return max(req.policy.min_depth, self.cfg.loop_pipeline_depth + 1) if self.cfg.fuse_loop_head else 0
 

@@ -84,7 +84,7 @@ def build_request(prompt: str | Sequence[int], options: GenerateOptions) -> pb.G
     so = req.structured_output
     for key in ("json_schema", "json_object", "regex", "grammar"):
         if key in options:
-            setattr(so, key, options[key])  # type: ignore[literal-required]
+            setattr(so, key, options[key])
     if "choice" in options:
         so.choice.choices.extend(options["choice"])
     return req
