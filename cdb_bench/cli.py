@@ -21,6 +21,7 @@ BENCHMARKS = {
     "heap": ("cdb_bench.heap", "a full garbage collection in a stage's and the scheduler's process, settled or not"),
     "apicost": ("cdb_bench.apicost.cli", "CPU per output token through the public API, by process and activity"),
     "soak": ("cdb_bench.soak", "requests with cancels and deadlines while a random stage is killed every few seconds"),
+    "structured": ("cdb_bench.structured", "structured output (JSON schema): valid rate, forced-token depths, costs"),
 }
 
 

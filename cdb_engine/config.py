@@ -155,6 +155,10 @@ class EngineConfig:
         default=True,
         metadata=_help("Ouro: loop ops sample the exited tokens and run their successors (no head op)"),
     )
+    priority_depth: float | None = field(
+        default=None,
+        metadata=_help("while requests wait, less urgent priorities exit at this threshold; auto: off"),
+    )
     forced_skip: bool = field(
         default=True,
         metadata=_help("structured output: forced tokens are not sampled, and their positions exit at min depth"),

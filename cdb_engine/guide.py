@@ -1,6 +1,6 @@
 """``Guide``: one structured-output request's walk of its grammar, off the engine thread.
 
-The scheduler asks a guide three things per token, all on its engine thread: the token's mask (``sampling``, once
+The scheduler asks a guide three things per token, all on its engine thread: the token's mask (``mask``, once
 ``ready``), whether the grammar forces it (``forced``), and to take the token sampled (``accept``). The grammar work
 behind them (the matcher consuming the token, its fast-forward tokens, the next mask: ≈ 15 µs a token with a 2,048-id
 vocabulary, far more with a large one) runs on the process's ``GuideWorker`` thread, most of it in llguidance without
@@ -19,8 +19,6 @@ import queue
 import threading
 from collections.abc import Sequence
 from typing import Any
-
-from cdb_scheduler.sampling import LogitsProcessing, SamplingParams
 
 _WAIT_S = 60.0  # a walk is microseconds; past this the worker is gone
 
@@ -83,30 +81,15 @@ class Guide:
         """Whether every token before ``index`` is known (accepted, or forced): so is whether ``index`` is forced."""
         return index <= self.frontier
 
-    def sampling(self, index: int, base: SamplingParams) -> SamplingParams:
-        """``base`` with token ``index``'s mask."""
+    def mask(self, index: int) -> bytes:
+        """Token ``index``'s mask (``cdb_scheduler.plan.MASKS``)."""
         mask = self._masks.get(index)
         if mask is None:
             self._settle()
             mask = self._masks.get(index, b"")
             if not mask:
                 raise RuntimeError(f"no mask for token {index}: {self.error or 'its walk has not reached it'}")
-        p = base.processing  # (built field by field: ``dataclasses.replace`` costs ≈ 4 µs a call)
-        proc = (
-            LogitsProcessing(allowed=mask)
-            if p is None
-            else LogitsProcessing(
-                p.presence_penalty,
-                p.frequency_penalty,
-                p.repetition_penalty,
-                p.logit_bias,
-                p.min_tokens,
-                p.stop_ids,
-                mask,
-            )
-        )
-        b = base
-        return SamplingParams(b.temperature, b.top_k, b.top_p, b.seed, b.min_p, b.logprobs, b.return_logprob, proc)
+        return mask
 
     def forced(self, index: int) -> int:
         """The token ``index`` must be (-1: it is sampled, or the tokens before it are not all known)."""

@@ -148,6 +148,7 @@ class Limits:
             spec_adaptive=cfg.speculative is Speculative.AUTO,
             spec_max_tokens=cfg.speculative_tokens,
             spec_depth=min(cfg.speculative_depth or 1, max(1, self.max_depth - 1)),
+            priority_depth=cfg.priority_depth is not None,
             # (at least a lone token and one draft, where the width allows)
             spec_max_width=min(cfg.max_num_seqs, max(2, math.floor(spec_occupancy(cfg) * cfg.max_num_seqs))),
         )
@@ -222,7 +223,35 @@ def resolve_limits(cfg: EngineConfig, mc: ModelConfig) -> Limits:
     limits = replace(limits, no_speculation=why or "")
     if cfg.speculative_depth is not None and not 1 <= cfg.speculative_depth < max_depth:
         raise ValueError(f"speculative_depth must be in [1, max_depth {max_depth}), got {cfg.speculative_depth}")
+    if cfg.priority_depth is not None:
+        _check_priority_depth(cfg, limits)
     return limits
+
+
+def _check_priority_depth(cfg: EngineConfig, limits: Limits) -> None:
+    """``--priority-depth Q``: a threshold of an adaptive rule, in its range, where tokens may exit early."""
+    q = cfg.priority_depth
+    if cfg.mode is Mode.FULL_DEPTH or limits.exit_rule not in (ExitRule.HAZARD, ExitRule.LATENT_DIFF):
+        raise ValueError("priority_depth needs early exit by a threshold (exit rule hazard or latent-diff, mode cdb)")
+    if cfg.kv_policy is KVPolicy.DEPTH_INDEXED:
+        raise ValueError("priority_depth: kv_policy depth_indexed serves full depth only")
+    if q is None or not math.isfinite(q):
+        raise ValueError(f"priority_depth must be a finite threshold, got {q}")
+    try:
+        build_policy(limits, q)
+    except ValueError as exc:
+        raise ValueError(f"priority_depth: {exc}") from None
+
+
+def priority_policy(limits: Limits, floor: float | None, threshold: float | None) -> ExitPolicy | None:
+    """``--priority-depth``: the policy a request runs while it is below the most urgent priority and requests wait:
+    the floor threshold, or the request's own where that one exits sooner (hazard: the lower q; latent-diff: the
+    higher); None without the option."""
+    if floor is None:
+        return None
+    own = limits.exit_threshold if threshold is None else threshold
+    q = min(own, floor) if limits.exit_rule is ExitRule.HAZARD else max(own, floor)
+    return build_policy(limits, q)
 
 
 def _threshold(cfg: EngineConfig, mc: ModelConfig, rule: ExitRule) -> tuple[float, ThresholdSource]:

@@ -16,7 +16,7 @@ from cdb_engine.config import EngineConfig, RequestParams
 from cdb_engine.detokenizer import TextOutput
 from cdb_engine.errors import InvalidRequest
 from cdb_engine.grammar import Grammars
-from cdb_engine.limits import Limits, build_policy, resolve_limits
+from cdb_engine.limits import Limits, build_policy, priority_policy, resolve_limits
 from cdb_engine.validation import validate
 from cdb_model.config import ModelConfig
 from cdb_model.kv_layout import KVPolicy
@@ -93,6 +93,9 @@ class RequestPreparer:
             arrival=time.monotonic(),
             priority=params.priority,
         )
+        if self.config.priority_depth is not None and params.replay_depths is None:
+            shallow = priority_policy(self.limits, self.config.priority_depth, params.exit_threshold)
+            req.depth_policies = (req.policy, shallow) if shallow is not None else None
         if params.structure is not None:
             req.guide = guide = self.grammars.guide(params.structure)
             if not guide.accept_all(params.resume_tokens):

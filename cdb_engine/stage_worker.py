@@ -244,7 +244,7 @@ class StageWorker:
     def _fused_head(self, h: LoopHead, out: Outputs) -> Sampled:
         """A loop op's fused head (Ouro): sample the rows, then embed each successor's input into its row (a draft's:
         into the row of the successor drafted from it, ``LoopHead.embed_rows``)."""
-        scols = SamplingColumns.build(h.sampling, h.token_index, self.device)
+        scols = SamplingColumns.build(h.sampling, h.token_index, self.device, h.masks)
         ends = -2 in h.embed_ids  # requests that end here have no successor to embed
         keep = [j for j, e in enumerate(h.embed_ids) if e != -2] if ends else []
         lp_rows = list(scols.logprob_rows) if len(scols.logprob_rows) < len(h.rows) else []
@@ -322,7 +322,8 @@ class StageWorker:
         if not picked:
             return None, scored
         params = [op.sampling[i] for i in picked]
-        scols = SamplingColumns.build(params, [op.token_index[i] for i in picked], self.device)
+        masks = [op.masks[i] for i in picked] if op.masks else ()
+        scols = SamplingColumns.build(params, [op.token_index[i] for i in picked], self.device, masks)
         fused = [j for j, i in enumerate(picked) if op.embed and op.embed[i]]
         lp_rows = list(scols.logprob_rows) if len(scols.logprob_rows) < len(picked) else []
         (index, embed, lp_index), table = self._columns(picked, fused, lp_rows, floats=scols.table)

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from cdb_engine.synthetic_cost import SyntheticCost, parse_cost
-from cdb_engine.synthetic_draws import SyntheticDepths, exit_signals, sampled_ids
+from cdb_engine.synthetic_draws import SyntheticDepths, exit_signals, masked_ids, sampled_ids
 from cdb_model.config import ModelConfig
 from cdb_model.kv import BlockTables, KVLayout
 from cdb_scheduler.plan import HeadOp, LoopHead, LoopOp, PreludeOp, Stage, StageOp, StageResult, derive_seed
@@ -159,7 +159,7 @@ class SyntheticWorker:
         sampled = None
         if op.head is not None:  # read at the start of the op, before its steps
             h = op.head
-            sampled = self._sample(h.rids, h.targets, (True,) * len(h.rows), h.sampling, h.token_index)
+            sampled = self._sample(h.rids, h.targets, (True,) * len(h.rows), h.sampling, h.token_index, h.masks)
             if h.embed_rows:
                 sampled = replace(sampled, token_ids=self._drafted(h, sampled.token_ids))
             self._row_depth[list(h.targets)] = 0
@@ -196,7 +196,7 @@ class SyntheticWorker:
         return tuple(out)
 
     def _head_results(self, op: HeadOp) -> StageResult:
-        result = self._sample(op.rids, op.rows, op.sample, op.sampling, op.token_index)
+        result = self._sample(op.rids, op.rows, op.sample, op.sampling, op.token_index, op.masks)
         return replace(result, prompt_logprobs=self._scores(op)) if op.score_ids else result
 
     def _check(self, rid: int, position: int) -> None:
@@ -232,9 +232,11 @@ class SyntheticWorker:
         sample: Sequence[bool],
         sampling: Sequence[SamplingParams],
         token_index: Sequence[int],
+        masks: Sequence[bytes] = (),
     ) -> StageResult:
         """Token ids from the seeded stream of ``(seed, rid, token index)`` (``sampled_ids``), one vector draw per op
-        (a GPU draws them in the op; the host does not loop over tokens)."""
+        (a GPU draws them in the op; the host does not loop over tokens); a masked token's (structured output) is
+        the draw's pick among the ids its mask allows (``masked_ids``)."""
         picked = [i for i, take in enumerate(sample) if take]
         if not picked:
             return StageResult(self.stage, -1, 0.0, token_ids=(), logprobs=())
@@ -248,6 +250,8 @@ class SyntheticWorker:
             self._stops,
         )
         rows = op_rows if every else [op_rows[i] for i in picked]
+        if masks:
+            ids = masked_ids(ids, masks if every else [masks[i] for i in picked], self._stops)
         token_ids = tuple(ids.tolist())
         lps: list[TokenLogprobs | None] = [None] * len(picked)
         vocab = self.model.config.vocab_size

@@ -112,6 +112,28 @@ def sampled_ids(
     return out
 
 
+def masked_ids(ids: np.ndarray, masks: Sequence[bytes], stops: frozenset[int]) -> np.ndarray:
+    """``ids`` with each masked one (structured output: ``masks[i]`` not b"") replaced by the allowed id at the draw's
+    place among them (``id % count``): the ids that are no stop id, or the stop ids once only they are allowed. One
+    vector pass over the masked rows."""
+    rows = [i for i, m in enumerate(masks) if m]
+    if not rows:
+        return ids
+    width = max(len(masks[i]) for i in rows)
+    packed = np.frombuffer(b"".join(masks[i].ljust(width, b"\0") for i in rows), np.uint8).reshape(len(rows), width)
+    allowed = np.unpackbits(packed, axis=1, bitorder="little").astype(bool)  # [M, 8 * width]
+    going = allowed.copy()
+    stop_ids = [t for t in stops if t < going.shape[1]]
+    going[:, stop_ids] = False
+    pool = np.where(going.any(axis=1, keepdims=True), going, allowed)
+    counts = pool.sum(axis=1)
+    k = ids[rows].astype(np.int64) % np.maximum(counts, 1)
+    picked = (np.cumsum(pool, axis=1) > k[:, None]).argmax(axis=1)
+    out = ids.copy()
+    out[rows] = picked.astype(ids.dtype)
+    return out
+
+
 @functools.lru_cache(maxsize=8)
 def _banned(vocab: int, stops: frozenset[int]) -> np.ndarray:
     """A mask over the vocabulary, true at the stop ids (one lookup per sampled id instead of a set search)."""

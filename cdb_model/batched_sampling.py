@@ -47,7 +47,13 @@ class SamplingColumns:
     processing: Processing | None = None  # logit bias, min_tokens and penalties of the rows that ask for them
 
     @staticmethod
-    def build(params: Sequence[SamplingParams], token_index: Sequence[int], device: torch.device) -> SamplingColumns:
+    def build(
+        params: Sequence[SamplingParams],
+        token_index: Sequence[int],
+        device: torch.device,
+        masks: Sequence[bytes] = (),
+    ) -> SamplingColumns:
+        """``masks``: per row its structured output's mask (``cdb_scheduler.plan.MASKS``; b"" none), or () none."""
         if len(params) != len(token_index):
             raise ValueError(f"{len(params)} sampling params for {len(token_index)} token indices")
         any_sampled = any(map(_TEMPERATURE, params))  # (C loops over the rows: this runs for every op)
@@ -71,7 +77,9 @@ class SamplingColumns:
             any_sampled=any_sampled,
             logprob_rows=tuple(j for j, w in enumerate(wants) if w) if any(wants) else (),
             top_n=max(map(_LOGPROBS, params), default=0),
-            processing=Processing.build(params, token_index, device) if any(map(_PROCESSING, params)) else None,
+            processing=(
+                Processing.build(params, token_index, device, masks) if masks or any(map(_PROCESSING, params)) else None
+            ),
         )
 
 
@@ -91,19 +99,19 @@ class Processing:
     allowed: Tensor | None = None  # bool, V' >= V (the masks' bytes, unpacked)
 
     @staticmethod
-    def build(params: Sequence[SamplingParams], token_index: Sequence[int], device: torch.device) -> Processing:
+    def build(
+        params: Sequence[SamplingParams], token_index: Sequence[int], device: torch.device, masks: Sequence[bytes] = ()
+    ) -> Processing:
         rows: list[int] = []
         tokens: list[int] = []
         values: list[float] = []
         penalties = [(0.0, 0.0, 1.0)] * len(params)
         penalized: list[int] = []
-        masked: list[int] = []
+        masked = [j for j, m in enumerate(masks) if m]
         for j, (p, index) in enumerate(zip(params, token_index)):
             proc = p.processing
             if proc is None:
                 continue
-            if proc.allowed:
-                masked.append(j)
             for token, bias in proc.logit_bias:
                 rows.append(j)
                 tokens.append(token)
@@ -123,7 +131,7 @@ class Processing:
             penalties=torch.tensor(penalties, dtype=torch.float32).T.contiguous().to(device) if penalized else None,
             penalized_rows=tuple(penalized),
             penalized_index=torch.tensor(penalized, dtype=torch.long).to(device, non_blocking=True),
-            **(_masks(params, masked, device) if masked else {}),
+            **(_masks([masks[j] for j in masked], masked, device) if masked else {}),
         )
 
     def apply(self, logits: Tensor, counts: Tensor | None, seen: Tensor | None) -> Tensor:
@@ -154,9 +162,8 @@ class Processing:
         return logits if self.mask_rows is None else self._ban(logits.clone())
 
 
-def _masks(params: Sequence[SamplingParams], rows: list[int], device: torch.device) -> dict[str, Tensor]:
-    """``Processing.mask_rows`` and ``allowed`` of the ``rows`` whose settings carry a mask (one length each)."""
-    masks = [params[j].processing.allowed for j in rows]  # type: ignore[union-attr]
+def _masks(masks: Sequence[bytes], rows: list[int], device: torch.device) -> dict[str, Tensor]:
+    """``Processing.mask_rows`` and ``allowed`` of ``rows`` and their ``masks`` (all of one length)."""
     packed = np.frombuffer(b"".join(masks), dtype=np.uint8).reshape(len(rows), len(masks[0]))
     bits = torch.from_numpy(np.unpackbits(packed, axis=1, bitorder="little")).to(device=device, dtype=torch.bool)
     return {"mask_rows": torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True), "allowed": bits}

@@ -65,9 +65,15 @@ class _Request:
         return self.model.coda(rows, self._t(positions), self.coda_kv.access(positions, 0))
 
     def sample_last(
-        self, hidden: Tensor, params: SamplingParams, token_index: int, prompt: Sequence[int], output: Sequence[int]
+        self,
+        hidden: Tensor,
+        params: SamplingParams,
+        token_index: int,
+        prompt: Sequence[int],
+        output: Sequence[int],
+        mask: bytes = b"",
     ) -> int:
-        tokens, _ = sample(self.model.logits(hidden[-1:]), [params], [token_index], [(prompt, output)])
+        tokens, _ = sample(self.model.logits(hidden[-1:]), [params], [token_index], [(prompt, output)], [mask])
         return tokens[0]
 
 
@@ -88,8 +94,8 @@ def reference_generate(
     """Generate up to ``max_new_tokens`` tokens for one prompt, sequentially (see the module docstring). ``guide``:
     structured output, each token sampled under its mask (a guide without forced skips)."""
 
-    def settings(index: int) -> SamplingParams:
-        return sampling if guide is None else guide.sampling(index, sampling)
+    def mask(index: int) -> bytes:
+        return b"" if guide is None else guide.mask(index)
 
     def taken(index: int, token: int) -> int:
         if guide is not None and not guide.accept(index, token):
@@ -114,7 +120,7 @@ def reference_generate(
             for s in range(policy.max_depth):
                 rows, _, _ = req.step(rows, positions, s)
             hidden = req.coda(rows, positions)
-        token = taken(0, req.sample_last(hidden, settings(0), 0, prompt_ids, ()))  # the last prompt position
+        token = taken(0, req.sample_last(hidden, sampling, 0, prompt_ids, (), mask(0)))  # the last prompt position
         out.tokens.append(token)
         out.depths.append(policy.max_depth)
 
@@ -136,7 +142,8 @@ def reference_generate(
                 s += 1
             if kv_layout.copies_on_exit and s + 1 < kv_layout.n_slots:
                 req.loop_kv.copy_position(position, kv_layout.slot(s), range(s + 1, kv_layout.n_slots))
-            token = taken(i, req.sample_last(req.coda(rows, [position]), settings(i), i, prompt_ids, out.tokens))
+            hidden = req.coda(rows, [position])
+            token = taken(i, req.sample_last(hidden, sampling, i, prompt_ids, out.tokens, mask(i)))
             out.tokens.append(token)
             out.depths.append(s + 1)
     return out

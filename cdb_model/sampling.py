@@ -62,7 +62,7 @@ def processed(
     if index < proc.min_tokens:
         x[list(proc.stop_ids)] = float("-inf")
     if not proc.penalized:
-        return banned(x, proc)
+        return x
     counts = torch.bincount(torch.tensor(list(output), dtype=torch.long), minlength=x.shape[0]).to(x.dtype)  # [V]
     seen = counts > 0
     if proc.repetition_penalty != 1.0:
@@ -70,14 +70,14 @@ def processed(
         seen_any[list(prompt)] = True
         r = proc.repetition_penalty
         x = torch.where(seen_any, torch.where(x > 0, x / r, x * r), x)
-    return banned(x - proc.frequency_penalty * counts - proc.presence_penalty * seen.to(x.dtype), proc)
+    return x - proc.frequency_penalty * counts - proc.presence_penalty * seen.to(x.dtype)
 
 
-def banned(x: Tensor, proc: LogitsProcessing | None) -> Tensor:
-    """``x [V]`` with the tokens ``proc.allowed`` leaves out at -inf (a new tensor); ``x`` itself without a mask."""
-    if proc is None or not proc.allowed:
+def banned(x: Tensor, mask: bytes) -> Tensor:
+    """``x [V]`` with the ids ``mask`` leaves out at -inf (``cdb_scheduler.plan.MASKS``); ``x`` itself for b""."""
+    if not mask:
         return x
-    bits = [(proc.allowed[i >> 3] >> (i & 7)) & 1 if i >> 3 < len(proc.allowed) else 0 for i in range(x.shape[0])]
+    bits = [(mask[i >> 3] >> (i & 7)) & 1 if i >> 3 < len(mask) else 0 for i in range(x.shape[0])]
     return x.masked_fill(torch.tensor(bits, dtype=torch.bool).logical_not(), float("-inf"))
 
 
@@ -86,10 +86,12 @@ def sample(
     params: Sequence[SamplingParams],
     token_index: Sequence[int],
     history: Sequence[tuple[Sequence[int], Sequence[int]]] | None = None,
+    masks: Sequence[bytes] = (),
 ) -> tuple[list[int], list[TokenLogprobs | None]]:
     """Sample one token per row of ``logits [N, V]``; ``params[i]`` and stream index ``token_index[i]``;
     ``history[i]``: (prompt, output before this token) of the row, needed by penalties.
 
+    ``masks[i]``: row i's structured output's mask (b"" or absent: none), applied after the processing.
     Returns the token ids and, where ``return_logprob`` or ``logprobs > 0`` is asked, their ``TokenLogprobs``.
     """
     if not len(params) == len(token_index) == logits.shape[0]:
@@ -103,14 +105,16 @@ def sample(
         if p.processing is not None:
             prompt, output = history[i] if history is not None else ((), ())
             row = processed(row, p.processing, index, prompt, output)
+        mask = masks[i] if masks else b""
+        row = banned(row, mask)
         if p.temperature == 0.0:
-            tok = int(greedy[i]) if p.processing is None else int(row.argmax())
+            tok = int(greedy[i]) if p.processing is None and not mask else int(row.argmax())
         else:
             ids, probs = filtered_probs(row, p)
             tok = int(ids[draw(probs, derive_seed(p.seed, index))])
         tokens.append(tok)
         if p.return_logprob or p.logprobs > 0:
-            lp = torch.log_softmax(banned(cpu[i], p.processing).double(), dim=-1)  # [V]
+            lp = torch.log_softmax(banned(cpu[i], mask).double(), dim=-1)  # [V]
             top = torch.topk(lp, min(p.logprobs, lp.shape[0])) if p.logprobs > 0 else None
             logprobs.append(
                 TokenLogprobs(

@@ -42,6 +42,7 @@ class SchedulerConfig:
     spec_max_tokens: int = 4  # tokens of one request running ahead of its oldest unverified one, at most
     spec_depth: int = 1  # the draft depth a request starts at (loop steps before its token is drafted)
     spec_max_width: int = 1 << 30  # drafts only while a loop op holds fewer tokens than this (drafts included)
+    priority_depth: bool = False  # requests below the most urgent priority run shallower while others wait
 
     def __post_init__(self) -> None:
         checks = [

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import deque
 
 from cdb_scheduler.config import SchedulerConfig
-from cdb_scheduler.ops import OpBuilder, guided
+from cdb_scheduler.ops import OpBuilder, mask_of
 from cdb_scheduler.plan import LoopHead, Stage, StageOp, StageResult
 from cdb_scheduler.request import Event, Item, Status
 from cdb_scheduler.residency import Residency
@@ -120,7 +120,8 @@ class HeadPlanner:
         rows = [it.row for it in items]
         token_index = [it.index for it in items]
         history = self.ops.history(Stage.LOOP, reqs, rows, token_index)
-        sampling = [r.sampling if r.guide is None else guided(r, i) for r, i in zip(reqs, token_index)]
+        sampling = [r.sampling for r in reqs]
+        masks = [b"" if r.guide is None else mask_of(r, i) for r, i in zip(reqs, token_index)]
         positions = [it.position for it in items]
         targets: tuple[int, ...] = ()
         if drafts:
@@ -132,6 +133,7 @@ class HeadPlanner:
                 rows.append(x.row)
                 token_index.append(x.index)
                 sampling.append(draft_sampling(x.req.sampling))
+                masks.append(b"")
                 positions.append(x.position)
                 embed_ids.append(-1)
         return LoopHead(
@@ -143,6 +145,7 @@ class HeadPlanner:
             embed_ids=tuple(embed_ids),
             history=history,
             embed_rows=targets,
+            masks=tuple(masks) if any(masks) else (),
         )
 
     def report_fused(self, items: list[Item], res: StageResult, events: list[Event]) -> None:

@@ -179,9 +179,8 @@ class OpBuilder:
         score_ids: Sequence[int] = (),
     ) -> HeadOp:
         seq, fences, updates, released = self._common(Stage.HEAD, rows, reqs)
-        sampling: tuple[SamplingParams, ...] = tuple(
-            guided(r, i) if s else r.sampling for r, s, i in zip(reqs, sample, token_index)
-        )
+        sampling: tuple[SamplingParams, ...] = tuple(r.sampling for r in reqs)
+        masks = tuple(mask_of(r, i) if s else b"" for r, s, i in zip(reqs, sample, token_index))
         picked = [j for j, s in enumerate(sample) if s]
         history = self.history(
             Stage.HEAD, [reqs[j] for j in picked], [rows[j] for j in picked], [token_index[j] for j in picked]
@@ -200,13 +199,13 @@ class OpBuilder:
             tuple(embed) if any(embed) else (),
             tuple(score_ids) if any(t >= 0 for t in score_ids) else (),
             history,
+            masks if any(masks) else (),
         )
 
 
-def guided(req: Request, index: int) -> SamplingParams:
-    """The sampling settings of token ``index`` of ``req``: with structured output, with the token's mask (a
-    recomputed token's sample is not used: its settings stay plain)."""
+def mask_of(req: Request, index: int) -> bytes:
+    """Token ``index``'s mask with structured output, else b"" (a recomputed token's sample is not used: none)."""
     guide = req.guide
     if guide is None or index < len(req.output):
-        return req.sampling
-    return guide.sampling(index, req.sampling)
+        return b""
+    return guide.mask(index)

@@ -134,6 +134,7 @@ class LoopHead:
     embed_ids: tuple[int, ...]
     history: tuple[HistorySeed, ...] = ()  # of penalized rows sampled here for the first time
     embed_rows: tuple[int, ...] = ()  # () : each row's successor input goes into that row
+    masks: tuple[bytes, ...] = ()  # () : none; else per row its structured output's mask (``MASKS``), b"" none
 
     @property
     def targets(self) -> tuple[int, ...]:
@@ -188,10 +189,15 @@ class HeadOp(OpBase):
     embed: tuple[bool, ...] = ()  # () : no token embeds its successor
     score_ids: tuple[int, ...] = ()  # () : nothing scored; else per token -1 or the id whose logprob to return
     history: tuple[HistorySeed, ...] = ()  # of penalized rows sampled here first (index: among the sampled rows)
+    masks: tuple[bytes, ...] = ()  # () : none; else per token its structured output's mask (``MASKS``), b"" none
     stage: Stage = field(default=Stage.HEAD, init=False)
 
 
 StageOp = PreludeOp | LoopOp | HeadOp
+
+MASKS = """A sampled token's mask (structured output): the ids its grammar allows, one bit per id (bit ``i % 8`` of
+byte ``i // 8``); the sampler bans every other id after logit bias and penalties, and its logprobs are computed with
+them banned (a token the grammar forces has logprob 0)."""
 
 
 @dataclass(slots=True)

@@ -72,6 +72,9 @@ class Request:
     spec_rows: list[int] = field(default_factory=list)  # rows of its speculative items (``row`` is the oldest's)
     priority: int = 0  # lower first (vLLM's meaning): the waiting queue's order, and preempted last
     guide: Guide | None = None  # structured output: its grammar's walk (masks, forced tokens)
+    # ``--priority-depth``: its own policy and the shallow one it runs while it is below the most urgent priority
+    # and requests wait (``cdb_scheduler.priority_depth``); ``policy`` is the one in force
+    depth_policies: tuple[ExitPolicy, ExitPolicy] | None = None
 
     @property
     def prompt_len(self) -> int:

@@ -36,9 +36,8 @@ class LogitsProcessing:
     added; while the token index is below ``min_tokens`` the ``stop_ids`` (end-of-sequence and stop ids) banned; the
     repetition penalty on every token of the prompt or the output so far (a positive logit divided by it, a negative
     one multiplied); the frequency penalty times each token's count in the output so far, and the presence penalty
-    once for each token in it, subtracted; then every token ``allowed`` leaves out banned (structured output).
-    Logprobs are those of the logits before processing, with the tokens ``allowed`` leaves out banned: a token the
-    grammar forces has logprob 0."""
+    once for each token in it, subtracted; then (structured output) every token its mask leaves out banned
+    (``cdb_scheduler.plan.MASKS``). Logprobs are those of the logits before processing, with a mask applied."""
 
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -46,7 +45,6 @@ class LogitsProcessing:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
     min_tokens: int = 0
     stop_ids: tuple[int, ...] = ()  # banned while the token index < min_tokens
-    allowed: bytes = b""  # structured output: the tokens the grammar allows (bit i % 8 of byte i // 8); b"": all
 
     @property
     def penalized(self) -> bool:
@@ -55,9 +53,9 @@ class LogitsProcessing:
 
 
 class Guide(Protocol):
-    """A structured-output request's grammar walk (``cdb_engine.grammar.Guide``), as the scheduler drives it: the
-    sampling settings of each token it samples carry the token's mask; a forced token is known before it is
-    sampled (its position exits at the minimum depth); every sampled token is accepted in order."""
+    """A structured-output request's grammar walk (``cdb_engine.guide.Guide``), as the scheduler drives it: each
+    token it samples goes with its mask; a forced token is known before it is sampled (its position exits at the
+    minimum depth); every sampled token is accepted in order."""
 
     error: str  # why the walk failed ("" while it has not)
 
@@ -65,7 +63,7 @@ class Guide(Protocol):
 
     def known(self, index: int) -> bool: ...
 
-    def sampling(self, index: int, base: SamplingParams) -> SamplingParams: ...
+    def mask(self, index: int) -> bytes: ...
 
     def forced(self, index: int) -> int: ...
 

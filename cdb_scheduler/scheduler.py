@@ -32,6 +32,7 @@ from cdb_scheduler.loop import LoopPlanner
 from cdb_scheduler.ops import OpBuilder
 from cdb_scheduler.plan import Stage, StageOp, StageResult
 from cdb_scheduler.prefill import PrefillFlight, pick_chunks, prefill_chain
+from cdb_scheduler.priority_depth import PriorityDepth
 from cdb_scheduler.request import Event, FinishReason, Item, Request, Status
 from cdb_scheduler.residency import Residency
 from cdb_scheduler.speculation import Speculation
@@ -59,6 +60,7 @@ class Scheduler:
         self.speculation = Speculation(config, self.residency, self.ops, self.stats, self.work)
         self.loop = LoopPlanner(config, self.ops, self.stats, self.work)
         self.head = HeadPlanner(config, self.residency, self.ops, self.stats, self.work, self.speculation)
+        self.priority_depth = PriorityDepth() if config.priority_depth else None
         res, work = self.residency, self.work  # their queues, table and allocators under their usual names
         self.waiting, self.running, self.rows, self.blocks = res.waiting, res.running, res.rows, res.blocks
         self.ready, self.head_queue, self.refill = work.ready, work.head_queue, work.refill
@@ -82,6 +84,7 @@ class Scheduler:
         if self.cfg.mode is Mode.FULL_DEPTH:
             req.policy = FixedDepth(self.cfg.max_depth, self.cfg.max_depth)
             req.replay_depths = None
+            req.depth_policies = None
         self.speculation.admit(req)
         req.status = Status.WAITING
         self.residency.enqueue(req)  # (in priority order)
@@ -125,6 +128,8 @@ class Scheduler:
         already includes the refills. Another round follows a loop op, heads flushed once the loop has nothing
         ready (``_flush_heads``), or a preemption that frees KV for a starved token (``_preempt_if_starved``)."""
         t0 = time.thread_time()
+        if self.priority_depth is not None:
+            self.priority_depth.update(self.residency)
         ops: list[StageOp] = []
         sent, emit_s = 0, 0.0
         more = True

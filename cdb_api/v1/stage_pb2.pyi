@@ -206,7 +206,7 @@ class LoopBatch(_message.Message):
     def __init__(self, rids: _Optional[_Iterable[int]] = ..., positions: _Optional[_Iterable[int]] = ..., rows: _Optional[_Iterable[int]] = ..., steps: _Optional[_Iterable[int]] = ..., prefill: _Optional[bool] = ..., num_steps: _Optional[int] = ..., copy_rids: _Optional[_Iterable[int]] = ..., copy_positions: _Optional[_Iterable[int]] = ..., copy_from_slots: _Optional[_Iterable[int]] = ..., head: _Optional[_Union[HeadBatch, _Mapping]] = ..., columns: _Optional[bytes] = ...) -> None: ...
 
 class HeadBatch(_message.Message):
-    __slots__ = ("rids", "positions", "rows", "sample", "token_index", "temperature", "top_k", "top_p", "seed", "logprobs", "return_logprob", "embed", "embed_ids", "score_ids", "processing", "history", "embed_rows", "columns")
+    __slots__ = ("rids", "positions", "rows", "sample", "token_index", "temperature", "top_k", "top_p", "seed", "logprobs", "return_logprob", "embed", "embed_ids", "score_ids", "processing", "history", "embed_rows", "masks", "columns")
     RIDS_FIELD_NUMBER: _ClassVar[int]
     POSITIONS_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
@@ -224,6 +224,7 @@ class HeadBatch(_message.Message):
     PROCESSING_FIELD_NUMBER: _ClassVar[int]
     HISTORY_FIELD_NUMBER: _ClassVar[int]
     EMBED_ROWS_FIELD_NUMBER: _ClassVar[int]
+    MASKS_FIELD_NUMBER: _ClassVar[int]
     COLUMNS_FIELD_NUMBER: _ClassVar[int]
     rids: _containers.RepeatedScalarFieldContainer[int]
     positions: _containers.RepeatedScalarFieldContainer[int]
@@ -242,11 +243,12 @@ class HeadBatch(_message.Message):
     processing: _containers.RepeatedCompositeFieldContainer[LogitsProcessing]
     history: _containers.RepeatedCompositeFieldContainer[HistorySeed]
     embed_rows: _containers.RepeatedScalarFieldContainer[int]
+    masks: _containers.RepeatedScalarFieldContainer[bytes]
     columns: bytes
-    def __init__(self, rids: _Optional[_Iterable[int]] = ..., positions: _Optional[_Iterable[int]] = ..., rows: _Optional[_Iterable[int]] = ..., sample: _Optional[_Iterable[bool]] = ..., token_index: _Optional[_Iterable[int]] = ..., temperature: _Optional[_Iterable[float]] = ..., top_k: _Optional[_Iterable[int]] = ..., top_p: _Optional[_Iterable[float]] = ..., seed: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[int]] = ..., return_logprob: _Optional[_Iterable[bool]] = ..., embed: _Optional[_Iterable[bool]] = ..., embed_ids: _Optional[_Iterable[int]] = ..., score_ids: _Optional[_Iterable[int]] = ..., processing: _Optional[_Iterable[_Union[LogitsProcessing, _Mapping]]] = ..., history: _Optional[_Iterable[_Union[HistorySeed, _Mapping]]] = ..., embed_rows: _Optional[_Iterable[int]] = ..., columns: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, rids: _Optional[_Iterable[int]] = ..., positions: _Optional[_Iterable[int]] = ..., rows: _Optional[_Iterable[int]] = ..., sample: _Optional[_Iterable[bool]] = ..., token_index: _Optional[_Iterable[int]] = ..., temperature: _Optional[_Iterable[float]] = ..., top_k: _Optional[_Iterable[int]] = ..., top_p: _Optional[_Iterable[float]] = ..., seed: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[int]] = ..., return_logprob: _Optional[_Iterable[bool]] = ..., embed: _Optional[_Iterable[bool]] = ..., embed_ids: _Optional[_Iterable[int]] = ..., score_ids: _Optional[_Iterable[int]] = ..., processing: _Optional[_Iterable[_Union[LogitsProcessing, _Mapping]]] = ..., history: _Optional[_Iterable[_Union[HistorySeed, _Mapping]]] = ..., embed_rows: _Optional[_Iterable[int]] = ..., masks: _Optional[_Iterable[bytes]] = ..., columns: _Optional[bytes] = ...) -> None: ...
 
 class LogitsProcessing(_message.Message):
-    __slots__ = ("index", "presence_penalty", "frequency_penalty", "repetition_penalty", "bias_ids", "bias_values", "min_tokens", "stop_ids", "allowed")
+    __slots__ = ("index", "presence_penalty", "frequency_penalty", "repetition_penalty", "bias_ids", "bias_values", "min_tokens", "stop_ids")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
     FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
@@ -255,7 +257,6 @@ class LogitsProcessing(_message.Message):
     BIAS_VALUES_FIELD_NUMBER: _ClassVar[int]
     MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STOP_IDS_FIELD_NUMBER: _ClassVar[int]
-    ALLOWED_FIELD_NUMBER: _ClassVar[int]
     index: int
     presence_penalty: float
     frequency_penalty: float
@@ -264,8 +265,7 @@ class LogitsProcessing(_message.Message):
     bias_values: _containers.RepeatedScalarFieldContainer[float]
     min_tokens: int
     stop_ids: _containers.RepeatedScalarFieldContainer[int]
-    allowed: bytes
-    def __init__(self, index: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., bias_ids: _Optional[_Iterable[int]] = ..., bias_values: _Optional[_Iterable[float]] = ..., min_tokens: _Optional[int] = ..., stop_ids: _Optional[_Iterable[int]] = ..., allowed: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, index: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., bias_ids: _Optional[_Iterable[int]] = ..., bias_values: _Optional[_Iterable[float]] = ..., min_tokens: _Optional[int] = ..., stop_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class HistorySeed(_message.Message):
     __slots__ = ("index", "prompt_ids", "output_ids")

@@ -155,10 +155,10 @@ def _head_to_pb(head: pb.HeadBatch, op: HeadOp | LoopHead, repeated: Sequence[st
                     bias_values=[b for _, b in proc.logit_bias],
                     min_tokens=proc.min_tokens,
                     stop_ids=proc.stop_ids,
-                    allowed=proc.allowed,
                 )
     for seed in op.history:
         head.history.add(index=seed.index, prompt_ids=seed.prompt_ids, output_ids=seed.output_ids)
+    head.masks.extend(op.masks)
 
 
 def _history_of(h: pb.HeadBatch) -> tuple[HistorySeed, ...]:
@@ -177,6 +177,7 @@ def _head_of(h: pb.HeadBatch) -> dict[str, Any]:
         settings = [getattr(h, name) if name in _HEAD_FIELDS else (_DEFAULT[name],) * n for name in SAMPLING_NAMES]
     named["sampling"] = _sampling_of(h, settings)
     named["history"] = _history_of(h)
+    named["masks"] = tuple(h.masks)
     return named
 
 
@@ -192,7 +193,6 @@ def _sampling_of(h: pb.HeadBatch, settings: Sequence[Sequence[Any]]) -> tuple[Sa
                 logit_bias=tuple(zip(proc.bias_ids, proc.bias_values, strict=True)),
                 min_tokens=proc.min_tokens,
                 stop_ids=tuple(proc.stop_ids),
-                allowed=proc.allowed,
             ),
         )
     return tuple(params)

@@ -6,7 +6,7 @@ A new per-token column or sampling setting is a field of its ``cdb_scheduler.pla
 table below (and ``records.VERSION`` one up: a record of the old layout reads as no op). Both codecs then carry it;
 a prelude column also needs its repeated field in ``PreludeBatch`` (the only op whose message has no packed
 columns). The op-level fields (seq, fences, table deltas, released ids, KV copies, flags) and what only a message
-carries (logits processing, penalty history, prompt scoring, draft embeds) are each codec's own.
+carries (logits processing, penalty history, prompt scoring, draft embeds) and masks are each codec's own.
 """
 
 from __future__ import annotations

@@ -9,15 +9,17 @@ by one C call each.
 Layout (little-endian)::
 
     header  u8 0 (a protobuf message never starts with a zero byte: field number 0 does not exist), u8 version,
-            u8 kind (0 prelude, 1 loop, 2 head), u8 flags (1 prefill, 2 fused head, 4 head embeds),
+            u8 kind (0 prelude, 1 loop, 2 head), u8 flags (1 prefill, 2 fused head, 4 head embeds, 8 masks),
             u32 ints, u32 doubles, u32 seeds, f64 fence_timeout_s
     int64[ints]     seq, num_steps, then the counts (fences, updates, their blocks, released, tokens, copies, head
                     tokens), then each section: fences (stage, seq), updates (rid, reset, blocks), every update's
                     blocks, released, the token columns, KV copies (rid, position, from slot), the head's integer
                     columns (its own rids, positions, rows, token indices and embedded ids for a fused head), then
-                    top_k, logprobs and return_logprob per sampled token
+                    top_k, logprobs and return_logprob per sampled token, then (flag 8) each one's mask
+                    length in bytes (0: none)
     float64[doubles] temperature, then top_p, then min_p, per sampled token
     uint64[seeds]   the sampling seeds (modulo 2**64, as ``StageBatch`` carries them)
+    u8[...]         (flag 8) the sampled tokens' masks (structured output), one after another
 
 The token columns and sampling settings, and their order, are the tables of ``services.transport.opfields`` (the
 message path reads the same ones). What a record does not carry, an op with it travels as a ``StageBatch`` (the ring
@@ -48,10 +50,10 @@ from services.transport.opfields import (
     setting_columns,
 )
 
-VERSION = 2
+VERSION = 3
 _HEADER = struct.Struct("<BBBBIIId")  # marker, version, kind, flags, ints, doubles, seeds, fence_timeout_s
 _PRELUDE, _LOOP, _HEAD = 0, 1, 2
-_PREFILL, _FUSED, _EMBED = 1, 2, 4
+_PREFILL, _FUSED, _EMBED, _MASKS = 1, 2, 4, 8
 _COUNTS = 7  # fences, updates, blocks, released, tokens, copies, head tokens
 _STAGES = (Stage.PRELUDE, Stage.LOOP, Stage.HEAD)
 _COLUMNS = (PRELUDE_COLUMNS, LOOP_COLUMNS, HEAD_OP_COLUMNS)  # by kind (a head op's ``embed`` follows, if flagged)
@@ -80,6 +82,7 @@ def encode(op: StageOp, fence_timeout_s: float = 0.0) -> bytearray | None:
     copies: list[int] = []
     head_columns: tuple[Sequence[int], ...] = ()
     sampling: tuple[SamplingParams, ...] = ()
+    masks: tuple[bytes, ...] = ()
     flags = nh = 0
     if isinstance(op, LoopOp):
         kind, flags, columns = _LOOP, _PREFILL if op.prefill else 0, _LOOP_OF(op)
@@ -89,11 +92,12 @@ def encode(op: StageOp, fence_timeout_s: float = 0.0) -> bytearray | None:
             if h.history or h.embed_rows:
                 return None
             flags |= _FUSED
-            sampling, head_columns, nh = h.sampling, _LOOP_HEAD_OF(h), len(h.rows)
+            sampling, head_columns, nh, masks = h.sampling, _LOOP_HEAD_OF(h), len(h.rows), h.masks
     elif isinstance(op, HeadOp):
         if op.history or op.score_ids:
             return None
         kind, flags, columns, sampling = _HEAD, _EMBED if op.embed else 0, (*_HEAD_OF(op), op.embed), op.sampling
+        masks = op.masks
     else:
         assert isinstance(op, PreludeOp)
         kind, columns = _PRELUDE, _PRELUDE_OF(op)
@@ -119,14 +123,18 @@ def encode(op: StageOp, fence_timeout_s: float = 0.0) -> bytearray | None:
         *copies,
         *chain.from_iterable(head_columns),
         *setting_columns(sampling, _INTS),
+        *map(len, masks),
     ]
+    if masks:
+        flags |= _MASKS
     seeds = setting_columns(sampling, _SEEDS)
     doubles = setting_columns(sampling, _DOUBLES)
     try:
         body = _body(len(ints), len(doubles), len(seeds)).pack(*ints, *doubles, *seeds)
     except struct.error:  # an integer beyond int64
         return None
-    return bytearray(_HEADER.pack(0, VERSION, kind, flags, len(ints), len(doubles), len(seeds), fence_timeout_s) + body)
+    header = _HEADER.pack(0, VERSION, kind, flags, len(ints), len(doubles), len(seeds), fence_timeout_s)
+    return bytearray(header + body + b"".join(masks) if masks else header + body)
 
 
 _BODIES: dict[tuple[int, int, int], struct.Struct] = {}  # (ints, doubles, seeds) -> the packing of a record's body
@@ -160,7 +168,7 @@ def decode(payload: bytes) -> tuple[StageOp, float]:
     if kind not in (_PRELUDE, _LOOP, _HEAD):
         raise ValueError(f"op record: unknown kind {kind}")
     end = _HEADER.size + 8 * (n_ints + n_doubles + n_seeds)
-    if len(view) != end or n_ints < 2 + _COUNTS:
+    if len(view) < end or (len(view) != end and not flags & _MASKS) or n_ints < 2 + _COUNTS:
         raise ValueError(f"op record: {len(view)} bytes, its header says {end}")
     values = _body(n_ints, n_doubles, n_seeds).unpack_from(view, _HEADER.size)
     ints, doubles, seeds = values[:n_ints], values[n_ints : n_ints + n_doubles], values[n_ints + n_doubles :]
@@ -169,7 +177,8 @@ def decode(payload: bytes) -> tuple[StageOp, float]:
     names = _COLUMNS[kind] + (("embed",) if flags & _EMBED else ())
     width, head_width = len(names), len(LOOP_HEAD_COLUMNS)
     per_int, per_double, per_seed = _PER_SAMPLED
-    need = 2 + _COUNTS + 2 * nf + 3 * nu + nb + nr + width * n + 3 * nc + head_width * nh + per_int * sampled
+    masked = sampled if flags & _MASKS else 0
+    need = 2 + _COUNTS + 2 * nf + 3 * nu + nb + nr + width * n + 3 * nc + head_width * nh + per_int * sampled + masked
     settings = n_doubles != per_double * sampled or n_seeds != per_seed * sampled
     if min(nf, nu, nb, nr, n, nc, nh) < 0 or n_ints != need or settings:
         raise ValueError(f"op record: its counts do not match its {n_ints} integers")
@@ -199,13 +208,29 @@ def decode(payload: bytes) -> tuple[StageOp, float]:
         return PreludeOp(*common, **columns), timeout
     sections = (ints[at + 3 * nc + head_width * nh :], doubles, seeds)
     sampling = _sampling(sections, sampled) if sampled else ()
+    masks = _masks(view, end, ints[n_ints - masked :]) if masked else ()
+    if len(view) != end and not masked:
+        raise ValueError(f"op record: {len(view)} bytes, its header says {end}")
     if kind == _HEAD:
-        return HeadOp(*common, sampling=sampling, **columns), timeout
+        return HeadOp(*common, sampling=sampling, masks=masks, **columns), timeout
     copies = tuple(KVCopy(*ints[at + 3 * i : at + 3 * i + 3]) for i in range(nc))
     at += 3 * nc
-    head = LoopHead(sampling=sampling, **_named(LOOP_HEAD_COLUMNS, ints, at, nh)) if flags & _FUSED else None
+    head = None
+    if flags & _FUSED:
+        head = LoopHead(sampling=sampling, masks=masks, **_named(LOOP_HEAD_COLUMNS, ints, at, nh))
     loop = LoopOp(*common, **columns, prefill=bool(flags & _PREFILL), num_steps=num_steps, kv_copies=copies, head=head)
     return loop, timeout
+
+
+def _masks(view: memoryview, at: int, lengths: Sequence[int]) -> tuple[bytes, ...]:
+    """The masks after a record's body, ``lengths`` bytes each (they must end the record)."""
+    if min(lengths) < 0 or at + sum(lengths) != len(view):
+        raise ValueError("op record: its masks do not fill its tail")
+    out = []
+    for n in lengths:
+        out.append(bytes(view[at : at + n]))
+        at += n
+    return tuple(out)
 
 
 def _named(names: Sequence[str], ints: Sequence[int], at: int, n: int) -> dict[str, Any]:

@@ -106,7 +106,6 @@ def test_frozen_plan_classes_pickle_every_field() -> None:
         logit_bias=((3, 2.0), (7, -1.0)),
         min_tokens=4,
         stop_ids=(0, 2),
-        allowed=b"\x05\x80",
     )
     params = _every_field(
         SamplingParams,

@@ -110,6 +110,15 @@ def test_a_malformed_record_is_refused_naming_what_is_wrong(case: str) -> None:
         records.decode(bad)
 
 
+def test_a_record_whose_masks_do_not_fill_its_tail_is_refused() -> None:
+    op = next(op for op in OPS if isinstance(op, HeadOp) and op.masks)
+    record = bytes(records.encode(op) or b"")
+    assert record and records.decode(record)[0] == op
+    for bad in (record[:-1], record + b"\x00"):
+        with pytest.raises(ValueError, match="op record"):
+            records.decode(bad)
+
+
 @pytest.fixture
 def ring_stages(tmp_path: Path) -> Iterator[GrpcExecutor]:
     FakeWorker.reset()

@@ -24,8 +24,8 @@ pytestmark = pytest.mark.timeout(10)
 _OWN = {
     PreludeOp: set(),
     LoopOp: {"prefill", "num_steps", "kv_copies", "head"},
-    HeadOp: {"sampling", "embed", "score_ids", "history"},
-    LoopHead: {"sampling", "history", "embed_rows"},
+    HeadOp: {"sampling", "embed", "score_ids", "history", "masks"},
+    LoopHead: {"sampling", "history", "embed_rows", "masks"},
 }
 _TABLE = {PreludeOp: PRELUDE_COLUMNS, LoopOp: LOOP_COLUMNS, HeadOp: HEAD_OP_COLUMNS, LoopHead: LOOP_HEAD_COLUMNS}
 

@@ -55,15 +55,25 @@ CASES = [
     ("GenerateStream", _field(2, BAD_UTF8), "prompt.text"),
     ("GenerateStream", _field(7, BAD_UTF8) + GOOD_PROMPT, "stop_strings[0]"),
     ("Abort", _field(1, BAD_UTF8), "request_id"),
+    ("Generate", GOOD_PROMPT + _field(15, _field(1, BAD_UTF8)), "structured_output.kind.json_schema"),
+    ("Generate", GOOD_PROMPT + _field(15, _field(3, BAD_UTF8)), "structured_output.kind.regex"),
+    (
+        "GenerateStream",
+        GOOD_PROMPT + _field(15, _field(4, _field(1, BAD_UTF8))),
+        "structured_output.kind.choice.choices[0]",
+    ),
+    ("GenerateStream", GOOD_PROMPT + _field(15, _field(5, BAD_UTF8)), "structured_output.kind.grammar"),
 ]
+_STRUCTURED = {"json_schema", "regex", "choice.choices", "grammar"}
 
 
 def test_the_cases_cover_every_string_field() -> None:
-    assert _string_fields(pb.GenerateRequest.DESCRIPTOR) == {"request_id", "text", "stop_strings"}
+    structured = {f"structured_output.{f}" for f in _STRUCTURED}  # (a bad string names its oneof too: ``kind``)
+    assert _string_fields(pb.GenerateRequest.DESCRIPTOR) == {"request_id", "text", "stop_strings"} | structured
     assert _string_fields(pb.AbortRequest.DESCRIPTOR) == {"request_id"}
-    assert {(m, p.split("[")[0]) for m, _, p in CASES} == {
-        (m, p) for m in ("Generate", "GenerateStream") for p in ("request_id", "prompt.text", "stop_strings")
-    } | {("Abort", "request_id")}
+    plain = {(m, p) for m in ("Generate", "GenerateStream") for p in ("request_id", "prompt.text", "stop_strings")}
+    assert {(m, p.split("[")[0]) for m, _, p in CASES if "structured" not in p} == plain | {("Abort", "request_id")}
+    assert {p.split("[")[0].replace(".kind", "") for _, _, p in CASES if "structured" in p} == structured
 
 
 @pytest.fixture(scope="module")
