@@ -124,7 +124,7 @@ class Grammars:
         self._cache: OrderedDict[tuple[str, str], LLMatcher | str] = OrderedDict()
         self._lock = threading.Lock()
         self._pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="cdb-grammar")
-        self._worker = GuideWorker()
+        self._worker = GuideWorker.of_process()
 
     def _vocabulary(self) -> LLTokenizer:
         with self._lock:

@@ -15,6 +15,7 @@ the token before it is, a function of the grammar and the tokens before it, neve
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 from collections.abc import Sequence
@@ -24,7 +25,22 @@ _WAIT_S = 60.0  # a walk is microseconds; past this the worker is gone
 
 
 class GuideWorker:
-    """The thread that walks every guide of a process, in submission order."""
+    """The thread that walks every guide of a process, in submission order (one per process: ``of_process``)."""
+
+    _process: GuideWorker | None = None
+    _made = threading.Lock()
+
+    @classmethod
+    def of_process(cls) -> GuideWorker:
+        with cls._made:
+            if cls._process is None:
+                cls._process = cls()
+            return cls._process
+
+    @classmethod
+    def _forked(cls) -> None:  # a child of a fork has none of its parent's threads: it starts its own
+        cls._process = None
+        cls._made = threading.Lock()
 
     def __init__(self) -> None:
         self.cond = threading.Condition()
@@ -44,6 +60,9 @@ class GuideWorker:
         while True:
             guide, token = self._jobs.get()
             guide.walk(token)
+
+
+os.register_at_fork(after_in_child=GuideWorker._forked)
 
 
 class Guide:

@@ -238,3 +238,14 @@ def test_synthetic_stages_sample_within_the_masks() -> None:
     for (_, params), out in zip(work, outs):
         assert params.structure is not None and out.finish_reason == "stop", out.text
         assert follows(params.structure, out.text), out.text
+
+
+def test_one_guide_thread_walks_the_grammars_of_every_engine_in_a_process() -> None:
+    import threading
+
+    for _ in range(3):
+        guide = RequestPreparer.of(BASE).grammars.guide(STRUCTURES["regex"])
+        bits = int.from_bytes(guide.mask(0), "little")
+        assert guide.accept(0, (bits & -bits).bit_length() - 1)  # the lowest id allowed: walked on the thread
+        assert guide.ready(1)
+    assert sum(t.name == "cdb-guides" for t in threading.enumerate()) == 1
