@@ -87,18 +87,21 @@ class Guide:
 
     # -- the engine thread ------------------------------------------------------------------------------------------
 
-    def ready(self, index: int) -> bool:
-        """Whether token ``index``'s mask is known: at once when it is, after the walks under way when one is (the
-        token before it is accepted: its walk is microseconds), else not yet (that token is not back)."""
-        if index in self._masks:
-            return True
-        if self._pending:
+    def mask_now(self, index: int, wait: bool) -> bytes:
+        """Token ``index``'s mask if it is known, else b""; ``wait``: for the walks under way first (the token before
+        it may be accepted and its walk not yet published)."""
+        mask = self._masks.get(index)
+        if mask is None and wait and self._pending:
             self._settle()
-        return index in self._masks
+            mask = self._masks.get(index)
+        return mask or b""
 
-    def known(self, index: int) -> bool:
-        """Whether every token before ``index`` is known (accepted, or forced): so is whether ``index`` is forced."""
-        return index <= self.frontier
+    def fate(self, index: int) -> int:
+        """What is known of token ``index`` now: the token the grammar forces there (>= 0), -1 (it is sampled), or
+        -2 (not known: a token before it is not)."""
+        if index > self.frontier:
+            return -2
+        return self._forced.get(index, -1)
 
     def mask(self, index: int) -> bytes:
         """Token ``index``'s mask (``cdb_scheduler.plan.MASKS``)."""

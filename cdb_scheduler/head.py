@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import deque
 
 from cdb_scheduler.config import SchedulerConfig
-from cdb_scheduler.ops import OpBuilder, mask_of
+from cdb_scheduler.ops import OpBuilder
 from cdb_scheduler.plan import LoopHead, Stage, StageOp, StageResult
 from cdb_scheduler.request import Event, Item, Status
 from cdb_scheduler.residency import Residency
@@ -58,7 +58,7 @@ class HeadPlanner:
         need = 1 if flush or waited >= self.cfg.max_head_wait_steps else self.cfg.min_head_batch_size
         while len(queue) >= need and len(self.flights) < self.cfg.max_head_in_flight:
             items = [queue.popleft() for _ in range(min(len(queue), self.cfg.max_num_seqs))]
-            items = held_back(items, queue)
+            items = held_back(items, queue, wait=loop_drained)
             if not items:
                 break
             reqs = [it.req for it in items]
@@ -93,14 +93,14 @@ class HeadPlanner:
             lp = res.logprobs[i] if res.logprobs else None
             work.accept(it.req, it.index, res.token_ids[i], it.depth, lp, events, replay=it.replay)
 
-    def take_fused(self) -> tuple[list[Item], list[int]]:
+    def take_fused(self, wait: bool) -> tuple[list[Item], list[int]]:
         """Take every exited token into the loop op being formed (``LoopHead``) and queue its successor, whose
         input embedding that op writes into the row before its step 0 (a recomputed token's recorded input is
         embedded as given). Returns the items and what each embeds (``LoopHead.embed_ids``)."""
         queue = self.work.head_queue
         items = [it for it in queue if it.req.epoch == it.epoch and it.req.status is not _FINISHED]
         queue.clear()
-        items = held_back(items, queue)
+        items = held_back(items, queue, wait)
         embed_ids: list[int] = []
         work, speculation = self.work, self.speculation
         for it in items:
@@ -121,7 +121,7 @@ class HeadPlanner:
         token_index = [it.index for it in items]
         history = self.ops.history(Stage.LOOP, reqs, rows, token_index)
         sampling = [r.sampling for r in reqs]
-        masks = [b"" if r.guide is None else mask_of(r, i) for r, i in zip(reqs, token_index)]
+        masks = [it.mask for it in items]  # (``held_back``)
         positions = [it.position for it in items]
         targets: tuple[int, ...] = ()
         if drafts:
@@ -164,15 +164,19 @@ class HeadPlanner:
                     speculation.verify(it, token_ids[i], events)
 
 
-def held_back(items: list[Item], queue: deque[Item]) -> list[Item]:
+def held_back(items: list[Item], queue: deque[Item], wait: bool) -> list[Item]:
     """``items`` but those of structured-output requests whose mask is not known yet (the token before theirs has
-    not come back to the scheduler): those go back to ``queue``, for a later head."""
+    not come back, or its grammar walk is under way): those go back to ``queue``, for a later head. ``wait``: wait
+    for the walks under way instead (nothing else would wake the scheduler: no loop op is in flight)."""
     if all(it.req.guide is None for it in items):
         return items
     due: list[Item] = []
     for it in items:
         guide = it.req.guide
-        if guide is None or it.index < len(it.req.output) or guide.ready(it.index):
+        if guide is None or it.index < len(it.req.output):
+            due.append(it)
+        elif mask := guide.mask_now(it.index, wait):
+            it.mask = mask
             due.append(it)
         else:
             queue.append(it)

@@ -69,6 +69,9 @@ class LoopPlanner:
                 if it.pred is not None and reads_ahead(it):
                     early.append(it)
                     continue
+                if it.skip_cap and it.next_step + 1 >= it.skip_cap and unsettled(it, not self.flights):
+                    early.append(it)  # its fate waits for its grammar walk (on the guide thread): not this op
+                    continue
                 if progress is not None and it.gate_seq >= 0 and forming < it.gate_loop:
                     if done_head == -2:
                         done_prelude, done_head = progress(Stage.PRELUDE), progress(Stage.HEAD)
@@ -168,4 +171,16 @@ class LoopPlanner:
 def forced_now(it: Item, step: int) -> bool:
     """Whether a structured-output token exits after ``step``: at or past its ``skip_cap`` and known forced."""
     guide = it.req.guide
-    return step + 1 >= it.skip_cap and guide is not None and guide.forced(it.index) >= 0
+    return step + 1 >= it.skip_cap and guide is not None and guide.fate(it.index) >= 0
+
+
+def unsettled(it: Item, wait: bool) -> bool:
+    """Whether a structured-output token at its ``skip_cap`` cannot be told forced or not yet: the walk of the
+    token before it is under way on the guide thread (``wait``: wait for it instead, where no loop op in flight
+    would wake the scheduler). Such a token sits this loop op out: its depth never depends on the walk's timing."""
+    guide = it.req.guide
+    if guide is None or guide.fate(it.index) != -2:
+        return False
+    if wait:
+        guide.forced(it.index)  # (waits for the walks under way)
+    return guide.fate(it.index) == -2

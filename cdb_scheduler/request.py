@@ -128,6 +128,7 @@ class Item:
     # Structured output: the depth from which it exits as soon as its token is known forced (0: never; see
     # ``WorkQueues.skip_cap``)
     skip_cap: int
+    mask: bytes  # structured output: its token's mask, once known at its head (``head.held_back``); b"": none
 
     # One per generated token: written out, so that the compiled scheduler builds it natively (the dataclass's own
     # ``__init__`` is a Python function even in a compiled class: ≈ 0.7 µs a token on the engine thread). The
@@ -143,6 +144,7 @@ class Item:
         self.pred = self.succ = self.fallback = None
         self.sampled = None
         self.copy = None
+        self.mask = b""
 
     @property
     def live(self) -> bool:

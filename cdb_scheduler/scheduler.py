@@ -215,7 +215,8 @@ class Scheduler:
     def _issue_loop(self) -> StageOp | None:
         """The next loop op: the exited tokens its fused head samples, the ready tokens it runs, the drafts it
         starts (None: nothing to run)."""
-        head_items, embed_ids = self.head.take_fused() if self.cfg.fuse_loop_head else ([], [])
+        fused = self.cfg.fuse_loop_head
+        head_items, embed_ids = self.head.take_fused(wait=not self.loop.flights) if fused else ([], [])
         items = self.loop.take(self.stage_progress)
         drafts = self._draft(items, self.cfg.max_num_seqs) if self.cfg.spec_supported and not self.waiting else []
         if not items and not head_items:

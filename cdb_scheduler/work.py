@@ -65,8 +65,9 @@ class WorkQueues:
         path: never)."""
         guide = req.guide
         assert guide is not None
-        if guide.known(index):
-            return req.policy.min_depth if guide.forced(index) >= 0 else 0
+        fate = guide.fate(index)
+        if fate != -2:
+            return req.policy.min_depth if fate >= 0 else 0
         return max(req.policy.min_depth, self.cfg.loop_pipeline_depth + 1) if self.cfg.fuse_loop_head else 0
 
     def spawn(self, req: Request, index: int, input_token: int, *, embedded: bool = False, row: int = -1) -> Item:

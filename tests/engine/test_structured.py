@@ -247,5 +247,5 @@ def test_one_guide_thread_walks_the_grammars_of_every_engine_in_a_process() -> N
         guide = RequestPreparer.of(BASE).grammars.guide(STRUCTURES["regex"])
         bits = int.from_bytes(guide.mask(0), "little")
         assert guide.accept(0, (bits & -bits).bit_length() - 1)  # the lowest id allowed: walked on the thread
-        assert guide.ready(1)
+        assert guide.mask_now(1, True)
     assert sum(t.name == "cdb-guides" for t in threading.enumerate()) == 1

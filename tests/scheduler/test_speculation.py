@@ -135,7 +135,7 @@ def test_a_fallback_drafts_nothing_and_holds_its_exit_until_the_verdict() -> Non
     s.draft = 11
     x.exited, x.depth = True, 2
     sched.head_queue.append(x)
-    (head,), embeds = sched.head.take_fused()
+    (head,), embeds = sched.head.take_fused(wait=True)
     assert embeds == [-1]  # the real token goes into x's row, for the fallback
     fallback = x.fallback
     assert head is x and fallback is not None and fallback.row == x.row and fallback.pred is x
