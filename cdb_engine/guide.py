@@ -79,7 +79,7 @@ class Guide:
         self._worker = worker
         self._cond = worker.cond
         self._masks: dict[int, bytes] = {}  # published by walks, taken by ``accept``
-        self._forced: dict[int, int] = {}  # index -> the token the grammar forces there
+        self._forced: dict[int, int] = {}  # index -> the token the grammar forces there (kept once accepted)
         self.frontier = 0  # the free position the last walk reached (its mask is known)
         self._pending = 0  # walks submitted and not yet published
         self.error = ""
@@ -123,16 +123,15 @@ class Guide:
 
     def accept(self, index: int, token: int) -> bool:
         """Token ``index`` was sampled as ``token``; False (``error`` says why) when the grammar does not allow it."""
-        forced = self._forced.pop(index, -1)
+        if index not in self._masks and index not in self._forced and self._pending:
+            self._settle()  # (the walk that reaches it is under way: a resume's tokens come one after another)
+        forced = self._forced.get(index, -1)  # (kept: whether a token was forced stays known)
         if forced >= 0:
             self._masks.pop(index, None)
             if forced != token:
                 self.error = f"token {index} is {token}, the grammar forced {forced}"
             return forced == token and not self.error
         mask = self._masks.pop(index, None)
-        if mask is None and self._pending:
-            self._settle()
-            mask = self._masks.pop(index, None)
         if self.error or mask is None or index != self.frontier or not (token >> 3 < len(mask) and _bit(mask, token)):
             self.error = self.error or f"token {index} ({token}) is not one the grammar allows there"
             return False

@@ -58,16 +58,15 @@ class WorkQueues:
 
     def skip_cap(self, req: Request, index: int) -> int:
         """The depth from which item ``index`` of a structured-output request exits once its token is known to be
-        forced, a function of the grammar alone (batching must not change a depth). When every token before it is
-        known at its spawn (the one before it forced too, or sampled and back), it is known now: the minimum depth
-        if forced, else never. Otherwise the token before it is being sampled in the fused head of the loop op that
-        runs its step 0, and is back before its step ``loop_pipeline_depth`` is issued: from there on (no head op
-        path: never)."""
+        forced, a function of the grammar alone (batching, timing and resumption must not change a depth). When the
+        token before it is forced, its own fate is known at its spawn: the minimum depth if forced, else never.
+        Otherwise that token is sampled (in the fused head of the loop op that runs this item's step 0, or by the
+        prefill), and is back before its step ``loop_pipeline_depth`` is issued: from there on (no head op path:
+        never), whenever its walk happens to end."""
         guide = req.guide
         assert guide is not None
-        fate = guide.fate(index)
-        if fate != -2:
-            return req.policy.min_depth if fate >= 0 else 0
+        if guide.fate(index - 1) >= 0:
+            return req.policy.min_depth if guide.fate(index) >= 0 else 0
         return max(req.policy.min_depth, self.cfg.loop_pipeline_depth + 1) if self.cfg.fuse_loop_head else 0
 
     def spawn(self, req: Request, index: int, input_token: int, *, embedded: bool = False, row: int = -1) -> Item:

@@ -249,3 +249,28 @@ def test_one_guide_thread_walks_the_grammars_of_every_engine_in_a_process() -> N
         assert guide.accept(0, (bits & -bits).bit_length() - 1)  # the lowest id allowed: walked on the thread
         assert guide.mask_now(1, True)
     assert sum(t.name == "cdb-guides" for t in threading.enumerate()) == 1
+
+
+def test_a_resumed_constrained_stream_continues_exactly_as_the_unbroken_one() -> None:
+    """Tokens and depths after the resumed ones are the unbroken stream's: whether a token is forced, and so its
+    depth, is a function of the grammar, not of when its walk ended or of the tokens arriving as a resume. Cut where
+    it shows: before a forced token that follows a sampled one (known late in the unbroken stream, at once in the
+    resumed one) and served deeper than the minimum."""
+    params = constrained(STRUCTURES["json"], replace(SEEDED, seed=4))
+    (whole,) = generate(BASE, [(PROMPTS[0], params)])
+    forced = forced_positions(RequestPreparer.of(BASE), STRUCTURES["json"], whole.token_ids)
+    cuts = [i for i in range(1, len(forced)) if forced[i] and not forced[i - 1] and whole.depths[i] > 1]
+    assert cuts, "the stream should hold a late-known forced token"
+    for cut in cuts[:3]:
+        resume = replace(params, resume_tokens=tuple(whole.token_ids[:cut]), resume_depths=tuple(whole.depths[:cut]))
+        (rest,) = generate(BASE, [(PROMPTS[0], resume)])
+        assert (rest.token_ids, rest.depths) == (whole.token_ids[cut:], whole.depths[cut:])
+
+
+def test_a_resume_the_grammar_refuses_is_refused_naming_resume() -> None:
+    prep = RequestPreparer.of(BASE)
+    x = prep.tokenizer.encode("x")[0]
+    params = constrained(STRUCTURES["json"], resume_tokens=(x,), resume_depths=(2,))
+    with pytest.raises(InvalidRequest) as err:
+        prep.request(0, prep.validate(PROMPTS[0], params), params)
+    assert err.value.field == "resume"
