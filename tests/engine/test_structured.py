@@ -274,3 +274,16 @@ def test_a_resume_the_grammar_refuses_is_refused_naming_resume() -> None:
     with pytest.raises(InvalidRequest) as err:
         prep.request(0, prep.validate(PROMPTS[0], params), params)
     assert err.value.field == "resume"
+
+
+def test_preempted_constrained_requests_are_recomputed_exactly() -> None:
+    """A KV pool too small for the batch preempts (and recomputes) requests: every constrained one's tokens and
+    depths are those of a pool that holds them all."""
+    work = [(PROMPTS[i % 3], constrained(s, replace(SEEDED, seed=i))) for i, s in enumerate(STRUCTURES.values())] * 2
+    work = [(p, replace(r, max_tokens=40)) for p, r in work]
+    small = replace(BASE, kv_block_size=4, max_total_tokens=48, prefill_chunk_size=8, prefill_token_budget=16)
+    roomy = generate(small, work)
+    with Engine(replace(small, num_kv_blocks=12), shared_model_factory(model64("ouro-tiny"))) as eng:
+        tight = eng.generate([p for p, _ in work], [r for _, r in work])
+        assert eng.sched_stats.preemptions > 0, "the pool should be too small"
+    assert [(o.token_ids, o.depths) for o in tight] == [(o.token_ids, o.depths) for o in roomy]
