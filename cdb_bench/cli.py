@@ -22,6 +22,7 @@ BENCHMARKS = {
     "apicost": ("cdb_bench.apicost.cli", "CPU per output token through the public API, by process and activity"),
     "soak": ("cdb_bench.soak", "requests with cancels and deadlines while a random stage is killed every few seconds"),
     "structured": ("cdb_bench.structured", "structured output (JSON schema): valid rate, forced-token depths, costs"),
+    "priority": ("cdb_bench.priority", "priorities at 2x overload: FIFO, priority, priority with depth (top TTFT)"),
 }
 
 

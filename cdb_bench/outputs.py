@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -28,6 +28,24 @@ def write_json(out: Path, name: str, data: Mapping[str, Any]) -> Path:
     path = out / f"{name}.json"
     path.write_text(json.dumps(data, indent=2, default=str) + "\n")
     return path
+
+
+def deliver(
+    summary: dict[str, Any],
+    args: Any,
+    table: Callable[[dict[str, Any]], str],
+    plot: Callable[[dict[str, Any], Path], Path],
+) -> int:
+    """A benchmark's summary: the JSON (``args.json``) or its table on stdout, and the files ``args.out`` (JSON) and
+    ``args.plot`` (PNG) where asked. Returns the exit status (0)."""
+    print(json.dumps(summary, indent=2) if args.json else table(summary))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(summary, indent=2) + "\n")
+        print(f"wrote {args.out}", file=sys.stderr)
+    if args.plot:
+        print(f"wrote {plot(summary, args.plot)}", file=sys.stderr)
+    return 0
 
 
 def _pyplot() -> Any:

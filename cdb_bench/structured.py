@@ -22,9 +22,7 @@ Synthetic stages (``--synthetic``, and the CPU point) draw each masked token amo
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import replace
@@ -253,15 +251,7 @@ def main(argv: list[str] | None = None) -> int:
             setattr(args, key, min(getattr(args, key), value))
     if args.rounds < 1 or args.requests < 2:
         p.error("--rounds must be at least 1 and --requests at least 2")
-    summary = bench(args)
-    print(json.dumps(summary, indent=2) if args.json else table(summary))
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(summary, indent=2) + "\n")
-        print(f"wrote {args.out}", file=sys.stderr)
-    if args.plot:
-        print(f"wrote {plot(summary, args.plot)}", file=sys.stderr)
-    return 0
+    return outputs.deliver(bench(args), args, table, plot)
 
 
 if __name__ == "__main__":

@@ -155,6 +155,10 @@ class EngineConfig:
         default=True,
         metadata=_help("Ouro: loop ops sample the exited tokens and run their successors (no head op)"),
     )
+    enable_prefix_caching: bool = field(
+        default=True,
+        metadata=_help("reuse the KV of cached prompt prefixes (at chunk boundaries: exact)"),
+    )
     priority_depth: float | None = field(
         default=None,
         metadata=_help("while requests wait, less urgent priorities exit at this threshold; auto: off"),

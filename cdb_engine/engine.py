@@ -366,6 +366,7 @@ class Engine:
             running=len(s.running),
             held_rows=s.rows.num_used,
             used_kv_blocks=s.blocks.num_used,
+            cached_kv_blocks=s.blocks.num_cached,
             total_kv_blocks=s.blocks.total,
             loop_steps=s.stats.loop_steps,
             tokens=s.stats.tokens,

@@ -99,6 +99,7 @@ class EngineStats:
     error: str | None
     recoveries: int = 0  # stage losses healed (``Scheduler.recover``)
     recomputed: int = 0  # requests recomputed by them
+    cached_kv_blocks: int = 0  # KV blocks holding a cached prompt prefix (held or evictable)
 
 
 class RequestObserver(Protocol):

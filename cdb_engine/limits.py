@@ -149,6 +149,7 @@ class Limits:
             spec_max_tokens=cfg.speculative_tokens,
             spec_depth=min(cfg.speculative_depth or 1, max(1, self.max_depth - 1)),
             priority_depth=cfg.priority_depth is not None,
+            prefix_caching=cfg.enable_prefix_caching,
             # (at least a lone token and one draft, where the width allows)
             spec_max_width=min(cfg.max_num_seqs, max(2, math.floor(spec_occupancy(cfg) * cfg.max_num_seqs))),
         )

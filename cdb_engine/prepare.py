@@ -8,6 +8,7 @@ requests with one; a front-end process builds one to prepare requests for an eng
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -22,6 +23,7 @@ from cdb_model.config import ModelConfig
 from cdb_model.kv_layout import KVPolicy
 from cdb_model.loader import load_config, load_tokenizer
 from cdb_model.tokenizer import Tokenizer
+from cdb_scheduler.prefix_cache import prefix_hashes
 from cdb_scheduler.request import Request
 from cdb_scheduler.sampling import SamplingParams
 
@@ -35,6 +37,7 @@ class RequestPreparer:
     tokenizer: Tokenizer
     limits: Limits
     grammars: Grammars
+    prefix_salt: bytes = b""  # prefix caching: what a prompt block's KV depends on besides its tokens (b"": off)
 
     @classmethod
     def of(cls, config: EngineConfig) -> RequestPreparer:
@@ -44,7 +47,9 @@ class RequestPreparer:
         # (a forced token's position exits early: not under a KV policy that needs every token at full depth)
         skip = config.forced_skip and config.kv_policy is not KVPolicy.DEPTH_INDEXED
         grammars = Grammars(tokenizer, model_config.vocab_size, stops, skip)
-        return cls(config, model_config, tokenizer, resolve_limits(config, model_config), grammars)
+        limits = resolve_limits(config, model_config)
+        salt = prefix_salt(config, limits.max_depth) if config.enable_prefix_caching else b""
+        return cls(config, model_config, tokenizer, limits, grammars, salt)
 
     def validate(self, prompt: str | list[int], params: RequestParams) -> list[int]:
         """The prompt's token ids, or ``InvalidRequest`` naming the field and the limit (a structure that does not
@@ -103,7 +108,19 @@ class RequestPreparer:
         if params.resume_tokens:  # recomputed at their depths and not reported again, as after a preemption
             req.output, req.depths = list(params.resume_tokens), list(params.resume_depths)
             req.loop_steps = sum(params.resume_depths)
+        if self.prefix_salt:
+            req.prefix_hashes = prefix_hashes(self.prefix_salt, req.prompt, self.config.kv_block_size)
         return req
+
+
+def prefix_salt(config: EngineConfig, max_depth: int) -> bytes:
+    """What a prompt block's KV depends on besides the tokens (``cdb_scheduler.prefix_cache``): the model and its
+    dtype, the KV policy and its shared slots, the depth, Huginn's initial-state seed, and the chunking and block
+    size (a prompt's prefill runs at full depth: exit rules and thresholds play no part)."""
+    c = config
+    key: tuple[object, ...] = ("cdb prefix v1", c.model, c.tokenizer, str(c.dtype), str(c.kv_policy), max_depth)
+    key += (c.kv_shared_after, c.init_seed, c.prefill_chunk_size, c.kv_block_size, c.synthetic_cost, c.synthetic_depths)
+    return hashlib.blake2b(repr(key).encode(), digest_size=16).digest()
 
 
 def _with_stop_ids(sampling: SamplingParams, stop: set[int]) -> SamplingParams:

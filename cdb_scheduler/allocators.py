@@ -39,15 +39,107 @@ class _IdPool:
         return dict(self._owner)
 
 
-class BlockAllocator(_IdPool):
-    """Paged KV blocks ``0 .. num_blocks-1``, shared by every stage's pool (same ids, per-stage storage)."""
+class BlockAllocator:
+    """Paged KV blocks ``0 .. num_blocks-1``, shared by every stage's pool (same ids, per-stage storage), counted
+    by reference: a block a prefix cache hit shares is held by each request that reuses it.
+
+    Prefix caching (``cdb_scheduler.prefix_cache``): a full prompt block whose KV is written may be registered
+    under its chain hash; when its last holder frees it, it stays cached (least recently freed first to go) and
+    counts as free: ``allocate`` takes never-cached blocks first, then evicts cached ones. A block in use is never
+    evicted."""
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
-        super().__init__(range(num_blocks), "KV block")
+        self._free = list(reversed(range(num_blocks)))  # pop() hands out the lowest id first
+        self._refs: dict[int, int] = {}  # block -> requests holding it
+        self._hash_of: dict[int, bytes] = {}  # registered block -> its chain hash
+        self._block_of: dict[bytes, int] = {}  # chain hash -> its block
+        self._idle: dict[int, None] = {}  # cached blocks no request holds, least recently freed first
+        self.total = num_blocks
         self.block_size = block_size
+        self.evictions = 0
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    @property
+    def num_free(self) -> int:
+        """Blocks a request can get now: never cached, or cached and held by no request (evictable)."""
+        return len(self._free) + len(self._idle)
+
+    @property
+    def num_used(self) -> int:
+        return len(self._refs)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._hash_of)
+
+    def allocate(self, owner: int, n: int = 1) -> list[int] | None:
+        """``n`` blocks for ``owner`` (never-cached first, then the least recently freed cached ones), or None
+        (nothing taken) if fewer are free."""
+        if n > len(self._free) + len(self._idle):
+            return None
+        ids: list[int] = []
+        for _ in range(n):
+            if self._free:
+                b = self._free.pop()
+            else:
+                b = next(iter(self._idle))
+                del self._idle[b]
+                del self._block_of[self._hash_of.pop(b)]
+                self.evictions += 1
+            self._refs[b] = 1
+            ids.append(b)
+        return ids
+
+    def free(self, owner: int, ids: list[int]) -> None:
+        for b in ids:
+            refs = self._refs.get(b, 0)
+            assert refs > 0, f"KV block {b} freed by {owner} but held by no request"
+            if refs > 1:
+                self._refs[b] = refs - 1
+                continue
+            del self._refs[b]
+            if b in self._hash_of:
+                self._idle[b] = None
+            else:
+                self._free.append(b)
+
+    def cached(self, hashes: list[bytes]) -> list[int]:
+        """The blocks of the longest prefix of ``hashes`` that is cached (not taken)."""
+        out: list[int] = []
+        for h in hashes:
+            b = self._block_of.get(h)
+            if b is None:
+                break
+            out.append(b)
+        return out
+
+    def share(self, ids: list[int]) -> None:
+        """Take a reference on each of ``ids`` (cached blocks a request reuses)."""
+        for b in ids:
+            refs = self._refs.get(b, 0)
+            if refs == 0:
+                del self._idle[b]
+            self._refs[b] = refs + 1
+
+    def register(self, block: int, h: bytes) -> None:
+        """``block`` (held, its KV written) holds the prefix whose chain hash is ``h``; a prefix already cached in
+        another block keeps that one."""
+        if h not in self._block_of and block not in self._hash_of:
+            self._block_of[h] = block
+            self._hash_of[block] = h
+
+    def clear_cache(self) -> None:
+        """Forget every cached prefix (the stages lost their KV): idle cached blocks are free again."""
+        self._free.extend(self._idle)
+        self._idle.clear()
+        self._hash_of.clear()
+        self._block_of.clear()
+
+    def owners(self) -> dict[int, int]:
+        """Block -> how many requests hold it."""
+        return dict(self._refs)
 
 
 class RowAllocator(_IdPool):

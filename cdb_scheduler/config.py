@@ -43,6 +43,7 @@ class SchedulerConfig:
     spec_depth: int = 1  # the draft depth a request starts at (loop steps before its token is drafted)
     spec_max_width: int = 1 << 30  # drafts only while a loop op holds fewer tokens than this (drafts included)
     priority_depth: bool = False  # requests below the most urgent priority run shallower while others wait
+    prefix_caching: bool = False  # full prompt blocks are cached and reused (``cdb_scheduler.prefix_cache``)
 
     def __post_init__(self) -> None:
         checks = [

@@ -10,14 +10,16 @@ if TYPE_CHECKING:
 
 def check_invariants(sched: Scheduler) -> None:
     """Ownership invariants (tests call this after every step): one row per running request (and one per token
-    it runs speculatively ahead), blocks owned by exactly the requests holding them, at most one token per request
+    it runs speculatively ahead), blocks referenced exactly by the requests holding them, at most one token per request
     in the loop (queued or running) besides its speculative ones, each in a row of its own."""
     row_owners = sched.rows.owners()
     held_rows = {row: r.rid for r in sched.running.values() for row in (r.row, *r.spec_rows)}
     assert row_owners == held_rows, "row ownership"
-    block_owners = sched.blocks.owners()
-    held = {b: r.rid for r in sched.running.values() for b in r.blocks}
-    assert block_owners == held, "KV block ownership"
+    held: dict[int, int] = {}
+    for r in sched.running.values():
+        for b in r.blocks:
+            held[b] = held.get(b, 0) + 1
+    assert sched.blocks.owners() == held, "KV block ownership (references)"
     groups = [sched.ready, sched.refills, sched.stalled, sched.refill.held]
     groups += [[it for it in f.items if not it.exited] for f in sched.loop.flights.values()]
     count: dict[int, dict[int, int]] = {}

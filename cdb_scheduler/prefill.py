@@ -17,7 +17,9 @@ from cdb_scheduler.allocators import BlockAllocator, RowAllocator
 from cdb_scheduler.config import SchedulerConfig
 from cdb_scheduler.ops import OpBuilder
 from cdb_scheduler.plan import Stage, StageOp
+from cdb_scheduler.prefix_cache import share_prefix
 from cdb_scheduler.request import Request, Status
+from cdb_scheduler.stats import SchedulerStats
 
 Chunk = tuple[Request, int, int]  # request, first position, end position (exclusive)
 
@@ -53,6 +55,7 @@ def pick_chunks(
     running: dict[int, Request],
     rows: RowAllocator,
     blocks: BlockAllocator,
+    stats: SchedulerStats,
 ) -> tuple[list[Chunk], bool]:
     """The chunks of the next prefill op, admitting waiting requests as needed; also whether a partly
     prefilled request is starved of KV blocks (the scheduler may then preempt)."""
@@ -74,21 +77,26 @@ def pick_chunks(
         return picked, False
     while waiting and rows.num_free > 0:
         req = waiting[0]
-        end = min(cfg.prefill_chunk_size, req.prompt_len)
-        if end > budget:
-            break
         row = rows.allocate(req.rid)
         assert row is not None
-        if not grow_blocks(cfg, blocks, req, end, margin=bool(running)):
+        start = share_prefix(cfg, blocks, req)  # (prefix caching: the cached chunks it reuses)
+        end = min(start + cfg.prefill_chunk_size, req.prompt_len)
+        if end - start > budget or not grow_blocks(cfg, blocks, req, end, margin=bool(running)):
             rows.free(req.rid, row)
+            if req.blocks:
+                blocks.free(req.rid, req.blocks)
+                req.blocks = []
             break
         waiting.popleft()
         req.admitted = req.admitted or time.monotonic()
         req.row = row[0]
         req.status = Status.RUNNING
         running[req.rid] = req
-        budget -= end
-        picked.append((req, 0, end))
+        budget -= end - start
+        picked.append((req, start, end))
+        if req.prefix_hashes:
+            stats.prefix_queries += req.prompt_len
+            stats.prefix_hits += start
     return picked, False
 
 

@@ -75,6 +75,7 @@ class Request:
     # ``--priority-depth``: its own policy and the shallow one it runs while it is below the most urgent priority
     # and requests wait (``cdb_scheduler.priority_depth``); ``policy`` is the one in force
     depth_policies: tuple[ExitPolicy, ExitPolicy] | None = None
+    prefix_hashes: list[bytes] = field(default_factory=list)  # its prompt's full blocks (prefix caching; [] off)
 
     @property
     def prompt_len(self) -> int:

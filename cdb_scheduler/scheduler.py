@@ -32,6 +32,7 @@ from cdb_scheduler.loop import LoopPlanner
 from cdb_scheduler.ops import OpBuilder
 from cdb_scheduler.plan import Stage, StageOp, StageResult
 from cdb_scheduler.prefill import PrefillFlight, pick_chunks, prefill_chain
+from cdb_scheduler.prefix_cache import register
 from cdb_scheduler.priority_depth import PriorityDepth
 from cdb_scheduler.request import Event, FinishReason, Item, Request, Status
 from cdb_scheduler.residency import Residency
@@ -106,6 +107,7 @@ class Scheduler:
         self._prefill_starved = False
         self.work.clear()
         self.stats.recomputed += self.residency.requeue_all()  # frees every row and block: stages start empty
+        self.blocks.clear_cache()  # (their KV is gone with them)
         self.ops.reset()
         self.stats.recoveries += 1
         return []
@@ -206,7 +208,9 @@ class Scheduler:
     def _issue_prefill(self, ops: list[StageOp]) -> None:
         if self._prefill is not None:
             return
-        picked, self._prefill_starved = pick_chunks(self.cfg, self.waiting, self.running, self.rows, self.blocks)
+        picked, self._prefill_starved = pick_chunks(
+            self.cfg, self.waiting, self.running, self.rows, self.blocks, self.stats
+        )
         if picked:
             chain, self._prefill = prefill_chain(self.cfg, self.ops, picked)
             self.stats.prefill_tokens += sum(end - start for _, start, end in picked)
@@ -291,6 +295,10 @@ class Scheduler:
                     self.work.accept(req, 0, token, self.cfg.max_depth, lp, events, replay=bool(req.output))
         if not pf.seqs:
             self._prefill = None
+            if self.cfg.prefix_caching and not res.error:  # its KV is written on every stage: cache its blocks
+                for req, epoch in zip(pf.reqs, pf.epochs):
+                    if req.alive and req.epoch == epoch and req.prefix_hashes:
+                        register(self.cfg, self.blocks, req)
 
     def check_invariants(self) -> None:
         """Ownership invariants (tests call this after every step); see ``cdb_scheduler.invariants``."""

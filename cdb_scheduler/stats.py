@@ -12,6 +12,8 @@ class SchedulerStats:
     loop_capacity: int = 0  # sum of max_num_seqs over them (occupancy denominator)
     refill_events: int = 0  # a step-0 item joined a non-empty ready queue
     prefill_tokens: int = 0
+    prefix_queries: int = 0  # prompt tokens of requests admitted with prefix caching (vLLM's prefix_cache_queries)
+    prefix_hits: int = 0  # of those, the tokens a cached prefix served (vLLM's prefix_cache_hits)
     preemptions: int = 0
     recoveries: int = 0  # stage losses recovered from (every running request recomputed)
     recomputed: int = 0  # requests re-queued for recomputation by those recoveries

@@ -39,8 +39,16 @@ from cdb_bench.serve.lengths import DATASETS
 from cdb_bench.serve.metrics import Slo
 from cdb_bench.serve.openai_target import ENDPOINTS
 from cdb_bench.serve.options import modes, parse_with_quick, percentile_list, positive_floats
+from cdb_bench.serve.prefix import (
+    PREFIX_DATASET,
+    check_prefix_options,
+    compare_prefix_caching,
+    compare_table,
+    prefix_options,
+)
 from cdb_bench.serve.remote import remote_table, run_remote, write_remote
 from cdb_bench.serve.report import table, write_outputs
+from cdb_bench.serve.requests import RequestSet
 from cdb_bench.serve.setup import engine_config, header, workload
 from cdb_bench.serve.sweep import MODE_NAMES, SPECULATIVE, SweepConfig, run_sweep
 from cdb_bench.serve.targets import TARGETS
@@ -78,7 +86,12 @@ def _request_options(p: argparse.ArgumentParser) -> None:
         help=f"preset name or checkpoint folder (default: {DEFAULT_MODEL}); with --base-url the model name the "
         "requests carry (default: the server's first model)",
     )
-    p.add_argument("--dataset", choices=sorted(DATASETS), default="sharegpt", help="length distribution")
+    p.add_argument(
+        "--dataset",
+        choices=[*sorted(DATASETS), PREFIX_DATASET],
+        default="sharegpt",
+        help=f"length distribution, or {PREFIX_DATASET}: shared prompt prefixes",
+    )
     p.add_argument(
         "--dataset-path",
         default=None,
@@ -137,6 +150,13 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
         default=True,
         help="Ouro: the head op embeds each refill's input (no prelude op per decode step)",
     )
+    p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse the KV of cached prompt prefixes",
+    )
+    p.add_argument("--prefill-chunk-size", type=int, default=None, help="prompt tokens per prefill chunk")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=None, help="in-process: torch intra-op threads")
@@ -191,6 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
     _sweep_options(p)
     _engine_options(p)
     _remote_options(p)
+    prefix_options(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--quick", action="store_true", help="a tiny run for CI: " + ", ".join(f"{k}={v}" for k, v in QUICK.items())
@@ -218,6 +239,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--max-concurrency: at least 1, got {args.max_concurrency}")
     if args.output_len is not None and args.output_len < 1:
         parser.error(f"--output-len: at least 1, got {args.output_len}")
+    check_prefix_options(parser, args)
     if not remote:
         args.model = args.model or DEFAULT_MODEL
     if args.speculative and SPECULATIVE not in args.modes:
@@ -255,12 +277,31 @@ def main(argv: list[str] | None = None) -> int:
         percentiles=args.percentiles,
         burstiness=1.0 / (args.cv * args.cv) if args.arrival is Arrival.GAMMA else 1.0,
     )
+    if args.compare_prefix_caching:
+        return compare_main(args, probe, reqs, depth, sc)
     figures, itls = run_sweep(cfg, reqs, sc)
     summary = header(args, probe, reqs, depth) | figures
     if args.out:
         for path in write_outputs(summary, itls, args.out):
             print(f"wrote {path}", file=sys.stderr)
     print(json.dumps(summary, indent=1) if args.json else table(summary))
+    return 0
+
+
+def compare_main(
+    args: argparse.Namespace, probe: Engine, reqs: RequestSet, depth: tuple[float, int, int] | None, sc: SweepConfig
+) -> int:
+    """``--compare-prefix-caching``: the same arrivals with the cache on and off (``cdb_bench.serve.prefix``)."""
+    summary = header(args, probe, reqs, depth)
+    summary["config"]["target"] = "in-process"
+    summary["prefix_caching"] = compare_prefix_caching(engine_config(args), reqs, sc, args.rounds)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        path = os.path.join(args.out, "serve.json")
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(summary, f, indent=1)
+        print(f"wrote {path}", file=sys.stderr)
+    print(json.dumps(summary, indent=1) if args.json else compare_table(summary))
     return 0
 
 

@@ -9,6 +9,7 @@ from typing import Any
 from cdb_bench.serve.arrivals import Arrival
 from cdb_bench.serve.datasets import load_prompts
 from cdb_bench.serve.lengths import DATASETS
+from cdb_bench.serve.prefix import PREFIX_DATASET, prefix_requests, prefix_workload
 from cdb_bench.serve.requests import RequestSet, make_requests, requests_from
 from cdb_engine.config import EngineConfig
 from cdb_engine.engine import Engine
@@ -28,6 +29,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         allow_replay_depths=True,
         synthetic_cost=args.synthetic_cost,
         synthetic_depths=args.synthetic_depths,
+        enable_prefix_caching=args.enable_prefix_caching,
+        **({"prefill_chunk_size": args.prefill_chunk_size} if args.prefill_chunk_size else {}),
     )
 
 
@@ -38,6 +41,8 @@ def workload(args: argparse.Namespace, probe: Engine) -> tuple[RequestSet, tuple
         hi = args.depth_max or probe.limits.max_depth
         mean = args.depth_mean if args.depth_mean is not None else (args.depth_min + hi) / 2
         depth = (mean, args.depth_min, hi)
+    if args.dataset == PREFIX_DATASET:
+        return prefix_requests(args, probe, depth), depth
     if args.dataset_path:
         prompts, _ = load_prompts(
             args.dataset_path,
@@ -67,7 +72,7 @@ def workload(args: argparse.Namespace, probe: Engine) -> tuple[RequestSet, tuple
 
 def header(args: argparse.Namespace, probe: Engine, reqs: RequestSet, depth: tuple[float, int, int] | None) -> dict:
     """The ``config``, ``model`` and ``workload`` parts of the result."""
-    fit = DATASETS[args.dataset]
+    fit = None if args.dataset_path else DATASETS.get(args.dataset)
     f0, fr = probe.model_config.param_counts()
     n = len(reqs.requests)
     skip = {"quick", "json", "out", "no_progress", "api_key"}
@@ -89,7 +94,7 @@ def header(args: argparse.Namespace, probe: Engine, reqs: RequestSet, depth: tup
             "dataset": "file" if args.dataset_path else args.dataset,
             "dataset_path": args.dataset_path,
             "fit": None
-            if args.dataset_path
+            if fit is None
             else {"source": fit.source, "prompt": _fit(fit.prompt), "output": _fit(fit.output)},
             "scale": args.scale,
             "requests": n,
@@ -99,7 +104,8 @@ def header(args: argparse.Namespace, probe: Engine, reqs: RequestSet, depth: tup
             "cv": args.cv if args.arrival is Arrival.GAMMA else 1.0,
             "seed": args.seed,
             "depth": None if depth is None else {"mean": depth[0], "min": depth[1], "max": depth[2]},
-        },
+        }
+        | (prefix_workload(args) if args.dataset == PREFIX_DATASET else {}),
     }
 
 

@@ -119,6 +119,7 @@ scheduler`` and ``cdb demo``; ``cdb stage`` takes ``--model``, ``--dtype`` and `
 | ``CDB_NUM_THREADS`` | auto | torch intra-op threads of the in-process executor; auto: torch's default |
 | ``CDB_FUSE_REFILL_EMBED`` | true | Ouro: the head op embeds a refill's input token (no prelude op per step) |
 | ``CDB_FUSE_LOOP_HEAD`` | true | Ouro: loop ops sample the exited tokens and run their successors (no head op) |
+| ``CDB_ENABLE_PREFIX_CACHING`` | true | reuse the KV of cached prompt prefixes (at chunk boundaries: exact) |
 | ``CDB_PRIORITY_DEPTH`` | auto | while requests wait, less urgent priorities exit at this threshold; auto: off |
 | ``CDB_FORCED_SKIP`` | true | structured output: forced tokens are not sampled, and their positions exit at min depth |
 | ``CDB_SPECULATIVE`` | auto | self-speculative decoding: auto (where drafts pay at the measured op cost), on, off |

@@ -175,6 +175,13 @@ class MetricSeries:
         self.preemptions = d.counter(
             "cdb_num_preemptions_total", "Requests preempted (KV blocks released, recomputed later) to free KV blocks."
         )
+        self.prefix_queries = d.counter(
+            "cdb_prefix_cache_queries_total", "Prompt tokens of requests admitted with prefix caching (vLLM's)."
+        )
+        self.prefix_hits = d.counter(
+            "cdb_prefix_cache_hits_total", "Prompt tokens a cached prefix served, of those queried (vLLM's)."
+        )
+        self.prefix_blocks = d.gauge("cdb_prefix_cache_blocks", "KV blocks holding a cached prompt prefix.")
         self.bank_used = d.gauge("cdb_bank_rows_used", "Hidden-state bank rows held by live requests.")
         self.bank_total = d.gauge("cdb_bank_rows_total", "Hidden-state bank rows in total.")
 

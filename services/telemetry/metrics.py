@@ -231,6 +231,14 @@ class Metrics(MetricSeries):
         self.kv_total.set(total)
         self.kv_usage.set(used / total if total else 0.0)
 
+    def record_prefix_cache(self, queries: int, hits: int, blocks: int) -> None:
+        """Prefix caching: tokens queried and hit since last time, and the blocks cached now."""
+        if queries > 0:
+            self.prefix_queries.inc(queries)
+        if hits > 0:
+            self.prefix_hits.inc(hits)
+        self.prefix_blocks.set(blocks)
+
     def inc_preemptions(self, n: int) -> None:
         """When requests were preempted to free KV blocks (the scheduler's count since last time)."""
         if n > 0:

@@ -117,6 +117,7 @@ class EngineGauges:
         self.stages = stages
         self._lock = threading.Lock()
         self._refills = self._recoveries = self._recomputed = self._preemptions = 0
+        self._prefix = (0, 0)  # prefix-cache tokens queried and hit, reported so far
         self._cpu = dict.fromkeys(("plan", "submit", "dispatch", "other"), 0.0)
         self._spec = (0, 0, 0, 0)  # drafts, accepted, rejected, wasted steps reported so far
 
@@ -144,6 +145,9 @@ class EngineGauges:
             if spec != self._spec:
                 m.inc_speculation(*(max(0, a - b) for a, b in zip(spec, self._spec)))
                 self._spec = tuple(max(a, b) for a, b in zip(spec, self._spec))  # type: ignore[assignment]
+            queries, hits = max(sched.prefix_queries, self._prefix[0]), max(sched.prefix_hits, self._prefix[1])
+            m.record_prefix_cache(queries - self._prefix[0], hits - self._prefix[1], st.cached_kv_blocks)
+            self._prefix = (queries, hits)
             preemptions = sched.preemptions
             if preemptions > self._preemptions:
                 m.inc_preemptions(preemptions - self._preemptions)

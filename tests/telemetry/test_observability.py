@@ -112,12 +112,19 @@ _SPEC = ("spec_drafts", "spec_accepted", "spec_rejected", "spec_wasted_steps")  
 
 def _fake_engine(**stats: int) -> SimpleNamespace:
     base = dict(waiting=2, running=3, used_kv_blocks=5, total_kv_blocks=64, held_rows=3, recoveries=0, recomputed=0)
+    base |= {"cached_kv_blocks": 2}
     st = SimpleNamespace(**(base | stats))
     return SimpleNamespace(
         stats=lambda: st,
         setup=SimpleNamespace(bank_rows=40),
         sched_stats=SimpleNamespace(
-            refill_events=7, depth_hist={4: 3, 2: 1}, sched_cpu_s=0.5, preemptions=0, **dict.fromkeys(_SPEC, 0)
+            refill_events=7,
+            depth_hist={4: 3, 2: 1},
+            sched_cpu_s=0.5,
+            preemptions=0,
+            prefix_queries=40,
+            prefix_hits=16,
+            **dict.fromkeys(_SPEC, 0),
         ),
         cpu=EngineCpu(thread_s=2.0, submit_s=0.25, dispatch_s=0.75),
         limits=SimpleNamespace(
@@ -137,6 +144,8 @@ def test_engine_gauges_sample_at_scrape_time() -> None:
     assert s['cdb_exit_threshold{rule="hazard",source="family-default"}'] == 0.5
     assert s["cdb_served_depth_mean"] == 3.5  # (3 tokens at 4 + 1 at 2) / 4
     assert s["cdb_refill_events_total"] == 7 and s["cdb_stage_recoveries_total"] == 0
+    assert (s["cdb_prefix_cache_queries_total"], s["cdb_prefix_cache_hits_total"]) == (40, 16)
+    assert s["cdb_prefix_cache_blocks"] == 2
     assert "cdb_stages_attached" not in s  # in-process: no stage servers
     engine.sched_stats.refill_events = 10
     engine.st.recoveries, engine.st.recomputed = 2, 5

@@ -126,8 +126,10 @@ def _engine(preemptions: int) -> SimpleNamespace:
     stats = SimpleNamespace(
         waiting=0, running=0, used_kv_blocks=3, total_kv_blocks=4, held_rows=0, recoveries=0, recomputed=0
     )
+    stats.cached_kv_blocks = 1
     spec = dict.fromkeys(("spec_drafts", "spec_accepted", "spec_rejected", "spec_wasted_steps"), 0)
     sched = SimpleNamespace(refill_events=0, depth_hist={}, sched_cpu_s=0.0, preemptions=preemptions, **spec)
+    sched.prefix_queries, sched.prefix_hits = 0, 0
     limits = SimpleNamespace(exit_threshold=0.5, exit_rule="hazard", threshold_source="family-default")
     cpu = SimpleNamespace(thread_s=0.0, submit_s=0.0, dispatch_s=0.0)
     return SimpleNamespace(
