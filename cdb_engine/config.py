@@ -272,6 +272,7 @@ class RequestParams:
     include_stop_str: bool = False  # the output text ends with the stop string it hit (else just before it)
     priority: int = 0  # lower first (vLLM's meaning): the order of the waiting queue, and preempted last
     structure: Structure | None = None  # structured output: the grammar the generated text follows
+    cache_salt: str = ""  # prefix caching: only requests of the same salt share cached KV (vLLM's meaning)
 
 
 def logits_processing(

@@ -109,7 +109,10 @@ class RequestPreparer:
             req.output, req.depths = list(params.resume_tokens), list(params.resume_depths)
             req.loop_steps = sum(params.resume_depths)
         if self.prefix_salt:
-            req.prefix_hashes = prefix_hashes(self.prefix_salt, req.prompt, self.config.kv_block_size)
+            salt = self.prefix_salt
+            if params.cache_salt:  # a tenant's own cache: its hashes match no other salt's
+                salt = hashlib.blake2b(salt + params.cache_salt.encode(), digest_size=16).digest()
+            req.prefix_hashes = prefix_hashes(salt, req.prompt, self.config.kv_block_size)
         return req
 
 

@@ -31,6 +31,7 @@ from cdb_scheduler.exit_policy import ExitRule
 
 MAX_LOGPROBS = REQUEST_BOUNDS.max_logprobs
 MAX_PRIORITY = 2**31 - 1  # a request's priority is an int32 on both APIs
+MAX_CACHE_SALT = 1024  # bytes of a request's prefix-cache salt
 MAX_BIAS = 100.0  # a logit bias is in [-MAX_BIAS, MAX_BIAS]; -MAX_BIAS bans its token (OpenAI's meaning)
 
 use_request_error(InvalidRequest)
@@ -126,6 +127,8 @@ def validate(
         raise InvalidRequest("speculative", limits.no_speculation)
     if params.structure is not None:
         _check_structured(params)
+    if _longer(params.cache_salt, MAX_CACHE_SALT, "cache_salt"):
+        raise InvalidRequest("cache_salt", f"longer than {MAX_CACHE_SALT} bytes")
     return ids
 
 

@@ -96,7 +96,7 @@ class _Common(BaseModel):
     include_stop_str_in_output: StrictBool = False  # the text ends with the stop string it hit
     skip_special_tokens: StrictBool = True  # false: special tokens' text is part of the output
     request_id: str | None = None  # the request's id (as the X-Request-Id header), in the response's id and logs
-    cache_salt: str | None = None  # no KV is shared between requests here: every request is isolated already
+    cache_salt: str | None = None  # prefix caching: only requests of the same salt share cached KV
     prompt_logprobs: StrictInt | None = None  # each prompt token's logprob and this many alternatives (full depth)
     priority: StrictInt = 0  # lower first: the waiting queue's order, and preempted last
     # cdb extensions (OpenAI clients pass them with ``extra_body``)
@@ -222,6 +222,7 @@ class _Common(BaseModel):
             prompt_logprobs=self.prompt_logprobs is not None,
             priority=self.priority,
             structure=self.structure(),
+            cache_salt=self.cache_salt or "",
         )
 
     @property

@@ -128,3 +128,16 @@ def test_a_stage_loss_drops_the_cache() -> None:
         assert eng.scheduler.blocks.num_cached == len(SHARED) // BLOCK
     sched = eng.scheduler  # (the engine is stopped: its scheduler is ours)
     assert sched.recover() == [] and sched.blocks.num_cached == 0
+
+
+def test_only_requests_of_the_same_cache_salt_share_cached_blocks() -> None:
+    """vLLM's ``cache_salt``: a tenant's requests hit only what requests of its own salt cached (and none without
+    one hit those), while the outputs stay what they are without the cache."""
+    prompt = [*SHARED, 9]
+    with Engine(BASE, shared_model_factory(model64("ouro-tiny"))) as eng:
+        hits = []
+        for salt in ("tenant-a", "tenant-b", "", "tenant-a"):
+            before = eng.sched_stats.prefix_hits
+            eng.generate([prompt], [replace(params(False, 0), cache_salt=salt)])
+            hits.append(eng.sched_stats.prefix_hits - before)
+    assert hits == [0, 0, 0, len(SHARED)]
