@@ -56,9 +56,11 @@ def pick_chunks(
     rows: RowAllocator,
     blocks: BlockAllocator,
     stats: SchedulerStats,
+    urgent: bool = False,
 ) -> tuple[list[Chunk], bool]:
-    """The chunks of the next prefill op, admitting waiting requests as needed; also whether a partly
-    prefilled request is starved of KV blocks (the scheduler may then preempt)."""
+    """The chunks of the next prefill op, admitting waiting requests as needed (``urgent``: rows were freed for
+    urgent ones, admitted whatever the batch minimum); also whether a partly prefilled request is starved of KV
+    blocks (the scheduler may then preempt)."""
     budget = cfg.prefill_token_budget
     picked: list[Chunk] = []
     partial = [r for r in running.values() if r.prefilled < len(r.prompt)]
@@ -73,7 +75,7 @@ def pick_chunks(
         picked.append((req, start, end))
     if partial:
         return picked, False
-    if rows.num_free < cfg.admit_min_free_rows and running:
+    if rows.num_free < cfg.admit_min_free_rows and running and not urgent:
         return picked, False
     while waiting and rows.num_free > 0:
         req = waiting[0]

@@ -89,6 +89,23 @@ class Residency:
         self.enqueue(victim, ahead=True)
         return True
 
+    def preempt_for_urgent(self, min_free: int) -> int:
+        """Priority preemption (vLLM's priority policy): while fewer than ``min_free`` rows are free and a waiting
+        request is more urgent than a running one, recompute the least urgent running request (among those, the one
+        with the fewest computed tokens), one per such waiting request. Returns how many were preempted."""
+        waiting, n = self.waiting, 0
+        while waiting and self.rows.num_free < min_free:
+            urgent = waiting[n].priority if n < len(waiting) else None
+            victims = [r for r in self.running.values() if r.alive and urgent is not None and r.priority > urgent]
+            if not victims:
+                break
+            victim = min(victims, key=lambda r: (-r.priority, r.computed_tokens, -r.rid))
+            self.requeue(victim)
+            self._stats.preemptions += 1
+            self.enqueue(victim, ahead=True)
+            n += 1
+        return n
+
     def requeue(self, req: Request) -> None:
         """Free ``req``'s row and blocks and make it a recomputation: its items so far are stale, its prompt is
         prefilled again and its tokens replayed at their recorded depths (the caller queues it)."""

@@ -208,8 +208,11 @@ class Scheduler:
     def _issue_prefill(self, ops: list[StageOp]) -> None:
         if self._prefill is not None:
             return
+        # An urgent request does not wait for rows a less urgent one holds (``preempt_for_urgent``); it is then
+        # admitted whatever the batch minimum of free rows.
+        urgent = self.residency.preempt_for_urgent(self.cfg.admit_min_free_rows) > 0
         picked, self._prefill_starved = pick_chunks(
-            self.cfg, self.waiting, self.running, self.rows, self.blocks, self.stats
+            self.cfg, self.waiting, self.running, self.rows, self.blocks, self.stats, urgent
         )
         if picked:
             chain, self._prefill = prefill_chain(self.cfg, self.ops, picked)

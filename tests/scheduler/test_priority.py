@@ -62,6 +62,32 @@ def test_a_preemption_takes_the_least_urgent_running_request_and_requeues_it_ahe
     sched.check_invariants()
 
 
+def test_an_urgent_arrival_takes_the_row_of_the_least_urgent_running_request_at_once() -> None:
+    """All rows held by requests of priority 2 and 1: one of priority 2 (no more urgent than any) waits; one of
+    priority 0 is admitted in the next round, the least urgent running one recomputed later (ahead of its
+    priority)."""
+    low, mid, same, urgent = _requests([2, 1, 2, 0])
+    for req in (low, mid, same, urgent):
+        req.max_tokens = 40
+        req.stop_token_ids = frozenset()
+    sched, ex = Scheduler(config(max_num_seqs=2)), FakeExecutor()
+    sched.add(low)
+    sched.add(mid)
+    _run_until(sched, ex, lambda: len(sched.running) == 2 and all(r.output for r in sched.running.values()))
+    sched.add(same)
+    for op in sched.schedule():
+        ex.submit(op)
+    assert same.status is Status.WAITING and sched.stats.preemptions == 0, "no more urgent: it waits for a row"
+    sched.add(urgent)
+    for op in sched.schedule():
+        ex.submit(op)
+    assert urgent.status is Status.RUNNING and low.status is Status.WAITING and mid.status is Status.RUNNING
+    assert [r.rid for r in sched.waiting] == [low.rid, same.rid] and sched.stats.preemptions == 1
+    sched.check_invariants()
+    _run_until(sched, ex, lambda: not sched.has_work())
+    sched.check_invariants()
+
+
 def test_a_recovery_keeps_the_priority_order_with_recomputations_first_within_theirs() -> None:
     a, b, c, d = _requests([1, 0, 1, 0])
     sched, ex = Scheduler(config(max_num_seqs=2)), FakeExecutor()
