@@ -3,9 +3,8 @@
 Types are checked here (a wrong type is a 400 naming the field); values are checked by the engine
 (``Engine.validate``), whose ``InvalidRequest.field`` names are translated back to this API's field names by
 ``FIELDS`` / ``CHAT_FIELDS``. Fields OpenAI and vLLM clients send that the engine cannot honour are refused when
-set to anything but their neutral value (``suffix``, ``guided_whitespace_pattern``, ...:
-``services.http.vllm_fields``); keys that are neither OpenAI's nor vLLM's are ignored, as OpenAI-compatible servers
-do. Structured output (``response_format``, ``structured_outputs``, ``guided_*``) and forced tool calls are
+set to anything but their neutral value (``suffix``, ...: ``services.http.vllm_fields``); keys that are neither
+OpenAI's nor vLLM's are ignored, as OpenAI-compatible servers do. Structured output and forced tool calls are
 ``services.http.structured`` and ``services.http.tools``.
 
 One body may ask for several choices: a completion's list of prompts, and ``n`` samples of each. Each choice is
