@@ -54,6 +54,7 @@ class BlockAllocator:
         self._hash_of: dict[int, bytes] = {}  # registered block -> its chain hash
         self._block_of: dict[bytes, int] = {}  # chain hash -> its block
         self._idle: dict[int, None] = {}  # cached blocks no request holds, least recently freed first
+        self._writing: dict[bytes, int] = {}  # chain hash -> requests whose prefill is writing that block
         self.total = num_blocks
         self.block_size = block_size
         self.evictions = 0
@@ -123,6 +124,25 @@ class BlockAllocator:
                 del self._idle[b]
             self._refs[b] = refs + 1
 
+    def writing(self, hashes: list[bytes], delta: int) -> None:
+        """Requests' prefills begin (``delta`` 1) or end (-1) writing the blocks of ``hashes``."""
+        w = self._writing
+        for h in hashes:
+            n = w.get(h, 0) + delta
+            if n > 0:
+                w[h] = n
+            else:
+                w.pop(h, None)
+
+    def being_written(self, hashes: list[bytes]) -> int:
+        """How many of ``hashes``, from the first, a prefill in flight is writing."""
+        n = 0
+        for h in hashes:
+            if h not in self._writing:
+                break
+            n += 1
+        return n
+
     def register(self, block: int, h: bytes) -> None:
         """``block`` (held, its KV written) holds the prefix whose chain hash is ``h``; a prefix already cached in
         another block keeps that one."""
@@ -136,6 +156,7 @@ class BlockAllocator:
         self._idle.clear()
         self._hash_of.clear()
         self._block_of.clear()
+        self._writing.clear()
 
     def owners(self) -> dict[int, int]:
         """Block -> how many requests hold it."""

@@ -83,11 +83,14 @@ def pick_chunks(
         assert row is not None
         start = share_prefix(cfg, blocks, req)  # (prefix caching: the cached chunks it reuses)
         end = min(start + cfg.prefill_chunk_size, req.prompt_len)
-        if end - start > budget or not grow_blocks(cfg, blocks, req, end, margin=bool(running)):
+        if start < 0 or end - start > budget or not grow_blocks(cfg, blocks, req, end, margin=bool(running)):
             rows.free(req.rid, row)
             if req.blocks:
                 blocks.free(req.rid, req.blocks)
                 req.blocks = []
+            if req.writing:
+                blocks.writing(req.writing, -1)
+                req.writing = []
             break
         waiting.popleft()
         req.admitted = req.admitted or time.monotonic()

@@ -36,18 +36,26 @@ def prefix_hashes(salt: bytes, prompt: list[int], block_size: int) -> list[bytes
 
 def share_prefix(cfg: SchedulerConfig, blocks: BlockAllocator, req: Request) -> int:
     """Give ``req`` (being admitted, holding no block) the cached blocks of its prompt's longest cached prefix that
-    ends at a chunk boundary before its last token; returns the tokens it reuses (0: none)."""
+    ends at a chunk boundary before its last token; returns the tokens it reuses (0: none), or -1: wait, a prefill
+    in flight is writing more of that prefix (the choices of one ``n > 1`` body: the first writes, the others reuse
+    it once written). Its own full prompt blocks it is to write are marked as being written (``req.writing``)."""
     if not req.prefix_hashes or req.score_prompt:
         return 0
     chunk, size = cfg.prefill_chunk_size, cfg.kv_block_size
     step = math.lcm(chunk, size)  # (a chunk boundary that is a block boundary too)
     usable = (req.prompt_len - 1) // step * step
-    found = blocks.cached(req.prefix_hashes[: usable // size])
+    hashes = req.prefix_hashes
+    found = blocks.cached(hashes[: usable // size])
     reused = len(found) * size // step * step
+    ahead = blocks.being_written(hashes[len(found) : usable // size])
+    if (len(found) + ahead) * size // step * step > reused:
+        return -1
     if reused:
         shared = found[: reused // size]
         blocks.share(shared)
         req.blocks = shared
+    req.writing = hashes[len(found) :]
+    blocks.writing(req.writing, 1)
     return reused
 
 
@@ -56,3 +64,6 @@ def register(cfg: SchedulerConfig, blocks: BlockAllocator, req: Request) -> None
     n = min(req.prefilled, req.prompt_len) // cfg.kv_block_size
     for block, h in zip(req.blocks[:n], req.prefix_hashes[:n]):
         blocks.register(block, h)
+    if req.prefilled >= req.prompt_len and req.writing:
+        blocks.writing(req.writing, -1)
+        req.writing = []

@@ -76,6 +76,7 @@ class Request:
     # and requests wait (``cdb_scheduler.priority_depth``); ``policy`` is the one in force
     depth_policies: tuple[ExitPolicy, ExitPolicy] | None = None
     prefix_hashes: list[bytes] = field(default_factory=list)  # its prompt's full blocks (prefix caching; [] off)
+    writing: list[bytes] = field(default_factory=list)  # of those, the ones its prefill writes (not yet cached)
 
     @property
     def prompt_len(self) -> int:

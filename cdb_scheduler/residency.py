@@ -49,6 +49,9 @@ class Residency:
         if req.blocks:
             self.blocks.free(req.rid, req.blocks)
             req.blocks = []
+        if req.writing:
+            self.blocks.writing(req.writing, -1)
+            req.writing = []
         self._ops.forget(req)
 
     def finish(self, req: Request, reason: FinishReason, error: str | None = None) -> Finished:

@@ -91,7 +91,7 @@ def test_a_full_pool_evicts_cached_blocks_and_stays_exact() -> None:
     waves = [[prefixes[name] + [3 + i] * (i + 1) for i in range(4)] for name in "ABACDA"]
     outs, stats = {}, {}
     for caching in (True, False):
-        cfg = replace(BASE, num_kv_blocks=28, enable_prefix_caching=caching)
+        cfg = replace(BASE, num_kv_blocks=16, enable_prefix_caching=caching)
         with Engine(cfg, shared_model_factory(model64("ouro-tiny"))) as eng:
             got = []
             for k, wave in enumerate(waves):
@@ -141,3 +141,18 @@ def test_only_requests_of_the_same_cache_salt_share_cached_blocks() -> None:
             eng.generate([prompt], [replace(params(False, 0), cache_salt=salt)])
             hits.append(eng.sched_stats.prefix_hits - before)
     assert hits == [0, 0, 0, len(SHARED)]
+
+
+def test_requests_that_arrive_together_share_the_prefix_the_first_one_writes() -> None:
+    """The choices of one ``n > 1`` body (one prompt, several seeds) arrive together: the first prefills the prompt,
+    the others wait for its blocks and reuse them, and every output is the one without the cache."""
+    prompt = [*SHARED, 21, 22]
+    plist = [params(True, i) for i in range(4)]
+    outs, hits = {}, {}
+    for caching in (True, False):
+        with Engine(replace(BASE, enable_prefix_caching=caching), shared_model_factory(model64("ouro-tiny"))) as eng:
+            outs[caching] = [(o.token_ids, o.depths) for o in eng.generate([prompt] * 4, plist)]
+            hits[caching] = eng.sched_stats.prefix_hits
+            eng.scheduler.check_invariants()
+    assert outs[True] == outs[False]
+    assert hits == {True: 3 * len(SHARED), False: 0}
