@@ -104,13 +104,10 @@ class Guide:
         return self._forced.get(index, -1)
 
     def mask(self, index: int) -> bytes:
-        """Token ``index``'s mask (``cdb_scheduler.plan.MASKS``)."""
-        mask = self._masks.get(index)
-        if mask is None:
-            self._settle()
-            mask = self._masks.get(index, b"")
-            if not mask:
-                raise RuntimeError(f"no mask for token {index}: {self.error or 'its walk has not reached it'}")
+        """Token ``index``'s mask (``cdb_scheduler.plan.MASKS``), after the walks under way."""
+        mask = self.mask_now(index, wait=True)
+        if not mask:
+            raise RuntimeError(f"no mask for token {index}: {self.error or 'its walk has not reached it'}")
         return mask
 
     def forced(self, index: int) -> int:
