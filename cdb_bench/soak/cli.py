@@ -9,7 +9,9 @@ to the end, be cancelled by the client after a few tokens, or carry a short dead
 every replica's address (round robin) streams them, resuming a stream that breaks (``resume_attempts``). Three
 fault injectors run meanwhile, each on its own schedule, each hitting a random replica that is serving (one fault
 at a time per replica, so that each recovery time measures one fault; a tick with every replica still recovering
-waits for the first one back, ``SETTLE_S`` after it serves again):
+waits for the first one back, ``SETTLE_S`` after it serves again; with ``--first-faults-share``, the CI form's
+way, the first fault of each kind fires at a share of the requests started instead, so that it meets requests in
+flight however fast the traffic runs):
 
 - ``stage_kill``: a random stage process SIGKILLed; the tree's supervisor restarts it, the scheduler re-attaches
   it and recomputes the requests it was running;
@@ -74,6 +76,7 @@ QUICK = {
     "freeze_every": 2.0,
     "kill_scheduler_every": 1.5,
     "faults_per_kind": 1,
+    "first_faults_share": 0.2,
 }
 FULL = {
     "replicas": 3,
@@ -84,6 +87,7 @@ FULL = {
     "freeze_every": 30.0,
     "kill_scheduler_every": 20.0,
     "faults_per_kind": 0,
+    "first_faults_share": 0.0,
 }
 
 
@@ -99,6 +103,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--freeze-every", type=float, help="seconds between stage freezes, SIGSTOP (0: none; full: 30)")
     p.add_argument("--kill-scheduler-every", type=float, help="seconds between scheduler kills (0: none; full: 20)")
     p.add_argument("--faults-per-kind", type=int, help="at most this many faults of each kind (0: no cap; full: 0)")
+    p.add_argument(
+        "--first-faults-share",
+        type=float,
+        help="the first stage kill, scheduler kill and stage freeze fire once 1, 2 and 3 times this share of the "
+        "requests have started, among requests in flight however fast they run (0: on their periods; quick: 0.2)",
+    )
     p.add_argument("--concurrency", type=int, help="streams open at once, over all replicas (full: 48)")
     p.add_argument("--max-tokens", type=int, help="longest output, lengths uniform below it (full: 24)")
     p.add_argument("--cancel", type=float, default=0.05, help="fraction of requests the client cancels")
@@ -213,10 +223,14 @@ def _soak(args: argparse.Namespace, replicas: list[Replica], planned: list[Plann
         "stage_freeze": args.freeze_every,
         "scheduler_kill": args.kill_scheduler_every,
     }
-    faults = Faults(replicas, periods, args.faults_per_kind, args.seed)
+    order = ("stage_kill", "scheduler_kill", "stage_freeze")
+    share = args.first_faults_share
+    first = {k: max(1, int(len(planned) * share * (i + 1))) for i, k in enumerate(order) if periods[k]} if share else {}
+    faults = Faults(replicas, periods, args.faults_per_kind, args.seed, first)
     phases.mark("traffic_started")
     faults.start()
-    outs = asyncio.run(drive([r.address for r in replicas], planned, args.concurrency, args.resume_attempts))
+    addresses = [r.address for r in replicas]
+    outs = asyncio.run(drive(addresses, planned, args.concurrency, args.resume_attempts, faults.started))
     wall = time.monotonic() - faults.t0
     phases.mark("traffic_done")
     faults.finish()

@@ -45,8 +45,20 @@ class Fault:
 class Faults:
     """The three fault injectors, a watcher per fault until its replica serves again, and a pid collector."""
 
-    def __init__(self, replicas: list[Replica], periods: dict[str, float], cap: int, seed: int) -> None:
+    def __init__(
+        self,
+        replicas: list[Replica],
+        periods: dict[str, float],
+        cap: int,
+        seed: int,
+        first_after: dict[str, int] | None = None,
+    ) -> None:
         self.replicas, self.periods, self.cap, self.rng = replicas, periods, cap, random.Random(seed)
+        # kind -> the first fault of that kind fires once this many requests have started (``started``), so that it
+        # meets requests in flight however fast the traffic runs; the kinds left out fire on their period
+        self.first_after = first_after or {}
+        self._started = 0
+        self._progress = threading.Condition()
         self.lock = threading.Lock()
         self.faults: list[Fault] = []
         self.stop = threading.Event()  # no more faults
@@ -69,6 +81,8 @@ class Faults:
         """No more faults (once each kind asked for fired); wait for every fault's recovery (at most
         RECOVERY_LIMIT_S each); resume a frozen process nobody killed (counted: ``killed`` False)."""
         self.stop.set()
+        with self._progress:
+            self._progress.notify_all()
         for t in self._injectors:
             t.join()
         for t in self._watchers:
@@ -81,6 +95,12 @@ class Faults:
         self._pids_stop.set()
         self._pids.join()
 
+    def started(self) -> None:
+        """A request of the traffic has started (called by the traffic, on any thread)."""
+        with self._progress:
+            self._started += 1
+            self._progress.notify_all()
+
     def _collect_pids(self) -> None:
         while not self._pids_stop.wait(0.25):  # a sampling period: restarted processes live for seconds at least
             for r in self.replicas:
@@ -92,6 +112,10 @@ class Faults:
         had to wait for a free replica is late (``waited_s``); the next one is ``period`` after it: ticks missed
         meanwhile are not made up."""
         next_at, fired = self.t0 + period, 0
+        if kind in self.first_after:  # the first one: by the traffic's progress, not by the clock
+            with self._progress:
+                self._progress.wait_for(lambda: self._started >= self.first_after[kind] or self.stop.is_set())
+            next_at = time.monotonic()
         while not (self.cap and fired >= self.cap):
             stopped = self.stop.wait(max(0.0, next_at - time.monotonic()))  # the schedule, not a synchronisation
             if stopped and fired:

@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import sys
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from typing import cast
 
 import grpc
@@ -20,10 +20,17 @@ from clients.messages import StreamFinish, StreamToken
 
 
 async def _one(
-    client: AsyncClient, p: Planned, out: Outcome, gate: asyncio.Semaphore, bar: tqdm, resume_attempts: int
+    client: AsyncClient,
+    p: Planned,
+    out: Outcome,
+    gate: asyncio.Semaphore,
+    bar: tqdm,
+    resume_attempts: int,
+    started: Callable[[], None],
 ) -> None:
     async with gate:
         out.start = time.monotonic()
+        started()
         timeout = p.deadline_s if p.fate == "deadline" else 600.0
         stream = cast(
             AsyncGenerator[StreamToken | StreamFinish, None],  # an async generator: it has aclose
@@ -48,11 +55,18 @@ async def _one(
         bar.update(1)
 
 
-async def drive(addresses: list[str], planned: list[Planned], concurrency: int, resume_attempts: int) -> list[Outcome]:
+async def drive(
+    addresses: list[str],
+    planned: list[Planned],
+    concurrency: int,
+    resume_attempts: int,
+    started: Callable[[], None] = lambda: None,
+) -> list[Outcome]:
+    """Stream every planned request, ``concurrency`` at a time; ``started`` is called as each one starts."""
     outs = [Outcome() for _ in planned]
     client = AsyncClient(addresses, timeout=600, options=CHANNEL_OPTIONS)
     gate = asyncio.Semaphore(concurrency)
     with tqdm(total=len(planned), desc="soak", unit="req", file=sys.stderr) as bar:
-        await asyncio.gather(*(_one(client, p, o, gate, bar, resume_attempts) for p, o in zip(planned, outs)))
+        await asyncio.gather(*(_one(client, p, o, gate, bar, resume_attempts, started) for p, o in zip(planned, outs)))
     await client.close()
     return outs
