@@ -123,7 +123,10 @@ class EngineConfig:
         metadata=_help("one-ahead: exit decisions one loop step ahead; same-step: upstream's rule"),
     )
     prefill_token_budget: int = field(default=2048, metadata=_help("prompt tokens prefilled per scheduling step"))
-    prefill_chunk_size: int = field(default=512, metadata=_help("prompt tokens per prefill chunk"))
+    prefill_chunk_size: int = field(
+        default=256,
+        metadata=_help("prompt tokens per prefill chunk (a prefix cache hit ends on a multiple of it)"),
+    )
     min_head_batch_size: int | None = field(
         default=None, metadata=_help("exited tokens the head waits for; auto: 1 for Ouro, max_num_seqs/4 for Huginn")
     )

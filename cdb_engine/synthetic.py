@@ -131,7 +131,9 @@ class SyntheticWorker:
         if isinstance(op, LoopOp):
             for c in op.kv_copies:
                 self._check(c.rid, c.position)
-            seconds = self._seconds(op.rids, op.positions, len(op.rows)) * (op.num_steps if op.prefill else 1)
+            seconds = self._seconds(op.rids, op.positions, len(op.rows), op.prefill) * (
+                op.num_steps if op.prefill else 1
+            )
             if op.head is not None:  # fused head: the head's modelled time, in this op
                 seconds += self.model.cost.head.seconds(len(op.head.rows), 0)
         elif isinstance(op, HeadOp):
@@ -203,14 +205,23 @@ class SyntheticWorker:
         if position // self.block_size >= len(self.tables.table(rid)):
             raise IndexError(f"request {rid}: position {position} has no KV block")
 
-    def _seconds(self, rids: Sequence[int], positions: Sequence[int], tokens: int) -> float:
+    def _seconds(self, rids: Sequence[int], positions: Sequence[int], tokens: int, chunks: bool = False) -> float:
+        """The op's modelled time. Its context: the KV positions it reads, every token its own (a decode token
+        reads its request's KV), or with ``chunks`` (a prefill op) each request's once, up to its chunk's last
+        position (a prefill's attention reads the context once for the chunk's queries, as flash attention does)."""
         context = 0
         if self.has_kv and rids:
             held = self.tables.lengths(rids)  # every position's block is there (C-level maps over the op's rows)
             if any(map(operator.ge, map(operator.floordiv, positions, repeat(self.block_size)), held)):
                 for rid, pos in zip(rids, positions):
                     self._check(rid, pos)  # (raises, naming the first that has not)
-            context = sum(positions) + len(positions)
+            if chunks:
+                last: dict[int, int] = {}
+                for rid, pos in zip(rids, positions):
+                    last[rid] = max(pos, last.get(rid, -1))
+                context = sum(last.values()) + len(last)
+            else:
+                context = sum(positions) + len(positions)
         return self.cost.seconds(tokens, context)
 
     def _head_seconds(self, op: HeadOp) -> float:

@@ -3,7 +3,8 @@
 Cost of one op (µs), per stage, from a SPEC:
 - explicit, ``loop=A:B:C,head=A:B:C,prelude=A:B:C`` (a stage left out costs nothing): ``A + B * tokens +
   C * context / 1000``, where ``tokens`` are the op's tokens (the head: the sampled ones) and ``context`` the
-  KV positions they read (``position + 1`` per token of a stage with KV layers);
+  KV positions they read in a stage with KV layers: ``position + 1`` per decode token, and per request once for a
+  prefill chunk (its last position + 1: a chunk's queries read their context together, as flash attention does);
 - a named profile ``DEVICE:MODEL`` (``h200:ouro-1.4b``, ``h200:huginn-3.5b``), from the released checkpoint's
   shape in bf16 and the device's memory bandwidth ``BW`` and dense bf16 peak ``F`` (roofline):
   ``max(W / BW, 2 * P * tokens / F) + KV * context / BW`` with ``P`` the stage's parameters per op

@@ -12,7 +12,7 @@ Reports per rate and round the ratios on / off of TTFT p50 and p99 and of output
 rounds, and the hit rate (prefix hits / prefix queries, tokens, from ``SchedulerStats``) of each run.
 
 A request reuses the longest cached prefix that ends at a multiple of ``lcm(prefill_chunk_size, kv_block_size)``
-(``cdb_scheduler.prefix_cache``): with the default 512-token chunks a 1,000-token prefix hits 512 tokens, with
+(``cdb_scheduler.prefix_cache``): with the default 256-token chunks a 1,000-token prefix hits 768 tokens, with
 ``--prefill-chunk-size 64`` 960.
 """
 

@@ -108,7 +108,7 @@ scheduler`` and ``cdb demo``; ``cdb stage`` takes ``--model``, ``--dtype`` and `
 | ``CDB_FIXED_DEPTH`` | auto | exit rule fixed: every token at this depth; auto: the max depth |
 | ``CDB_HORIZON`` | one-ahead | one-ahead: exit decisions one loop step ahead; same-step: upstream's rule |
 | ``CDB_PREFILL_TOKEN_BUDGET`` | 2048 | prompt tokens prefilled per scheduling step |
-| ``CDB_PREFILL_CHUNK_SIZE`` | 512 | prompt tokens per prefill chunk |
+| ``CDB_PREFILL_CHUNK_SIZE`` | 256 | prompt tokens per prefill chunk (a prefix cache hit ends on a multiple of it) |
 | ``CDB_MIN_HEAD_BATCH_SIZE`` | auto | exited tokens the head waits for; auto: 1 for Ouro, max_num_seqs/4 for Huginn |
 | ``CDB_MAX_HEAD_WAIT_STEPS`` | 4 | an exited token waits at most this many loop ops for a head batch of that size |
 | ``CDB_LOOP_PIPELINE_DEPTH`` | 2 | loop ops in flight at once |

@@ -154,3 +154,19 @@ def test_a_launch_leaves_what_the_device_computes_to_the_ops_finish() -> None:
     done = first()
     assert done.seq == 0 and len(done.token_ids) == 2 and worker.tokens[2:4].tolist() == list(done.token_ids)
     assert second().seq == 1
+
+
+def test_a_prefill_chunk_reads_its_requests_context_once_where_decode_tokens_read_their_own() -> None:
+    """Modelled KV reads: each decode token reads its request's context; a prefill chunk's queries read it together
+    (flash attention), so a chunk over positions 16..31 reads 32 positions per loop step, not 16 x 24.5."""
+    cfg = preset_config("ouro-tiny")
+    model = synthetic_model(cfg, "loop=0:0:1000", "", "cpu", torch.float32)  # 1 µs per context position
+    worker = SyntheticWorker(model, Stage.LOOP, torch.zeros(40, cfg.bank_width), KVLayout(KVPolicy.SINGLE, 4), 64, 16)
+    worker.tables.apply([KVUpdate(7, (0, 1)), KVUpdate(9, (2,))])
+    chunk = tuple(range(16, 32))
+    prefill = LoopOp(0, (), (), (), (7,) * 16, chunk, tuple(range(16)), (0,) * 16, prefill=True, num_steps=3)
+    assert worker.launch(prefill).seconds == pytest.approx(3 * 32e-6)
+    decode = LoopOp(1, (), (), (), (7, 9), (31, 5), (0, 1), (0, 0))
+    assert worker.launch(decode).seconds == pytest.approx((32 + 6) * 1e-6)
+    two = LoopOp(2, (), (), (), (7, 7, 9, 9), (30, 31, 4, 5), (0, 1, 2, 3), (0,) * 4, prefill=True, num_steps=1)
+    assert worker.launch(two).seconds == pytest.approx((32 + 6) * 1e-6)
