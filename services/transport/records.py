@@ -10,16 +10,19 @@ Layout (little-endian)::
 
     header  u8 0 (a protobuf message never starts with a zero byte: field number 0 does not exist), u8 version,
             u8 kind (0 prelude, 1 loop, 2 head), u8 flags (1 prefill, 2 fused head, 4 head embeds, 8 masks),
-            u32 ints, u32 doubles, u32 seeds, f64 fence_timeout_s
+            u32 ints, u32 settings rows, u32 a row's bytes, f64 fence_timeout_s
     int64[ints]     seq, num_steps, then the counts (fences, updates, their blocks, released, tokens, copies, head
                     tokens), then each section: fences (stage, seq), updates (rid, reset, blocks), every update's
                     blocks, released, the token columns, KV copies (rid, position, from slot), the head's integer
                     columns (its own rids, positions, rows, token indices and embedded ids for a fused head), then
-                    top_k, logprobs and return_logprob per sampled token, then (flag 8) each one's mask
-                    length in bytes (0: none)
-    float64[doubles] temperature, then top_p, then min_p, per sampled token
-    uint64[seeds]   the sampling seeds (modulo 2**64, as ``StageBatch`` carries them)
+                    (flag 8) each sampled token's mask length in bytes (0: none)
+    rows            each sampled token's settings, one packed row each (``SAMPLING`` order and codes; the seed
+                    modulo 2**64, as ``StageBatch`` carries it)
     u8[...]         (flag 8) the sampled tokens' masks (structured output), one after another
+
+A request's settings are the same for every token it samples, and its ``SamplingParams`` object too: its row is
+packed once and kept (``_ROWS``, by object), so a wide op's settings cost a lookup per token, not a field read per
+setting and token.
 
 The token columns and sampling settings, and their order, are the tables of ``services.transport.opfields`` (the
 message path reads the same ones). What a record does not carry, an op with it travels as a ``StageBatch`` (the ring
@@ -42,16 +45,18 @@ from services.transport.opfields import (
     HEAD_OP_COLUMNS,
     LOOP_COLUMNS,
     LOOP_HEAD_COLUMNS,
+    MASK64,
     PRELUDE_COLUMNS,
     SAMPLING,
-    SETTING,
+    SAMPLING_CODES,
     getter,
     sampling_params,
-    setting_columns,
 )
 
-VERSION = 3
-_HEADER = struct.Struct("<BBBBIIId")  # marker, version, kind, flags, ints, doubles, seeds, fence_timeout_s
+VERSION = 4
+_HEADER = struct.Struct("<BBBBIIId")  # marker, version, kind, flags, ints, settings rows, row bytes, fence_timeout_s
+_ROW = struct.Struct("<" + SAMPLING_CODES)  # one sampled token's settings
+_SEED = next(i for i, (_, code) in enumerate(SAMPLING) if code == "Q")
 _PRELUDE, _LOOP, _HEAD = 0, 1, 2
 _PREFILL, _FUSED, _EMBED, _MASKS = 1, 2, 4, 8
 _COUNTS = 7  # fences, updates, blocks, released, tokens, copies, head tokens
@@ -59,16 +64,8 @@ _STAGES = (Stage.PRELUDE, Stage.LOOP, Stage.HEAD)
 _COLUMNS = (PRELUDE_COLUMNS, LOOP_COLUMNS, HEAD_OP_COLUMNS)  # by kind (a head op's ``embed`` follows, if flagged)
 _PRELUDE_OF, _LOOP_OF, _HEAD_OF = map(getter, _COLUMNS)
 _LOOP_HEAD_OF = getter(LOOP_HEAD_COLUMNS)
-_PROCESSING = SETTING["processing"]
-_INTS, _DOUBLES, _SEEDS = "q?", "d", "Q"  # the record section of each settings code
-# Where each sampling setting lies: (section: 0 ints, 1 doubles, 2 seeds; its column there; a flag), table order.
-_SETTINGS = tuple(
-    (s, sum(c in codes for _, c in SAMPLING[:i]), code == "?")
-    for i, (_, code) in enumerate(SAMPLING)
-    for s, codes in enumerate((_INTS, _DOUBLES, _SEEDS))
-    if code in codes
-)
-_PER_SAMPLED = tuple(sum(c in codes for _, c in SAMPLING) for codes in (_INTS, _DOUBLES, _SEEDS))
+_ROWS: dict[int, tuple[SamplingParams, bytes]] = {}  # id -> (the settings object, its row; b"": no record)
+_ROWS_KEPT = 8192  # (the entry holds its object: an id is not reused while it is here)
 
 
 def is_record(payload: bytes) -> bool:
@@ -101,7 +98,8 @@ def encode(op: StageOp, fence_timeout_s: float = 0.0) -> bytearray | None:
     else:
         assert isinstance(op, PreludeOp)
         kind, columns = _PRELUDE, _PRELUDE_OF(op)
-    if any(map(_PROCESSING, sampling)):
+    rows = _settings_rows(sampling)
+    if rows is None:
         return None
     updates = op.kv_updates
     blocks = [b for u in updates for b in u.append]
@@ -122,30 +120,50 @@ def encode(op: StageOp, fence_timeout_s: float = 0.0) -> bytearray | None:
         *chain.from_iterable(columns),
         *copies,
         *chain.from_iterable(head_columns),
-        *setting_columns(sampling, _INTS),
         *map(len, masks),
     ]
     if masks:
         flags |= _MASKS
-    seeds = setting_columns(sampling, _SEEDS)
-    doubles = setting_columns(sampling, _DOUBLES)
     try:
-        body = _body(len(ints), len(doubles), len(seeds)).pack(*ints, *doubles, *seeds)
+        body = _body(len(ints)).pack(*ints)
     except struct.error:  # an integer beyond int64
         return None
-    header = _HEADER.pack(0, VERSION, kind, flags, len(ints), len(doubles), len(seeds), fence_timeout_s)
-    return bytearray(header + body + b"".join(masks) if masks else header + body)
+    header = _HEADER.pack(0, VERSION, kind, flags, len(ints), len(sampling), _ROW.size, fence_timeout_s)
+    return bytearray(b"".join((header, body, rows, *masks)))
 
 
-_BODIES: dict[tuple[int, int, int], struct.Struct] = {}  # (ints, doubles, seeds) -> the packing of a record's body
+def _settings_rows(sampling: Sequence[SamplingParams]) -> bytes | None:
+    """The sampled tokens' settings rows, one after another; None where one needs a message (logits processing,
+    or an integer a row cannot hold)."""
+    get = _ROWS.get
+    rows = [e[1] if (e := get(id(p))) is not None and e[0] is p else _row(p) for p in sampling]
+    blob = b"".join(rows)
+    return blob if len(blob) == _ROW.size * len(rows) else None
 
 
-def _body(ints: int, doubles: int, seeds: int) -> struct.Struct:
-    packing = _BODIES.get((ints, doubles, seeds))
+def _row(p: SamplingParams) -> bytes:
+    """``p``'s settings row, packed and kept (b"": it travels in a message)."""
+    if len(_ROWS) >= _ROWS_KEPT:  # (each request has its own settings object: the kept ones are emptied when full)
+        _ROWS.clear()
+    values = [getattr(p, name) for name, _ in SAMPLING]
+    values[_SEED] &= MASK64
+    try:
+        row = b"" if p.processing is not None else _ROW.pack(*values)
+    except struct.error:  # an integer beyond int64
+        row = b""
+    _ROWS[id(p)] = (p, row)
+    return row
+
+
+_BODIES: dict[int, struct.Struct] = {}  # ints -> the packing of a record's integers
+
+
+def _body(ints: int) -> struct.Struct:
+    packing = _BODIES.get(ints)
     if packing is None:
         if len(_BODIES) >= 4096:  # op shapes are bounded; a burst of odd ones does not grow this for ever
             _BODIES.clear()
-        packing = _BODIES[(ints, doubles, seeds)] = struct.Struct(f"<{ints}q{doubles}d{seeds}Q")
+        packing = _BODIES[ints] = struct.Struct(f"<{ints}q")
     return packing
 
 
@@ -162,25 +180,25 @@ def decode(payload: bytes) -> tuple[StageOp, float]:
     view = memoryview(payload)
     if len(view) < _HEADER.size:
         raise ValueError(f"op record: {len(view)} bytes is shorter than its {_HEADER.size}-byte header")
-    marker, version, kind, flags, n_ints, n_doubles, n_seeds, timeout = _HEADER.unpack_from(view)
+    marker, version, kind, flags, n_ints, n_rows, row_bytes, timeout = _HEADER.unpack_from(view)
     if marker != 0 or version != VERSION:
         raise ValueError(f"op record: version {version}, this stage reads version {VERSION}")
     if kind not in (_PRELUDE, _LOOP, _HEAD):
         raise ValueError(f"op record: unknown kind {kind}")
-    end = _HEADER.size + 8 * (n_ints + n_doubles + n_seeds)
+    rows_at = _HEADER.size + 8 * n_ints
+    end = rows_at + n_rows * row_bytes
+    if row_bytes != _ROW.size:
+        raise ValueError(f"op record: settings rows of {row_bytes} bytes, this stage reads {_ROW.size}")
     if len(view) < end or (len(view) != end and not flags & _MASKS) or n_ints < 2 + _COUNTS:
         raise ValueError(f"op record: {len(view)} bytes, its header says {end}")
-    values = _body(n_ints, n_doubles, n_seeds).unpack_from(view, _HEADER.size)
-    ints, doubles, seeds = values[:n_ints], values[n_ints : n_ints + n_doubles], values[n_ints + n_doubles :]
+    ints = _body(n_ints).unpack_from(view, _HEADER.size)
     seq, num_steps, nf, nu, nb, nr, n, nc, nh = ints[: 2 + _COUNTS]
     sampled = nh if kind == _LOOP else n if kind == _HEAD else 0
     names = _COLUMNS[kind] + (("embed",) if flags & _EMBED else ())
     width, head_width = len(names), len(LOOP_HEAD_COLUMNS)
-    per_int, per_double, per_seed = _PER_SAMPLED
     masked = sampled if flags & _MASKS else 0
-    need = 2 + _COUNTS + 2 * nf + 3 * nu + nb + nr + width * n + 3 * nc + head_width * nh + per_int * sampled + masked
-    settings = n_doubles != per_double * sampled or n_seeds != per_seed * sampled
-    if min(nf, nu, nb, nr, n, nc, nh) < 0 or n_ints != need or settings:
+    need = 2 + _COUNTS + 2 * nf + 3 * nu + nb + nr + width * n + 3 * nc + head_width * nh + masked
+    if min(nf, nu, nb, nr, n, nc, nh) < 0 or n_ints != need or n_rows != sampled:
         raise ValueError(f"op record: its counts do not match its {n_ints} integers")
     if (kind != _LOOP and (nc or nh or flags & _FUSED)) or (nh and not flags & _FUSED):
         raise ValueError("op record: copies or a fused head in an op that has none")
@@ -206,8 +224,7 @@ def decode(payload: bytes) -> tuple[StageOp, float]:
     common = (seq, fences, tuple(updates), released)
     if kind == _PRELUDE:
         return PreludeOp(*common, **columns), timeout
-    sections = (ints[at + 3 * nc + head_width * nh :], doubles, seeds)
-    sampling = _sampling(sections, sampled) if sampled else ()
+    sampling = tuple(map(sampling_params, _ROW.iter_unpack(view[rows_at:end]))) if sampled else ()
     masks = _masks(view, end, ints[n_ints - masked :]) if masked else ()
     if len(view) != end and not masked:
         raise ValueError(f"op record: {len(view)} bytes, its header says {end}")
@@ -239,12 +256,3 @@ def _named(names: Sequence[str], ints: Sequence[int], at: int, n: int) -> dict[s
     for name in BOOL_COLUMNS.intersection(cols):
         cols[name] = tuple(map(bool, cols[name]))
     return cols
-
-
-def _sampling(sections: tuple[Sequence[Any], ...], n: int) -> tuple[SamplingParams, ...]:
-    """The settings of ``n`` sampled tokens from the columns of a record's sections (``_SETTINGS``)."""
-    columns = []
-    for section, k, flag in _SETTINGS:
-        column = sections[section][k * n : (k + 1) * n]
-        columns.append(map(bool, column) if flag else column)
-    return tuple(map(sampling_params, zip(*columns)))

@@ -98,6 +98,7 @@ def _malformed(record: bytes) -> Iterator[tuple[str, bytes]]:
     yield "a fence on no stage", record.replace(fence, struct.pack("<qq", 9, 1), 1)
     yield "a fence on a negative stage", record.replace(fence, struct.pack("<qq", -1, 1), 1)
     yield "no header", record[:10]
+    yield "settings rows of another layout", record[:12] + struct.pack("<I", 48) + record[16:]
 
 
 @pytest.mark.parametrize("case", [c for c, _ in _malformed(b"")])
@@ -165,3 +166,13 @@ def test_a_stage_that_reads_no_records_gets_messages(tmp_path: Path, monkeypatch
             assert [(r.seq, r.error) for r in poll_all(ex, 1)] == [(0, None)]
         finally:
             ex.close()
+
+
+def test_a_kept_settings_row_is_its_own_objects_and_the_seed_is_taken_modulo_2_64() -> None:
+    """Settings rows are kept by object: another object with other settings never reads back as the first."""
+    op = next(op for op in OPS if isinstance(op, HeadOp) and not _needs_message(op) and op.sampling)
+    for seed in (2**64 + 5, 5, -1):
+        fresh = replace(op, sampling=tuple(replace(p, seed=seed, top_k=seed % 7) for p in op.sampling))
+        back = records.decode(bytes(records.encode(fresh) or b""))[0]
+        assert isinstance(back, HeadOp)
+        assert [(p.seed, p.top_k) for p in back.sampling] == [(seed % 2**64, seed % 7)] * len(op.sampling)
