@@ -10,13 +10,23 @@ import statistics
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 from cdb_bench import outputs
 from cdb_bench.hostpath.measure import cpu_self, figures, host_cpu, steady_window
 from cdb_bench.hostpath.points import Point, concurrency, engine_config, random_prompt, scaled_cost
 from cdb_bench.stats import median_range
-from cdb_bench.structured_workload import CPU_KEY, CPU_OP_US, CPU_WIDTH, executor_factory, mode_params, request, valid
+from cdb_bench.structured_workload import (
+    CPU_KEY,
+    CPU_OP_US,
+    CPU_WIDTH,
+    MASKS_KEY,
+    executor_factory,
+    mode_params,
+    request,
+    valid,
+)
 from cdb_engine.config import EngineConfig
 from cdb_engine.engine import Engine
 from cdb_engine.events import Event, FinishEvent, TokenEvent
@@ -118,12 +128,15 @@ def bench_cpu(args: argparse.Namespace) -> dict[str, Any]:
         prompts = [random_prompt(rng, eng.model_config.vocab_size) for _ in range(concurrency(CPU_WIDTH))]
         outs = eng.generate(prompts, mode_params("skip_on", len(prompts), args.max_tokens, args.seed))
     lengths = [len(o.token_ids) for o in outs]
-    runs: dict[str, list[dict[str, Any]]] = {"constrained": [], "unconstrained": []}
-    order = [("constrained", None), ("unconstrained", lengths)]
-    schedule = [order[(r + k) % 2] for r in range(args.rounds) for k in range(2)]
-    for name, lens in outputs.progress(schedule, len(schedule), "cpu", enabled=not args.no_progress):
-        runs[name].append(cpu_window(cfg, args, lens))
-    c, u = runs["constrained"], runs["unconstrained"]
+    # Constrained with forced skips (the default), constrained without them (the masks alone: the same depths as
+    # unconstrained, so the same tokens per step), and unconstrained, in rotating order round by round.
+    runs: dict[str, list[dict[str, Any]]] = {"constrained": [], "masks_only": [], "unconstrained": []}
+    order: list[tuple[str, EngineConfig, list[int] | None]] = [("constrained", cfg, None)]
+    order += [("masks_only", replace(cfg, forced_skip=False), None), ("unconstrained", cfg, lengths)]
+    schedule = [order[(r + k) % 3] for r in range(args.rounds) for k in range(3)]
+    for name, config, lens in outputs.progress(schedule, len(schedule), "cpu", enabled=not args.no_progress):
+        runs[name].append(cpu_window(config, args, lens))
+    c, m, u = runs["constrained"], runs["masks_only"], runs["unconstrained"]
     where = {"cost": cfg.synthetic_cost, "model": cfg.model, "width": CPU_WIDTH, "concurrency": concurrency(CPU_WIDTH)}
     return where | {
         "rounds": args.rounds,
@@ -132,6 +145,8 @@ def bench_cpu(args: argparse.Namespace) -> dict[str, Any]:
         "constrained_tokens_per_output": statistics.fmean(lengths),
         CPU_KEY: cpu_ratios(c, u, per_token=False),
         "per_token_" + CPU_KEY: cpu_ratios(c, u, per_token=True),
+        MASKS_KEY: cpu_ratios(m, u, per_token=False),
+        "per_token_" + MASKS_KEY: cpu_ratios(m, u, per_token=True),
         "tokens_per_s_ratio": median_range(a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(c, u)),
         "runs": runs,
     }

@@ -21,6 +21,7 @@ from cdb_scheduler.sampling import SamplingParams
 MODES = ("skip_on", "skip_off", "unconstrained")
 CPU_OP_US, CPU_WIDTH = 500.0, 64
 CPU_KEY = "ratio_constrained_over_unconstrained"
+MASKS_KEY = "ratio_masks_only_over_unconstrained"  # constrained without forced skips: what the masks alone cost
 QUICK = {"requests": 6, "rounds": 2, "seconds": 1.0, "warmup": 0.5}
 
 

@@ -47,9 +47,10 @@ def test_quick_structured_bench_reports_valid_constrained_outputs(
     assert s["tokens_per_s_ratio"]["skip_on"] > 0
     cpu = s["cpu"]
     assert cpu["width"] == 64 and cpu["constrained_valid_rate"] == 1.0
-    for key in ("ratio_constrained_over_unconstrained", "per_token_ratio_constrained_over_unconstrained"):
+    ratios = ("ratio_constrained_over_unconstrained", "ratio_masks_only_over_unconstrained")
+    for key in (*ratios, *("per_token_" + r for r in ratios)):
         assert set(cpu[key]) == {"plan", "thread", "thread_and_guides", "scheduler_process", "process"}
         assert all(r["median"] > 0 for r in cpu[key].values())
     runs = [r for rs in cpu["runs"].values() for r in rs]
-    assert len(runs) == 2 and all(r["failed_requests"] == 0 and r["loop_ops_window"] > 0 for r in runs)
+    assert len(runs) == 3 and all(r["failed_requests"] == 0 and r["loop_ops_window"] > 0 for r in runs)
     assert all(r["sched_cpu_us_per_step"]["plan"] > 0 for r in runs)
