@@ -4,6 +4,7 @@ Python child that says when it is ready, and the CPU a process has used."""
 from __future__ import annotations
 
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -17,8 +18,37 @@ from services.launcher import ServeHandle, serve_all
 LOOPBACK = "127.0.0.1"
 
 
+_FIRST_PORT = 10_000  # free ports are drawn from here up to the kernel's ephemeral range
+_handed: set[int] = set()  # the ports this process handed out (never twice)
+
+
+def _ephemeral_start() -> int:
+    """Where the kernel's ephemeral ports start (what it gives a bind to port 0), or 0 where it does not say."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 def free_port(host: str = LOOPBACK) -> int:
-    """A port free on ``host`` now (whoever binds it does so a moment later; nothing else here competes for it)."""
+    """A port free on ``host`` now, that its user binds a moment later. It is drawn below the kernel's ephemeral
+    range: the servers of a tree bind port 0 for their own listeners, and a port the kernel hands out that way
+    could be this one, taken in that moment (a health check then reads a gRPC server's HTTP/2 frames). Where the
+    range is not known, one the kernel picks."""
+    start = _ephemeral_start()
+    draw = random.SystemRandom()
+    for _ in range(64 if start > _FIRST_PORT + 1024 else 0):
+        port = draw.randrange(_FIRST_PORT, start)
+        if port in _handed:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        _handed.add(port)
+        return port
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import socket
+from pathlib import Path
 
 import pytest
 
@@ -62,3 +63,14 @@ def test_a_free_port_can_be_bound_and_the_public_caps_only_grow() -> None:
     }
     assert with_public_caps({}, 2000)["CDB_MAX_CONCURRENT_RPCS"] == "2064"
     assert with_public_caps({"CDB_MAX_REQUESTS_PER_CALLER": "7"}, 2000)["CDB_MAX_REQUESTS_PER_CALLER"] == "7", "as set"
+
+
+def test_a_free_port_is_never_one_the_kernel_hands_to_a_bind_to_port_0() -> None:
+    """The servers of a tree bind port 0 for their listeners; a port handed out for a later bind must not be one of
+    those (the kernel's ephemeral range), nor handed out twice."""
+    start = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = [free_port() for _ in range(50)]
+    assert len(set(ports)) == 50 and all(1024 < p < start for p in ports)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))  # what a server binding port 0 gets
+        assert s.getsockname()[1] >= start

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -12,6 +11,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from cdb_bench.processes import free_port
 from cdb_engine.config import EngineConfig
 from clients.messages import GenerateOptions, StreamFinish, StreamToken
 from clients.resume import RESUME_ATTEMPTS
@@ -70,12 +70,6 @@ class SharedTree:
     @property
     def address(self) -> str:
         return self.handle.address
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @contextmanager
