@@ -17,7 +17,7 @@ from cdb_scheduler.allocators import BlockAllocator, RowAllocator
 from cdb_scheduler.config import SchedulerConfig
 from cdb_scheduler.ops import OpBuilder
 from cdb_scheduler.plan import Stage, StageOp
-from cdb_scheduler.prefix_cache import share_prefix
+from cdb_scheduler.prefix_cache import release_blocks, share_prefix
 from cdb_scheduler.request import Request, Status
 from cdb_scheduler.stats import SchedulerStats
 
@@ -85,12 +85,7 @@ def pick_chunks(
         end = min(start + cfg.prefill_chunk_size, req.prompt_len)
         if start < 0 or end - start > budget or not grow_blocks(cfg, blocks, req, end, margin=bool(running)):
             rows.free(req.rid, row)
-            if req.blocks:
-                blocks.free(req.rid, req.blocks)
-                req.blocks = []
-            if req.writing:
-                blocks.writing(req.writing, -1)
-                req.writing = []
+            release_blocks(blocks, req)
             break
         waiting.popleft()
         req.admitted = req.admitted or time.monotonic()

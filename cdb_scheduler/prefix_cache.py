@@ -67,3 +67,14 @@ def register(cfg: SchedulerConfig, blocks: BlockAllocator, req: Request) -> None
     if req.prefilled >= req.prompt_len and req.writing:
         blocks.writing(req.writing, -1)
         req.writing = []
+
+
+def release_blocks(blocks: BlockAllocator, req: Request) -> None:
+    """Give back ``req``'s blocks (a cached one stays cached, evictable once no request holds it) and end its marks
+    on the prefix blocks its prefill was to write."""
+    if req.blocks:
+        blocks.free(req.rid, req.blocks)
+        req.blocks = []
+    if req.writing:
+        blocks.writing(req.writing, -1)
+        req.writing = []

@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from cdb_scheduler.allocators import BlockAllocator, RowAllocator
 from cdb_scheduler.config import SchedulerConfig
 from cdb_scheduler.ops import OpBuilder
+from cdb_scheduler.prefix_cache import release_blocks
 from cdb_scheduler.request import Event, Finished, FinishReason, Request, Status
 from cdb_scheduler.stats import SchedulerStats
 
@@ -46,12 +47,7 @@ class Residency:
             self.rows.free(req.rid, [req.row, *req.spec_rows])
             req.row = -1
             req.spec_rows = []
-        if req.blocks:
-            self.blocks.free(req.rid, req.blocks)
-            req.blocks = []
-        if req.writing:
-            self.blocks.writing(req.writing, -1)
-            req.writing = []
+        release_blocks(self.blocks, req)
         self._ops.forget(req)
 
     def finish(self, req: Request, reason: FinishReason, error: str | None = None) -> Finished:
@@ -83,7 +79,23 @@ class Residency:
         """Nothing can run and a token waits for KV: recompute a request of the least urgent priority, among them
         the one with the fewest computed tokens (it goes back to the waiting queue ahead of its priority and
         replays its tokens at their recorded depths)."""
-        victims = [r for r in self.running.values() if r.alive]
+        return self._preempt([r for r in self.running.values() if r.alive])
+
+    def preempt_for_urgent(self, min_free: int) -> int:
+        """Priority preemption (vLLM's priority policy): while fewer than ``min_free`` rows are free and a waiting
+        request is more urgent than a running one, recompute the least urgent running request (among those, the one
+        with the fewest computed tokens), one per such waiting request. Returns how many were preempted."""
+        waiting, n = self.waiting, 0
+        while n < len(waiting) and self.rows.num_free < min_free:
+            urgent = waiting[n].priority
+            if not self._preempt([r for r in self.running.values() if r.alive and r.priority > urgent]):
+                break
+            n += 1
+        return n
+
+    def _preempt(self, victims: list[Request]) -> bool:
+        """Recompute the least urgent of ``victims``, among those the one with the fewest computed tokens (back to
+        the waiting queue ahead of its priority); False if there is none."""
         if not victims:
             return False
         victim = min(victims, key=lambda r: (-r.priority, r.computed_tokens, -r.rid))
@@ -91,23 +103,6 @@ class Residency:
         self._stats.preemptions += 1
         self.enqueue(victim, ahead=True)
         return True
-
-    def preempt_for_urgent(self, min_free: int) -> int:
-        """Priority preemption (vLLM's priority policy): while fewer than ``min_free`` rows are free and a waiting
-        request is more urgent than a running one, recompute the least urgent running request (among those, the one
-        with the fewest computed tokens), one per such waiting request. Returns how many were preempted."""
-        waiting, n = self.waiting, 0
-        while waiting and self.rows.num_free < min_free:
-            urgent = waiting[n].priority if n < len(waiting) else None
-            victims = [r for r in self.running.values() if r.alive and urgent is not None and r.priority > urgent]
-            if not victims:
-                break
-            victim = min(victims, key=lambda r: (-r.priority, r.computed_tokens, -r.rid))
-            self.requeue(victim)
-            self._stats.preemptions += 1
-            self.enqueue(victim, ahead=True)
-            n += 1
-        return n
 
     def requeue(self, req: Request) -> None:
         """Free ``req``'s row and blocks and make it a recomputation: its items so far are stale, its prompt is

@@ -49,6 +49,7 @@ from services.transport.opfields import (
     PRELUDE_COLUMNS,
     SAMPLING,
     SAMPLING_CODES,
+    SAMPLING_NAMES,
     getter,
     sampling_params,
 )
@@ -57,6 +58,7 @@ VERSION = 4
 _HEADER = struct.Struct("<BBBBIIId")  # marker, version, kind, flags, ints, settings rows, row bytes, fence_timeout_s
 _ROW = struct.Struct("<" + SAMPLING_CODES)  # one sampled token's settings
 _SEED = next(i for i, (_, code) in enumerate(SAMPLING) if code == "Q")
+_SETTINGS_OF = getter(SAMPLING_NAMES)  # a settings object's values, in the row's order
 _PRELUDE, _LOOP, _HEAD = 0, 1, 2
 _PREFILL, _FUSED, _EMBED, _MASKS = 1, 2, 4, 8
 _COUNTS = 7  # fences, updates, blocks, released, tokens, copies, head tokens
@@ -145,7 +147,7 @@ def _row(p: SamplingParams) -> bytes:
     """``p``'s settings row, packed and kept (b"": it travels in a message)."""
     if len(_ROWS) >= _ROWS_KEPT:  # (each request has its own settings object: the kept ones are emptied when full)
         _ROWS.clear()
-    values = [getattr(p, name) for name, _ in SAMPLING]
+    values = list(_SETTINGS_OF(p))
     values[_SEED] &= MASK64
     try:
         row = b"" if p.processing is not None else _ROW.pack(*values)
